@@ -1,0 +1,47 @@
+"""Types shared by every Switchyard process, in Modular MAX's ``max.interfaces`` vocabulary.
+
+This is the only package all processes import. It holds wire types (msgspec Structs), the msgpack
+codec and the Protocols; no logic that needs torch.
+"""
+
+from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces.outputs import (
+    GenerationStatus,
+    LogProbabilities,
+    SchedulerResult,
+    SchedulerStatus,
+    TextGenerationOutput,
+)
+from interfaces.protocols import PipelineTokenizer, TokenGenerator
+from interfaces.requests import (
+    RequestID,
+    TextContext,
+    TextGenerationRequest,
+    TextGenerationRequestFunction,
+    TextGenerationRequestMessage,
+    TextGenerationRequestTool,
+    TextGenerationResponseFormat,
+)
+from interfaces.sampling import SamplingParams
+from interfaces.shared_memory import SharedMemoryArray
+
+__all__ = [
+    "GenerationStatus",
+    "LogProbabilities",
+    "PipelineTokenizer",
+    "RequestID",
+    "SamplingParams",
+    "SchedulerResult",
+    "SchedulerStatus",
+    "SharedMemoryArray",
+    "TextContext",
+    "TextGenerationOutput",
+    "TextGenerationRequest",
+    "TextGenerationRequestFunction",
+    "TextGenerationRequestMessage",
+    "TextGenerationRequestTool",
+    "TextGenerationResponseFormat",
+    "TokenGenerator",
+    "msgpack_numpy_decoder",
+    "msgpack_numpy_encoder",
+]

@@ -1,0 +1,26 @@
+"""Messages an API server sends to the scheduler (DEALER → the scheduler's frontend ROUTER)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from interfaces.requests import RequestID, TextContext
+
+
+class SubmitRequest(msgspec.Struct, tag="submit", array_like=True):
+    """Schedule ``context``; results stream back to the sending API server."""
+
+    context: TextContext
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    """Stop these requests (client went away, stop string seen) and free their KV blocks."""
+
+    request_ids: list[RequestID]
+
+
+class StatsRequest(msgspec.Struct, tag="stats", array_like=True):
+    """Ask for a ``SchedulerStats`` reply (health checks, metrics)."""
+
+
+ApiToSchedulerMessage = SubmitRequest | AbortRequests | StatsRequest

@@ -1,0 +1,85 @@
+"""Outputs in MAX's vocabulary: generated tokens and the scheduler's per-request stream items."""
+
+from __future__ import annotations
+
+import enum
+from typing import Generic, TypeVar
+
+import msgspec
+
+from interfaces.requests import RequestID
+
+
+class GenerationStatus(str, enum.Enum):
+    """Where a generation stands (MAX's ``GenerationStatus``)."""
+
+    ACTIVE = "active"
+    END_OF_SEQUENCE = "end_of_sequence"
+    MAXIMUM_LENGTH = "maximum_length"
+
+    @property
+    def is_done(self) -> bool:
+        return self is not GenerationStatus.ACTIVE
+
+
+class LogProbabilities(msgspec.Struct, frozen=True, array_like=True):
+    """Log probabilities for generated tokens: one entry per token, top-k alternatives each."""
+
+    token_log_probabilities: list[float]
+    top_log_probabilities: list[dict[int, float]]
+
+
+class TextGenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Tokens generated for one request in one step (MAX's ``TextGenerationOutput``).
+
+    ``tokens`` holds only the tokens new since the previous output for this request.
+    """
+
+    request_id: RequestID
+    tokens: list[int]
+    final_status: GenerationStatus = GenerationStatus.ACTIVE
+    log_probabilities: list[LogProbabilities] | None = None
+
+    @property
+    def is_done(self) -> bool:
+        return self.final_status.is_done
+
+
+class SchedulerStatus(str, enum.Enum):
+    """The scheduler's view of one request's stream (MAX's ``SchedulerStatus``)."""
+
+    ACTIVE = "active"
+    COMPLETE = "complete"
+    CANCELLED = "cancelled"
+
+
+OutputT = TypeVar("OutputT")
+
+
+class SchedulerResult(msgspec.Struct, Generic[OutputT], array_like=True, omit_defaults=True):
+    """One item of a request's result stream (MAX's ``SchedulerResult``).
+
+    ``error`` is set only on a CANCELLED result that the system (not the client) caused, with a
+    message for the user: the request could not fit in the KV cache, a worker died, and so on.
+    """
+
+    status: SchedulerStatus
+    result: OutputT | None = None
+    error: str | None = None
+
+    @classmethod
+    def active(cls, result: OutputT) -> SchedulerResult[OutputT]:
+        return cls(status=SchedulerStatus.ACTIVE, result=result)
+
+    @classmethod
+    def complete(cls, result: OutputT) -> SchedulerResult[OutputT]:
+        return cls(status=SchedulerStatus.COMPLETE, result=result)
+
+    @classmethod
+    def cancelled(cls, error: str | None = None) -> SchedulerResult[OutputT]:
+        return cls(status=SchedulerStatus.CANCELLED, error=error)
+
+    @property
+    def stop_stream(self) -> bool:
+        """True when no more results follow (COMPLETE or CANCELLED)."""
+        return self.status is not SchedulerStatus.ACTIVE

@@ -1,0 +1,103 @@
+"""Requests in MAX's vocabulary: what a client asked for, before and after tokenization.
+
+``TextGenerationRequest`` is the API server's parsed view of one OpenAI request (one choice).
+``TextContext`` is what ``PipelineTokenizer.new_context`` makes of it: token ids and the limits
+the scheduler needs. Only the context crosses the wire to the scheduler; the request stays in the
+API server, which owns detokenization and the response shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from interfaces.sampling import SamplingParams
+from interfaces.shared_memory import SharedMemoryArray
+
+RequestID = str
+"""A unique, immutable identifier for a request (MAX's ``RequestID``)."""
+
+
+class TextGenerationRequestFunction(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A function a tool call may invoke; ``parameters`` is a JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class TextGenerationRequestTool(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A tool definition, OpenAI's ``{"type": "function", "function": {...}}``."""
+
+    function: TextGenerationRequestFunction
+    type: str = "function"
+
+
+class TextGenerationResponseFormat(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Structured-output request: ``type`` is "text", "json_object" or "json_schema"."""
+
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class TextGenerationRequestMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One conversation turn. ``content`` is a string or a list of typed parts."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class TextGenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """An immutable request for text generation (MAX's ``TextGenerationRequest``).
+
+    Exactly one of ``prompt`` (completions) or ``messages`` (chat) is set. ``images`` hold
+    references to pixel arrays in shared memory, never the pixels themselves.
+    """
+
+    request_id: RequestID
+    index: int
+    model_name: str
+    lora_name: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[TextGenerationRequestMessage] | None = None
+    images: list[SharedMemoryArray] | None = None
+    tools: list[TextGenerationRequestTool] | None = None
+    response_format: TextGenerationResponseFormat | None = None
+    timestamp_ns: int = 0
+    request_path: str = "/"
+    logprobs: int = 0
+    echo: bool = False
+    stop: str | list[str] | None = None
+    chat_template_options: dict[str, Any] | None = None
+    sampling_params: SamplingParams = SamplingParams()
+
+
+class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A tokenized request: everything the scheduler and worker need to generate for it.
+
+    Made by the API server (``PipelineTokenizer.new_context``), sent once to the scheduler, which
+    forwards it to the worker in the request's first step; both cache it by ``request_id``.
+    ``max_length`` bounds prompt plus output tokens (the model's context or the request's
+    ``max_new_tokens``, whichever is smaller). ``eos_token_ids`` end generation unless
+    ``sampling_params.ignore_eos``.
+    """
+
+    request_id: RequestID
+    prompt_token_ids: list[int]
+    max_length: int
+    eos_token_ids: list[int] = []
+    sampling_params: SamplingParams = SamplingParams()
+    timestamp_ns: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The most tokens this request may generate."""
+        return self.max_length - len(self.prompt_token_ids)

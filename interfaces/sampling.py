@@ -1,0 +1,78 @@
+"""SamplingParams: per-request sampling settings, as in MAX's ``max.interfaces.SamplingParams``.
+
+Validation happens on construction (``__post_init__``) and raises ``ValueError`` with a message a
+user can act on; the API server turns that into an HTTP 400. Every process that decodes a
+SamplingParams from the wire gets the same checks, so a hostile frame cannot smuggle in a
+negative temperature.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """How to pick each next token.
+
+    Semantics follow MAX: ``top_k=1`` (the default) is greedy, as is ``temperature=0``.
+    ``top_k`` of 0 or -1 means "no top-k limit" (vLLM's convention for OpenAI requests).
+    ``max_new_tokens=None`` means "until end of sequence or the context is full".
+    ``seed=None`` draws fresh randomness; an integer makes sampling reproducible for this request,
+    independent of which other requests share the batch.
+    """
+
+    top_k: int = 1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    temperature: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    detokenize: bool = True
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        problem = next(_problems(self), None)
+        if problem is not None:
+            raise ValueError(problem)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _problems(params: SamplingParams):
+    """Yield a message for each invalid field (the caller raises the first)."""
+    if params.top_k < -1:
+        yield f"top_k must be -1, 0 (no limit) or a positive integer, got {params.top_k}"
+    if not 0.0 < params.top_p <= 1.0:
+        yield f"top_p must be in (0, 1], got {params.top_p}"
+    if not 0.0 <= params.min_p <= 1.0:
+        yield f"min_p must be in [0, 1], got {params.min_p}"
+    if not 0.0 <= params.temperature <= 100.0:
+        yield f"temperature must be in [0, 100], got {params.temperature}"
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(params, name)
+        if not -2.0 <= value <= 2.0:
+            yield f"{name} must be in [-2, 2], got {value}"
+    if params.repetition_penalty <= 0.0:
+        yield f"repetition_penalty must be positive, got {params.repetition_penalty}"
+    if params.max_new_tokens is not None and params.max_new_tokens < 1:
+        yield f"max_new_tokens must be at least 1, got {params.max_new_tokens}"
+    if params.min_new_tokens < 0:
+        yield f"min_new_tokens must be non-negative, got {params.min_new_tokens}"
+    if params.max_new_tokens is not None and params.min_new_tokens > params.max_new_tokens:
+        yield (
+            f"min_new_tokens ({params.min_new_tokens}) must not exceed "
+            f"max_new_tokens ({params.max_new_tokens})"
+        )
+    if params.stop_token_ids is not None and any(t < 0 for t in params.stop_token_ids):
+        yield "stop_token_ids must be non-negative token ids"
+    if params.stop is not None and any(not s for s in params.stop):
+        yield "stop strings must be non-empty"

@@ -1,0 +1,34 @@
+"""Messages a worker sends to the scheduler (its DEALER → the scheduler's backend ROUTER)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from interfaces.outputs import TextGenerationOutput
+from interfaces.requests import RequestID
+
+
+class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
+    """Sent once after the model is loaded and the KV pool allocated."""
+
+    model_name: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class ModelOutput(msgspec.Struct, tag="output", array_like=True):
+    """The tokens a step produced, for the requests that reached a sampling point."""
+
+    step_id: int
+    outputs: dict[RequestID, TextGenerationOutput]
+
+
+class WorkerFailure(msgspec.Struct, tag="failure", array_like=True):
+    """The worker could not run a step; the scheduler fails the step's requests with ``error``."""
+
+    step_id: int
+    error: str
+
+
+WorkerToSchedulerMessage = WorkerReady | ModelOutput | WorkerFailure

@@ -1,0 +1,69 @@
+"""The scheduler's mutable state for one request."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from interfaces import GenerationStatus, RequestID, TextContext
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One request as the scheduler tracks it.
+
+    ``num_computed_tokens`` counts tokens whose KV is (or, once the in-flight step lands, will be)
+    in the cache. It catches up to ``num_tokens``; prefill, chunked prefill, decode and recompute
+    after preemption are all that one mechanism. ``client_id`` is the ZeroMQ identity of the API
+    server that owns the request and receives its results.
+    """
+
+    context: TextContext
+    client_id: bytes
+    max_model_len: int
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    worker_has_state: bool = False
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def request_id(self) -> RequestID:
+        return self.context.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.context.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what the KV cache must eventually hold."""
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The most tokens this request may generate, bounded by the model's context."""
+        return min(self.context.max_length, self.max_model_len) - self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> GenerationStatus:
+        """Record a sampled token and decide whether the request is done."""
+        self.output_token_ids.append(token_id)
+        params = self.context.sampling_params
+        num_output = len(self.output_token_ids)
+        if num_output >= params.min_new_tokens:
+            if token_id in (params.stop_token_ids or ()):
+                return GenerationStatus.END_OF_SEQUENCE
+            if not params.ignore_eos and token_id in self.context.eos_token_ids:
+                return GenerationStatus.END_OF_SEQUENCE
+        if num_output >= self.max_new_tokens:
+            return GenerationStatus.MAXIMUM_LENGTH
+        return GenerationStatus.ACTIVE

@@ -1,0 +1,230 @@
+"""Continuous batching over a paged KV cache, with one token budget per step.
+
+Every request has ``num_computed_tokens`` catching up to ``num_tokens`` (prompt plus output).
+Each step, running requests are served first (so decodes never stall behind a long prompt), then
+waiting requests are admitted while budget, sequence slots and KV blocks last. A prompt longer
+than the remaining budget is computed in chunks over several steps. When a running request needs
+a block and none is free, the newest running request is preempted: it gives its blocks back,
+returns to the front of the queue, and is recomputed later with the same output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict, deque
+
+from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
+from interfaces.scheduler_to_api import SchedulerStats
+from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
+from interfaces.worker_to_scheduler import ModelOutput
+from scheduler.block_manager import BlockManager
+from scheduler.config import KVCacheConfig, SchedulerConfig
+from scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+TextResult = SchedulerResult[TextGenerationOutput]
+ResultsByClient = dict[bytes, dict[RequestID, TextResult]]
+"""Results to send, grouped by the ZeroMQ identity of the API server that owns each request."""
+
+
+class Scheduler:
+    """All scheduling decisions for one worker group. Not thread-safe; one caller drives it."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheConfig) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[RequestID, Request] = {}
+        self.num_preemptions = 0
+        self._released_request_ids: list[RequestID] = []
+        self._next_step_id = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, context: TextContext, client_id: bytes) -> TextResult | None:
+        """Queue a request. Returns a CANCELLED result with an error if it can never run."""
+        problem = self._admission_problem(context)
+        if problem is not None:
+            logger.warning("rejected request %s: %s", context.request_id, problem)
+            return SchedulerResult.cancelled(error=problem)
+        request = Request(context, client_id, self.kv_cache.max_model_len)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return None
+
+    def abort_requests(self, request_ids: list[RequestID]) -> ResultsByClient:
+        """Drop requests wherever they are and free their blocks; unknown ids are ignored."""
+        return self._cancel(request_ids, error=None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_requests_running=len(self.running),
+            num_requests_waiting=len(self.waiting),
+            num_kv_blocks_total=self.block_manager.num_blocks,
+            num_kv_blocks_used=self.block_manager.num_used_blocks,
+            workers_ready=True,
+        )
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step. Advances ``num_computed_tokens`` of every scheduled request.
+
+        Ids the worker should release ride along with the next step that schedules anything.
+        """
+        step = SchedulerOutput(step_id=self._next_step_id)
+        self._next_step_id += 1
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(step, budget)
+        if not preempted:
+            self._schedule_waiting(step, budget)
+        if step.num_scheduled_tokens:
+            step.finished_request_ids = self._released_request_ids
+            self._released_request_ids = []
+        return step
+
+    def update_from_output(self, output: ModelOutput) -> ResultsByClient:
+        """Record the tokens a step produced; finish requests that hit a stop condition."""
+        results: ResultsByClient = defaultdict(dict)
+        for request_id, produced in output.outputs.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            status = request.append_token(produced.tokens[0])
+            result = TextGenerationOutput(
+                request_id, produced.tokens[:1], status, produced.log_probabilities
+            )
+            if status.is_done:
+                self._finish(request)
+                results[request.client_id][request_id] = SchedulerResult.complete(result)
+            else:
+                results[request.client_id][request_id] = SchedulerResult.active(result)
+        return results
+
+    def fail_step(self, step: SchedulerOutput, error: str) -> ResultsByClient:
+        """The worker could not run ``step``: fail every request in it with ``error``."""
+        return self._cancel(list(step.num_scheduled_tokens), error)
+
+    def fail_all(self, error: str) -> ResultsByClient:
+        """Fail every unfinished request (the worker group went away)."""
+        return self._cancel(list(self.requests), error)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _cancel(self, request_ids: list[RequestID], error: str | None) -> ResultsByClient:
+        results: ResultsByClient = defaultdict(dict)
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.WAITING:
+                self.waiting.remove(request)
+            self._finish(request)
+            results[request.client_id][request_id] = SchedulerResult.cancelled(error=error)
+        return results
+
+    def _admission_problem(self, context: TextContext) -> str | None:
+        if context.request_id in self.requests:
+            return f"request id {context.request_id!r} is already in use"
+        num_prompt = len(context.prompt_token_ids)
+        max_model_len = self.kv_cache.max_model_len
+        if num_prompt == 0:
+            return "the prompt is empty"
+        if num_prompt >= max_model_len:
+            return (
+                f"the prompt has {num_prompt} tokens, but the model's context length is "
+                f"{max_model_len}; no room is left to generate"
+            )
+        max_tokens = min(context.max_length, max_model_len)
+        num_blocks = self.block_manager.num_blocks_for(max_tokens)
+        if num_blocks > self.block_manager.num_blocks:
+            return (
+                f"the request may need {max_tokens} tokens of KV cache, more than the "
+                f"{self.block_manager.num_blocks * self.kv_cache.block_size} the pool holds"
+            )
+        return None
+
+    def _schedule_running(self, step: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Give running requests their next tokens, oldest first; preempt when blocks run out."""
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self._allocate_or_preempt(request, num_new)
+            if new_block_ids is None:
+                return budget, True
+            step.cached_requests.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            self._commit(step, request, num_new)
+            budget -= num_new
+            index += 1
+        return budget, False
+
+    def _schedule_waiting(self, step: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in arrival order while budget, slots and blocks last."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.block_manager.allocate_slots(request, num_new) is None:
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.new_requests.append(
+                NewRequestData(
+                    context=request.context,
+                    block_ids=list(request.block_ids),
+                    num_computed_tokens=request.num_computed_tokens,
+                    output_token_ids=list(request.output_token_ids),
+                )
+            )
+            request.worker_has_state = True
+            self._commit(step, request, num_new)
+            budget -= num_new
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
+        """Allocate blocks for ``request``, preempting the newest running requests as needed.
+
+        Returns None when ``request`` itself had to be preempted.
+        """
+        while (new_block_ids := self.block_manager.allocate_slots(request, num_new)) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return None
+        return new_block_ids
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._release_on_worker(request)
+        self.waiting.appendleft(request)
+        logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens)
+
+    @staticmethod
+    def _commit(step: SchedulerOutput, request: Request, num_new: int) -> None:
+        step.num_scheduled_tokens[request.request_id] = num_new
+        request.num_computed_tokens += num_new
+
+    def _finish(self, request: Request) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        self._release_on_worker(request)
+        del self.requests[request.request_id]
+
+    def _release_on_worker(self, request: Request) -> None:
+        if request.worker_has_state:
+            self._released_request_ids.append(request.request_id)
+            request.worker_has_state = False

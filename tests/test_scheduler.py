@@ -1,0 +1,264 @@
+"""Exact tests of the scheduler and block manager, driven by a model-free fake worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from interfaces import GenerationStatus, SamplingParams, SchedulerStatus, TextContext
+from interfaces.worker_to_scheduler import ModelOutput
+from scheduler.config import KVCacheConfig, SchedulerConfig
+from scheduler.scheduler import Scheduler
+from tests.fake_worker import FakeTokenGenerator, next_token_for
+
+CLIENT = b"api-0"
+EOS = 2
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=64, max_num_seqs=8, max_model_len=128):
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return Scheduler(config, KVCacheConfig(num_blocks, block_size, max_model_len))
+
+
+def context(request_id, prompt, max_new_tokens=8, **sampling):
+    return TextContext(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        max_length=len(prompt) + max_new_tokens,
+        eos_token_ids=[EOS],
+        sampling_params=SamplingParams(**sampling),
+    )
+
+
+def run_step(scheduler, worker):
+    """One scheduler step through the fake worker; returns (step, results for CLIENT)."""
+    step = scheduler.schedule()
+    outputs = worker.next_token(step)
+    results = scheduler.update_from_output(ModelOutput(step.step_id, outputs))
+    scheduler.block_manager.check_integrity()
+    return step, results.get(CLIENT, {})
+
+
+def run_to_completion(scheduler, worker, max_steps=500):
+    """Drive until idle; returns {request_id: (tokens, final status)} and the steps taken."""
+    tokens, finals, steps = {}, {}, []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return {rid: (tokens[rid], finals[rid]) for rid in finals}, steps
+        step, results = run_step(scheduler, worker)
+        steps.append(step)
+        for request_id, result in results.items():
+            tokens.setdefault(request_id, []).extend(result.result.tokens)
+            if result.stop_stream:
+                finals[request_id] = result.result.final_status
+    raise AssertionError("scheduler did not go idle")
+
+
+def expected_tokens(prompt, count):
+    token_ids = list(prompt)
+    for _ in range(count):
+        token_ids.append(next_token_for(token_ids))
+    return token_ids[len(prompt) :]
+
+
+def test_single_request_blocks_grow_one_at_a_time():
+    scheduler, worker = make_scheduler(block_size=4), FakeTokenGenerator(4)
+    assert scheduler.add_request(context("a", [5, 6, 7, 8, 9], max_new_tokens=4), CLIENT) is None
+
+    step, results = run_step(scheduler, worker)
+    assert [new.block_ids for new in step.new_requests] == [[0, 1]]
+    assert step.new_requests[0].num_computed_tokens == 0
+    assert step.num_scheduled_tokens == {"a": 5}
+    assert results["a"].status is SchedulerStatus.ACTIVE
+
+    new_block_ids = []
+    for _ in range(3):
+        step, results = run_step(scheduler, worker)
+        assert step.num_scheduled_tokens == {"a": 1}
+        new_block_ids.append(step.cached_requests[0].new_block_ids)
+    # Positions 5, 6 and 7 still fit in blocks 0-1. The 4th output token ends the request
+    # before any step computes its KV, so no block is ever added.
+    assert new_block_ids == [[], [], []]
+    assert results["a"].status is SchedulerStatus.COMPLETE
+    assert results["a"].result.final_status is GenerationStatus.MAXIMUM_LENGTH
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_blocks_are_added_when_a_decode_crosses_a_block_boundary():
+    scheduler, worker = make_scheduler(block_size=4), FakeTokenGenerator(4)
+    scheduler.add_request(context("a", [5, 6, 7], max_new_tokens=7), CLIENT)
+    steps = run_to_completion(scheduler, worker)[1]
+    assert steps[0].new_requests[0].block_ids == [0]
+    # Decode steps compute positions 3..8: position 4 needs block 1, position 8 block 2.
+    assert [s.cached_requests[0].new_block_ids for s in steps[1:]] == [[], [1], [], [], [], [2]]
+
+
+def test_outputs_equal_the_fake_model_and_stop_at_max_tokens():
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    prompt = [11, 12, 13, 14, 15, 16]
+    scheduler.add_request(context("a", prompt, max_new_tokens=5), CLIENT)
+    finished, _ = run_to_completion(scheduler, worker)
+    assert finished == {"a": (expected_tokens(prompt, 5), GenerationStatus.MAXIMUM_LENGTH)}
+
+
+@pytest.mark.parametrize(
+    ("sampling", "expected_count", "expected_status"),
+    [
+        ({}, 2, GenerationStatus.END_OF_SEQUENCE),
+        ({"ignore_eos": True}, 6, GenerationStatus.MAXIMUM_LENGTH),
+        ({"min_new_tokens": 3}, 6, GenerationStatus.MAXIMUM_LENGTH),
+    ],
+)
+def test_eos_handling(sampling, expected_count, expected_status):
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    prompt = [1, 1, 1]
+    second = expected_tokens(prompt, 2)[1]
+    ctx = context("a", prompt, max_new_tokens=6, **sampling)
+    ctx = TextContext(
+        ctx.request_id, ctx.prompt_token_ids, ctx.max_length, [second], ctx.sampling_params
+    )
+    scheduler.add_request(ctx, CLIENT)
+    finished, _ = run_to_completion(scheduler, worker)
+    tokens, status = finished["a"]
+    assert tokens == expected_tokens(prompt, expected_count)
+    assert status is expected_status
+
+
+def test_stop_token_ids_end_the_request():
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    prompt = [3, 4]
+    third = expected_tokens(prompt, 3)[2]
+    scheduler.add_request(context("a", prompt, stop_token_ids=[third]), CLIENT)
+    finished, _ = run_to_completion(scheduler, worker)
+    assert finished["a"] == (expected_tokens(prompt, 3), GenerationStatus.END_OF_SEQUENCE)
+
+
+def test_chunked_prefill_runs_decodes_first_and_splits_long_prompts():
+    scheduler, worker = make_scheduler(budget=4), FakeTokenGenerator(4)
+    scheduler.add_request(context("short", [1, 2], max_new_tokens=5), CLIENT)
+    run_step(scheduler, worker)
+    long_prompt = list(range(20, 30))
+    scheduler.add_request(context("long", long_prompt, max_new_tokens=2), CLIENT)
+    scheduled, long_tokens = [], []
+    for _ in range(4):
+        step, results = run_step(scheduler, worker)
+        scheduled.append(step.num_scheduled_tokens)
+        long_tokens += results["long"].result.tokens if "long" in results else []
+    assert scheduled == [
+        {"short": 1, "long": 3},
+        {"short": 1, "long": 3},
+        {"short": 1, "long": 3},
+        {"short": 1, "long": 1},
+    ]
+    assert long_tokens == expected_tokens(long_prompt, 1)
+    finished, _ = run_to_completion(scheduler, worker)
+    assert long_tokens + finished["long"][0] == expected_tokens(long_prompt, 2)
+    assert finished["long"][1] is GenerationStatus.MAXIMUM_LENGTH
+
+
+def test_preemption_recomputes_the_newest_request_with_unchanged_output():
+    # 6 blocks of 2 tokens: two requests of 4 prompt tokens cannot both reach 8 tokens.
+    scheduler, worker = make_scheduler(num_blocks=6, block_size=2, budget=64), FakeTokenGenerator(2)
+    prompts = {"old": [1, 2, 3, 4], "new": [5, 6, 7, 8]}
+    for request_id, prompt in prompts.items():
+        scheduler.add_request(context(request_id, prompt, max_new_tokens=6), CLIENT)
+    finished, steps = run_to_completion(scheduler, worker)
+    assert scheduler.num_preemptions >= 1
+    resumed = [new for step in steps[1:] for new in step.new_requests]
+    assert [new.context.request_id for new in resumed] == ["new"] * len(resumed)
+    assert all(new.output_token_ids for new in resumed)
+    assert any("new" in step.finished_request_ids for step in steps)
+    for request_id, prompt in prompts.items():
+        assert finished[request_id] == (
+            expected_tokens(prompt, 6),
+            GenerationStatus.MAXIMUM_LENGTH,
+        )
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_abort_frees_blocks_and_tells_the_worker_next_step():
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    scheduler.add_request(context("a", [1, 2, 3, 4, 5], max_new_tokens=50), CLIENT)
+    scheduler.add_request(context("b", [6, 7], max_new_tokens=50), CLIENT)
+    run_step(scheduler, worker)
+    assert scheduler.block_manager.num_used_blocks == 3
+
+    results = scheduler.abort_requests(["a", "unknown"])
+    assert list(results[CLIENT]) == ["a"]
+    assert results[CLIENT]["a"].status is SchedulerStatus.CANCELLED
+    assert results[CLIENT]["a"].error is None
+    assert scheduler.block_manager.num_used_blocks == 1
+    step, _ = run_step(scheduler, worker)
+    assert step.finished_request_ids == ["a"]
+    assert "a" not in worker.states
+
+
+def test_abort_of_a_waiting_request():
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(context("a", [1]), CLIENT)
+    scheduler.add_request(context("b", [2]), CLIENT)
+    scheduler.schedule()
+    scheduler.abort_requests(["b"])
+    assert [r.request_id for r in scheduler.waiting] == []
+    assert scheduler.stats().num_requests_running == 1
+
+
+def test_max_num_seqs_caps_the_running_set():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for request_id in "abc":
+        scheduler.add_request(context(request_id, [1, 2]), CLIENT)
+    step = scheduler.schedule()
+    assert list(step.num_scheduled_tokens) == ["a", "b"]
+    stats = scheduler.stats()
+    assert (stats.num_requests_running, stats.num_requests_waiting) == (2, 1)
+
+
+def test_many_concurrent_requests_all_match_their_solo_output():
+    scheduler, worker = (
+        make_scheduler(num_blocks=40, block_size=4, budget=16),
+        FakeTokenGenerator(4),
+    )
+    prompts = {f"r{i}": [i + 1] * (3 + i % 7) for i in range(12)}
+    for request_id, prompt in prompts.items():
+        scheduler.add_request(context(request_id, prompt, max_new_tokens=9), CLIENT)
+    finished, _ = run_to_completion(scheduler, worker)
+    assert scheduler.num_preemptions > 0
+    assert finished == {
+        rid: (expected_tokens(p, 9), GenerationStatus.MAXIMUM_LENGTH) for rid, p in prompts.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_new_tokens", "max_model_len", "message"),
+    [
+        (0, 4, 1024, "the prompt is empty"),
+        (128, 4, 128, "no room is left to generate"),
+        (10, 1000, 1024, "more than the 256 the pool holds"),
+    ],
+)
+def test_requests_that_can_never_run_are_rejected(
+    prompt_len, max_new_tokens, max_model_len, message
+):
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_model_len=max_model_len)
+    rejection = scheduler.add_request(context("x", [1] * prompt_len, max_new_tokens), CLIENT)
+    assert rejection.status is SchedulerStatus.CANCELLED
+    assert message in rejection.error
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_duplicate_request_ids_are_rejected():
+    scheduler = make_scheduler()
+    assert scheduler.add_request(context("a", [1]), CLIENT) is None
+    rejection = scheduler.add_request(context("a", [1]), CLIENT)
+    assert "already in use" in rejection.error
+
+
+def test_fail_all_cancels_everything_with_the_error():
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(context("a", [1]), CLIENT)
+    scheduler.add_request(context("b", [2]), b"api-1")
+    scheduler.schedule()
+    results = scheduler.fail_all("the worker died")
+    assert {client: list(r) for client, r in results.items()} == {CLIENT: ["a"], b"api-1": ["b"]}
+    assert results[b"api-1"]["b"].error == "the worker died"
+    assert scheduler.block_manager.num_used_blocks == 0
+    assert not scheduler.has_unfinished_requests()

@@ -26,7 +26,9 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks in use, 0.0 to 1.0."""
-        return self.num_kv_blocks_used / self.num_kv_blocks_total if self.num_kv_blocks_total else 0.0
+        return (
+            self.num_kv_blocks_used / self.num_kv_blocks_total if self.num_kv_blocks_total else 0.0
+        )
 
 
 SchedulerToApiMessage = SchedulerResults | SchedulerStats

@@ -213,10 +213,9 @@ def test_max_num_seqs_caps_the_running_set():
 
 
 def test_many_concurrent_requests_all_match_their_solo_output():
-    scheduler, worker = (
-        make_scheduler(num_blocks=40, block_size=4, budget=16),
-        FakeTokenGenerator(4),
-    )
+    # 12 requests of up to 17 cached tokens (5 blocks of 4 each); 20 blocks force preemption.
+    scheduler = make_scheduler(num_blocks=20, block_size=4, budget=16)
+    worker = FakeTokenGenerator(4)
     prompts = {f"r{i}": [i + 1] * (3 + i % 7) for i in range(12)}
     for request_id, prompt in prompts.items():
         scheduler.add_request(context(request_id, prompt, max_new_tokens=9), CLIENT)

@@ -1,0 +1,128 @@
+"""The ``switchyard`` command: ``serve`` runs everything; ``prepare-model`` converts a model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from interfaces import envs
+from switchyard.launcher import Launcher, ServeConfig
+
+logger = logging.getLogger("switchyard")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="switchyard", description="Switchyard LLM server")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve a model over the OpenAI API")
+    _add_model_flag(serve)
+    serve.add_argument("--served-model-name", help="model name clients use (default: derived)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
+    serve.add_argument("--api-servers", type=int, default=1, help="API server processes")
+    serve.add_argument("--max-model-len", type=int, help="context length (default: model's)")
+    serve.add_argument(
+        "--kv-cache-memory",
+        help="KV cache size: bytes (e.g. 1073741824) or a fraction of free memory (e.g. 0.5)",
+    )
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    serve.add_argument("--max-num-seqs", type=int, default=256, help="most requests per step")
+    serve.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget per step"
+    )
+    serve.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+
+    prepare = commands.add_parser(
+        "prepare-model", help="convert a model (e.g. GGUF) once and print its directory"
+    )
+    _add_model_flag(prepare)
+    return parser
+
+
+def _add_model_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        help="Hugging Face-format directory or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
+
+
+def prepare_model(model: str | None) -> Path:
+    """Resolve ``model`` to a Hugging Face directory, converting and caching it if needed."""
+    from worker.model_files import resolve_model  # torch and transformers: only when needed
+
+    return resolve_model(model)
+
+
+def served_name_for(model: str | None) -> str:
+    from worker.model_files import DEFAULT_MODEL_NAME
+
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _prepare_in_child(model: str | None) -> Path:
+    """Run ``prepare-model`` in a child so the launcher never holds torch in memory."""
+    argv = [sys.executable, "-m", "switchyard", "prepare-model"]
+    if model is not None:
+        argv += ["--model", model]
+    completed = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)
+    if completed.returncode != 0:
+        raise SystemExit(completed.returncode)
+    return Path(completed.stdout.strip().splitlines()[-1])
+
+
+def serve(args: argparse.Namespace) -> int:
+    model_dir = _prepare_in_child(args.model)
+    config = ServeConfig(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or served_name_for(args.model),
+        host=args.host,
+        port=args.port,
+        api_servers=args.api_servers,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    launcher = Launcher(config)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: launcher.stop())
+    try:
+        launcher.start()
+        if launcher.dead_child() is None:
+            print(
+                f"switchyard: serving {config.served_model_name} on "
+                f"http://{config.host}:{launcher.port}",
+                flush=True,
+            )
+        return launcher.wait()
+    finally:
+        launcher.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        if args.command == "prepare-model":
+            print(prepare_model(args.model), flush=True)
+            return 0
+        return serve(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"switchyard: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

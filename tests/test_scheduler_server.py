@@ -1,0 +1,194 @@
+"""The scheduler's event loop over real ZeroMQ sockets, with a fake worker and fake API servers."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+import zmq
+
+from interfaces import (
+    GenerationStatus,
+    SchedulerStatus,
+    TextContext,
+    msgpack_numpy_decoder,
+    msgpack_numpy_encoder,
+)
+from interfaces.api_to_scheduler import AbortRequests, StatsRequest, SubmitRequest
+from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats, SchedulerToApiMessage
+from interfaces.scheduler_to_worker import SchedulerOutput, SchedulerToWorkerMessage, Shutdown
+from interfaces.worker_to_scheduler import ModelOutput, WorkerFailure, WorkerReady
+from scheduler.config import SchedulerConfig
+from scheduler.server import SchedulerServer
+from tests.fake_worker import FakeTokenGenerator, next_token_for
+
+TIMEOUT_MS = 5000
+encode = msgpack_numpy_encoder()
+decode_api = msgpack_numpy_decoder(SchedulerToApiMessage)
+decode_worker = msgpack_numpy_decoder(SchedulerToWorkerMessage)
+
+
+class FakeWorkerThread(threading.Thread):
+    """Registers, then answers every step with the fake generator; fails steps on request."""
+
+    def __init__(self, context: zmq.Context, address: str, fail_request_ids=()) -> None:
+        super().__init__(daemon=True)
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self.generator = FakeTokenGenerator(block_size=4)
+        self.fail_request_ids = set(fail_request_ids)
+        self.got_shutdown = threading.Event()
+        self.steps: list[SchedulerOutput] = []
+
+    def run(self) -> None:
+        self.socket.send(encode(WorkerReady("fake", 64, 4, 256)))
+        while self.socket.poll(TIMEOUT_MS):
+            message = decode_worker(self.socket.recv())
+            if isinstance(message, Shutdown):
+                self.got_shutdown.set()
+                return
+            self.steps.append(message)
+            if self.fail_request_ids & set(message.num_scheduled_tokens):
+                self.socket.send(encode(WorkerFailure(message.step_id, "out of memory")))
+                continue
+            outputs = self.generator.next_token(message)
+            self.socket.send(encode(ModelOutput(message.step_id, outputs)))
+
+
+@pytest.fixture
+def system(tmp_path):
+    """A running SchedulerServer plus a zmq context; yields (server, context, frontend, backend)."""
+    frontend, backend = f"ipc://{tmp_path}/frontend", f"ipc://{tmp_path}/backend"
+    server = SchedulerServer(SchedulerConfig(max_num_batched_tokens=32), frontend, backend)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    context = zmq.Context()
+    yield server, context, frontend, backend
+    server.stop()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    context.destroy(linger=0)
+
+
+def api_client(context, address):
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    return socket
+
+
+def receive(socket):
+    assert socket.poll(TIMEOUT_MS), "no reply from the scheduler"
+    return decode_api(socket.recv())
+
+
+def collect(socket, request_ids):
+    """Read results until every request in ``request_ids`` has stopped streaming."""
+    tokens = {rid: [] for rid in request_ids}
+    finals = {}
+    while len(finals) < len(request_ids):
+        message = receive(socket)
+        assert isinstance(message, SchedulerResults)
+        for rid, result in message.results.items():
+            if result.result is not None:
+                tokens[rid] += result.result.tokens
+            if result.stop_stream:
+                finals[rid] = result
+    return tokens, finals
+
+
+def ctx(request_id, prompt, max_new_tokens=5):
+    return TextContext(request_id, prompt, len(prompt) + max_new_tokens, eos_token_ids=[-1])
+
+
+def expected(prompt, count):
+    token_ids = list(prompt)
+    for _ in range(count):
+        token_ids.append(next_token_for(token_ids))
+    return token_ids[len(prompt) :]
+
+
+def test_requests_from_two_api_servers_are_routed_back_to_their_owner(system):
+    server, context, frontend, backend = system
+    first, second = api_client(context, frontend), api_client(context, frontend)
+    first.send(encode(SubmitRequest(ctx("a", [1, 2, 3]))))  # queued before any worker
+    second.send(encode(SubmitRequest(ctx("b", [4, 5]))))
+    worker = FakeWorkerThread(context, backend)
+    worker.start()
+
+    tokens_a, finals_a = collect(first, ["a"])
+    tokens_b, finals_b = collect(second, ["b"])
+    assert finals_b["b"].result.tokens == tokens_b["b"][-1:]
+    assert tokens_a == {"a": expected([1, 2, 3], 5)}
+    assert tokens_b == {"b": expected([4, 5], 5)}
+    assert finals_a["a"].status is SchedulerStatus.COMPLETE
+    assert finals_a["a"].result.final_status is GenerationStatus.MAXIMUM_LENGTH
+
+    first.send(encode(StatsRequest()))
+    stats = receive(first)
+    assert stats == SchedulerStats(0, 0, 64, 0, workers_ready=True)
+    server.stop()
+    assert worker.got_shutdown.wait(5)
+
+
+def test_stats_before_any_worker(system):
+    _, context, frontend, _ = system
+    client = api_client(context, frontend)
+    client.send(encode(SubmitRequest(ctx("a", [1]))))
+    client.send(encode(StatsRequest()))
+    assert receive(client) == SchedulerStats(0, 1, 0, 0, workers_ready=False)
+
+
+def test_malformed_and_pickle_frames_are_dropped(system):
+    _, context, frontend, backend = system
+    client = api_client(context, frontend)
+    client.send(b"\x00garbage\xff")
+    client.send(pickle.dumps({"request_id": "x"}))
+    client.send_multipart([b"two", b"frames"])
+    worker = FakeWorkerThread(context, backend)
+    worker.start()
+    client.send(encode(SubmitRequest(ctx("ok", [7, 8]))))
+    tokens, _ = collect(client, ["ok"])
+    assert tokens == {"ok": expected([7, 8], 5)}
+
+
+def test_abort_cancels_and_frees(system):
+    _, context, frontend, backend = system
+    client = api_client(context, frontend)
+    client.send(encode(SubmitRequest(ctx("long", [1, 2], max_new_tokens=200))))
+    FakeWorkerThread(context, backend).start()
+    first = receive(client)
+    assert first.results["long"].status is SchedulerStatus.ACTIVE
+    client.send(encode(AbortRequests(["long"])))
+    _, finals = collect(client, ["long"])
+    assert finals["long"].status is SchedulerStatus.CANCELLED
+    assert finals["long"].error is None
+    client.send(encode(StatsRequest()))
+    stats = receive(client)
+    while isinstance(stats, SchedulerResults):  # results of a step that was in flight
+        stats = receive(client)
+    assert (stats.num_requests_running, stats.num_kv_blocks_used) == (0, 0)
+
+
+def test_worker_failure_fails_only_that_steps_requests_with_the_error(system):
+    _, context, frontend, backend = system
+    client = api_client(context, frontend)
+    FakeWorkerThread(context, backend, fail_request_ids={"bad"}).start()
+    client.send(encode(SubmitRequest(ctx("bad", [3, 3]))))
+    _, finals = collect(client, ["bad"])
+    assert finals["bad"].status is SchedulerStatus.CANCELLED
+    assert finals["bad"].error == "worker error: out of memory"
+    client.send(encode(SubmitRequest(ctx("good", [5]))))
+    tokens, _ = collect(client, ["good"])
+    assert tokens == {"good": expected([5], 5)}
+
+
+def test_too_long_request_is_rejected_with_an_error(system):
+    _, context, frontend, backend = system
+    client = api_client(context, frontend)
+    FakeWorkerThread(context, backend).start()
+    client.send(encode(SubmitRequest(ctx("huge", [1] * 300))))
+    _, finals = collect(client, ["huge"])
+    assert "context length is 256" in finals["huge"].error

@@ -1,0 +1,235 @@
+"""Every wire message round-trips through msgpack unchanged; bad frames never decode."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from interfaces import (
+    GenerationStatus,
+    LogProbabilities,
+    SamplingParams,
+    SchedulerResult,
+    SchedulerStatus,
+    SharedMemoryArray,
+    TextContext,
+    TextGenerationOutput,
+    TextGenerationRequest,
+    TextGenerationRequestFunction,
+    TextGenerationRequestMessage,
+    TextGenerationRequestTool,
+    TextGenerationResponseFormat,
+    TokenGenerator,
+    msgpack_numpy_decoder,
+    msgpack_numpy_encoder,
+)
+from interfaces.api_to_scheduler import (
+    AbortRequests,
+    ApiToSchedulerMessage,
+    StatsRequest,
+    SubmitRequest,
+)
+from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats, SchedulerToApiMessage
+from interfaces.scheduler_to_worker import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerToWorkerMessage,
+    Shutdown,
+)
+from interfaces.worker_to_scheduler import (
+    ModelOutput,
+    WorkerFailure,
+    WorkerReady,
+    WorkerToSchedulerMessage,
+)
+from tests.fake_worker import FakeTokenGenerator
+
+encode = msgpack_numpy_encoder()
+
+SAMPLING = SamplingParams(
+    top_k=40,
+    top_p=0.9,
+    min_p=0.05,
+    temperature=0.7,
+    frequency_penalty=0.5,
+    presence_penalty=-0.5,
+    repetition_penalty=1.1,
+    max_new_tokens=64,
+    min_new_tokens=2,
+    ignore_eos=True,
+    stop=["\n\n", "END"],
+    stop_token_ids=[7, 8],
+    detokenize=False,
+    seed=1234,
+)
+CONTEXT = TextContext("req-1", [1, 2, 3], 67, eos_token_ids=[2], sampling_params=SAMPLING)
+OUTPUT = TextGenerationOutput(
+    "req-1",
+    [42],
+    GenerationStatus.END_OF_SEQUENCE,
+    [LogProbabilities([-0.25], [{42: -0.25, 7: -1.5}])],
+)
+
+MESSAGES = [
+    (ApiToSchedulerMessage, SubmitRequest(CONTEXT)),
+    (ApiToSchedulerMessage, AbortRequests(["a", "b"])),
+    (ApiToSchedulerMessage, StatsRequest()),
+    (SchedulerToApiMessage, SchedulerResults({"req-1": SchedulerResult.active(OUTPUT)})),
+    (SchedulerToApiMessage, SchedulerResults({"x": SchedulerResult.complete(OUTPUT)})),
+    (SchedulerToApiMessage, SchedulerResults({"y": SchedulerResult.cancelled("worker died")})),
+    (SchedulerToApiMessage, SchedulerStats(3, 1, 100, 40, workers_ready=True)),
+    (
+        SchedulerToWorkerMessage,
+        SchedulerOutput(
+            step_id=9,
+            new_requests=[NewRequestData(CONTEXT, [4, 5], 0, output_token_ids=[11])],
+            cached_requests=[CachedRequestData("old", [6], 17)],
+            num_scheduled_tokens={"req-1": 4, "old": 1},
+            finished_request_ids=["gone"],
+        ),
+    ),
+    (SchedulerToWorkerMessage, Shutdown()),
+    (WorkerToSchedulerMessage, WorkerReady("SmolLM2-135M-Instruct", 1000, 16, 8192)),
+    (WorkerToSchedulerMessage, ModelOutput(9, {"req-1": OUTPUT})),
+    (WorkerToSchedulerMessage, WorkerFailure(9, "CUDA out of memory")),
+]
+
+
+@pytest.mark.parametrize(("union", "message"), MESSAGES, ids=lambda m: type(m).__name__)
+def test_wire_messages_round_trip(union, message):
+    decoded = msgpack_numpy_decoder(union)(encode(message))
+    assert decoded == message
+    assert type(decoded) is type(message)
+
+
+def test_text_generation_request_round_trips_with_every_field():
+    request = TextGenerationRequest(
+        request_id="r",
+        index=1,
+        model_name="m",
+        lora_name="adapter",
+        messages=[
+            TextGenerationRequestMessage("system", "be brief"),
+            TextGenerationRequestMessage("user", [{"type": "text", "text": "hi"}]),
+        ],
+        images=[SharedMemoryArray("psm_x", (2, 3, 3), "uint8")],
+        tools=[
+            TextGenerationRequestTool(
+                TextGenerationRequestFunction("get_weather", "Weather", {"type": "object"})
+            )
+        ],
+        response_format=TextGenerationResponseFormat("json_schema", {"type": "object"}),
+        timestamp_ns=123,
+        request_path="/v1/chat/completions",
+        logprobs=3,
+        echo=True,
+        stop=["x"],
+        chat_template_options={"enable_thinking": False},
+        sampling_params=SAMPLING,
+    )
+    assert msgpack_numpy_decoder(TextGenerationRequest)(encode(request)) == request
+    completion = TextGenerationRequest("r", 0, "m", prompt=[1, 2, 3])
+    assert msgpack_numpy_decoder(TextGenerationRequest)(encode(completion)).prompt == [1, 2, 3]
+
+
+def test_numpy_arrays_travel_through_msgpack_numpy():
+    class Frame(msgspec.Struct):
+        pixels: np.ndarray
+
+    pixels = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    decoded = msgpack_numpy_decoder(Frame)(encode(Frame(pixels)))
+    assert decoded.pixels.dtype == np.float32
+    np.testing.assert_array_equal(decoded.pixels, pixels)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [b"", b"\x00\x01garbage", pickle.dumps(SubmitRequest(CONTEXT)), encode({"tag": "submit"})],
+)
+def test_bad_frames_raise_instead_of_decoding(frame):
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        msgpack_numpy_decoder(ApiToSchedulerMessage)(frame)
+
+
+def test_decoding_validates_sampling_params():
+    # Flip the sign bit of temperature=0.7 (float64 0x3FE6666666666666) inside a valid frame.
+    good = encode(SubmitRequest(CONTEXT))
+    bad = good.replace(b"\xcb?\xe6ffffff", b"\xcb\xbf\xe6ffffff")
+    assert bad != good
+    with pytest.raises(msgspec.ValidationError, match="temperature"):
+        msgpack_numpy_decoder(ApiToSchedulerMessage)(bad)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"top_k": -2}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"min_new_tokens": -1}, "min_new_tokens"),
+        ({"min_new_tokens": 5, "max_new_tokens": 4}, "must not exceed"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"stop": [""]}, "stop strings"),
+    ],
+)
+def test_sampling_params_reject_bad_values_clearly(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+def test_sampling_params_defaults_are_max_s_and_greedy():
+    params = SamplingParams()
+    assert (params.top_k, params.top_p, params.temperature, params.max_new_tokens) == (
+        1,
+        1.0,
+        1.0,
+        None,
+    )
+    assert params.is_greedy
+    assert SamplingParams(top_k=-1, temperature=0.0).is_greedy
+    assert not SamplingParams(top_k=-1, temperature=0.8).is_greedy
+
+
+def test_scheduler_result_constructors():
+    assert SchedulerResult.active(OUTPUT).status is SchedulerStatus.ACTIVE
+    assert not SchedulerResult.active(OUTPUT).stop_stream
+    assert SchedulerResult.complete(OUTPUT).stop_stream
+    cancelled = SchedulerResult.cancelled()
+    assert (cancelled.status, cancelled.result, cancelled.stop_stream) == (
+        SchedulerStatus.CANCELLED,
+        None,
+        True,
+    )
+    assert OUTPUT.is_done and GenerationStatus.MAXIMUM_LENGTH.is_done
+    assert not GenerationStatus.ACTIVE.is_done
+
+
+def test_text_context_limits():
+    assert CONTEXT.num_prompt_tokens == 3
+    assert CONTEXT.max_new_tokens == 64
+
+
+def test_shared_memory_array_round_trip_and_unlink():
+    pixels = np.random.default_rng(0).integers(0, 255, (3, 8, 8), dtype=np.uint8)
+    reference = SharedMemoryArray.create(pixels)
+    decoded = msgpack_numpy_decoder(SharedMemoryArray)(encode(reference))
+    np.testing.assert_array_equal(decoded.read(), pixels)
+    assert Path(f"/dev/shm/{reference.name}").exists()
+    decoded.unlink()
+    decoded.unlink()
+    assert not Path(f"/dev/shm/{reference.name}").exists()
+
+
+def test_fake_worker_satisfies_the_token_generator_protocol():
+    assert isinstance(FakeTokenGenerator(block_size=4), TokenGenerator)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare-model", help="convert a model (e.g. GGUF) once and print its directory"
     )
     _add_model_flag(prepare)
+    prepare.add_argument("--output", help="also copy the prepared directory here")
     return parser
 
 
@@ -116,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(message)s")
     try:
         if args.command == "prepare-model":
-            print(prepare_model(args.model), flush=True)
+            model_dir = prepare_model(args.model)
+            if args.output:
+                shutil.copytree(model_dir, args.output, dirs_exist_ok=True)
+                model_dir = Path(args.output)
+            print(model_dir, flush=True)
             return 0
         return serve(args)
     except (ValueError, FileNotFoundError) as error:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from interfaces import envs
 from switchyard.launcher import Launcher, ServeConfig
+from worker.model_files import model_name_for
 
 logger = logging.getLogger("switchyard")
 
@@ -61,15 +62,6 @@ def prepare_model(model: str | None) -> Path:
     return resolve_model(model)
 
 
-def served_name_for(model: str | None) -> str:
-    from worker.model_files import DEFAULT_MODEL_NAME
-
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
 def _prepare_in_child(model: str | None) -> Path:
     """Run ``prepare-model`` in a child so the launcher never holds torch in memory."""
     argv = [sys.executable, "-m", "switchyard", "prepare-model"]
@@ -85,7 +77,7 @@ def serve(args: argparse.Namespace) -> int:
     model_dir = _prepare_in_child(args.model)
     config = ServeConfig(
         model_dir=model_dir,
-        served_model_name=args.served_model_name or served_name_for(args.model),
+        served_model_name=args.served_model_name or model_name_for(args.model),
         host=args.host,
         port=args.port,
         api_servers=args.api_servers,

@@ -1,0 +1,91 @@
+"""``python -m api_server``: run one API server process.
+
+    python -m api_server --model DIR --scheduler-addr ADDR [--served-model-name NAME]
+        [--host 127.0.0.1] [--port 8000] [--fd N] [--max-model-len N] [--log-level LEVEL]
+
+``--fd N`` serves on an already-listening socket inherited as file descriptor N, so that the
+launcher can bind one port and start several API servers on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import setproctitle
+import uvicorn
+
+from api_server.app import create_app
+from api_server.config import ApiServerConfig, EngineClientConfig, resolve_max_model_len
+from interfaces import envs
+
+PROCESS_TITLE = "switchyard-api-server"
+logger = logging.getLogger("api_server")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m api_server",
+        description="Run one Switchyard API server process (OpenAI API in front of the scheduler).",
+    )
+    parser.add_argument("--model", required=True, help="Hugging Face-format model directory")
+    parser.add_argument("--scheduler-addr", required=True, help="the scheduler's ZeroMQ address")
+    parser.add_argument("--served-model-name", help="model name clients use (default: DIR's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--fd", type=int, help="serve on this inherited listening socket")
+    parser.add_argument("--max-model-len", type=int, help="prompt plus output tokens at most")
+    parser.add_argument(
+        "--log-level",
+        default=envs.log_level(),
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
+    return parser.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> ApiServerConfig:
+    """The process's config; ``ValueError`` with a message for the user on a bad model path."""
+    model_dir = Path(args.model).expanduser()
+    if model_dir.suffix == ".gguf":
+        raise ValueError(
+            f"{model_dir} is a GGUF file; the API server needs the Hugging Face-format directory "
+            "converted from it. `switchyard serve` converts it (or run "
+            "`python -m worker.model_files FILE.gguf` and pass the directory it prints)."
+        )
+    if not model_dir.is_dir():
+        raise ValueError(f"--model {model_dir} is not a directory")
+    return ApiServerConfig(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or model_dir.resolve().name,
+        max_model_len=resolve_max_model_len(model_dir, args.max_model_len),
+        engine=EngineClientConfig(scheduler_addr=args.scheduler_addr),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    setproctitle.setproctitle(PROCESS_TITLE)
+    try:
+        app = create_app(build_config(args))
+    except ValueError as error:
+        logger.error("%s", error)
+        return 2
+    where = {"fd": args.fd} if args.fd is not None else {"host": args.host, "port": args.port}
+    uvicorn.run(
+        app,
+        log_level=args.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        **where,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

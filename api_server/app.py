@@ -1,0 +1,132 @@
+"""The FastAPI application of one API server process.
+
+``create_app(config)`` loads the tokenizer at once (a bad model directory fails before the server
+listens) and connects to the scheduler in the app's lifespan, inside uvicorn's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from api_server.config import ApiServerConfig
+from api_server.engine_client import EngineClient, SchedulerUnavailable
+from api_server.errors import install_error_handlers, service_unavailable
+from api_server.metrics import METRICS_CONTENT_TYPE, SchedulerMetrics
+from api_server.protocol import ChatCompletionRequest, CompletionRequest
+from api_server.responses import ModelCard, ModelList
+from api_server.serving import ServerState, create_chat_completion, create_completion
+from api_server.tokenizer import HuggingFaceTokenizer
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499
+# A body without a Content-Type is read as JSON (curl users forget the header); one with a
+# non-JSON type is still refused.
+router = APIRouter(strict_content_type=False)
+
+
+def create_app(config: ApiServerConfig) -> FastAPI:
+    """A FastAPI app serving the OpenAI routes, /health and /metrics for ``config``."""
+    tokenizer = HuggingFaceTokenizer(config.model_dir, config.max_model_len)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = EngineClient(config.engine)
+        await engine.start()
+        app.state.server = ServerState(config, tokenizer, engine)
+        app.state.metrics = SchedulerMetrics(config.served_model_name)
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    app = FastAPI(title="Switchyard", lifespan=lifespan)
+    app.state.tokenizer = tokenizer
+    install_error_handlers(app)
+    app.include_router(router)
+    return app
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _cancel_on_disconnect(request, create_chat_completion(body, _state(request)))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _cancel_on_disconnect(request, create_completion(body, _state(request)))
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    state = _state(request)
+    card = ModelCard(
+        id=state.model_name,
+        root=str(state.config.model_dir),
+        max_model_len=state.config.max_model_len,
+    )
+    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 when the scheduler answers within ``stats_timeout_s`` and its workers are ready."""
+    try:
+        stats = await _state(request).engine.stats()
+    except SchedulerUnavailable as error:
+        return service_unavailable(str(error)).response()
+    if not stats.workers_ready:
+        return service_unavailable("the scheduler is up but its workers are not ready").response()
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition; the gauges keep their last values if the scheduler is silent."""
+    scheduler_metrics: SchedulerMetrics = request.app.state.metrics
+    try:
+        scheduler_metrics.update(await _state(request).engine.stats())
+    except SchedulerUnavailable as error:
+        logger.warning("serving stale metrics: %s", error)
+    return Response(scheduler_metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+async def _cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Run ``work``, cancelling it if the client disconnects first (so its request is aborted).
+
+    Starlette only notices a disconnect while streaming; this covers the time before the
+    response starts, e.g. the whole of a non-streaming generation.
+    """
+    work_task = asyncio.ensure_future(work)
+    disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait(
+            {work_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED
+        )
+    except BaseException:
+        work_task.cancel()
+        raise
+    finally:
+        disconnect_task.cancel()
+    if work_task in done:
+        return work_task.result()
+    work_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work_task
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,228 @@
+"""The API server's link to the scheduler: one ZeroMQ DEALER, one reader task, a queue per request.
+
+Requests go out as ``SubmitRequest``; the scheduler's ``SchedulerResults`` come back on the same
+socket and the reader task puts each ``SchedulerResult`` on its request's queue. Every wait is
+bounded: a submit the socket does not take within ``submit_timeout_s`` fails, a stats round trip
+fails after ``stats_timeout_s``, and while requests are in flight the scheduler is pinged; when it
+stays silent for ``scheduler_timeout_s`` every in-flight request fails with
+``SchedulerUnavailable`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from api_server.config import EngineClientConfig
+from api_server.stats_tickets import StatsTickets, StatsWaiter
+from interfaces import SchedulerResult, TextContext, TextGenerationOutput
+from interfaces.api_to_scheduler import AbortRequests, StatsRequest, SubmitRequest
+from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats, SchedulerToApiMessage
+
+logger = logging.getLogger(__name__)
+
+Result = SchedulerResult[TextGenerationOutput]
+
+
+class SchedulerUnavailable(Exception):
+    """The scheduler did not take a message, or went silent while requests were waiting."""
+
+
+class EngineClient:
+    """Submits requests to the scheduler and streams their results back.
+
+    Create it, then ``await start()`` inside the event loop that will use it (the socket belongs
+    to that loop); ``await close()`` at shutdown. Frames go out as a single msgpack frame and
+    come in as ``SchedulerToApiMessage`` (the last frame of a multipart message).
+    """
+
+    def __init__(self, config: EngineClientConfig) -> None:
+        self.config = config
+        self._encode = msgpack_numpy_encoder()
+        self._decode = msgpack_numpy_decoder(SchedulerToApiMessage)
+        self._zmq_context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._queues: dict[str, asyncio.Queue[Result | SchedulerUnavailable]] = {}
+        self._stats_waiters: list[StatsWaiter] = []
+        self._stats_tickets = StatsTickets(lost_after_s=config.stats_timeout_s)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_heard = time.monotonic()
+        self._pending_ping: asyncio.Future[Any] | None = None
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        return len(self._queues)
+
+    async def start(self) -> None:
+        """Connect to the scheduler and start the reader and heartbeat tasks."""
+        self._zmq_context = zmq.asyncio.Context()
+        self._socket = self._zmq_context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # Queue messages only on a live connection, so a missing scheduler shows up as a send
+        # that does not complete (and times out) rather than a request that never answers.
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._socket.connect(self.config.scheduler_addr)
+        self._last_heard = time.monotonic()
+        self._tasks = [
+            asyncio.create_task(self._read_loop()),
+            asyncio.create_task(self._heartbeat_loop()),
+        ]
+
+    async def close(self) -> None:
+        """Stop the tasks, fail whatever is in flight, and close the socket."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self._fail_all(SchedulerUnavailable("the API server is shutting down"))
+        if self._zmq_context is not None:
+            self._zmq_context.destroy(linger=0)
+        self._socket = self._zmq_context = None
+
+    async def generate(self, context: TextContext) -> AsyncIterator[Result]:
+        """Submit ``context`` and yield its results until one ends the stream.
+
+        Raises ``SchedulerUnavailable`` when the submit or the scheduler times out. If the
+        consumer stops early (stop string, client gone, cancellation), the request is aborted
+        so the scheduler frees its KV blocks.
+        """
+        request_id = context.request_id
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue[Result | SchedulerUnavailable] = asyncio.Queue()
+        self._queues[request_id] = queue
+        submitted = finished = False
+        try:
+            await self._send(SubmitRequest(context), self.config.submit_timeout_s)
+            submitted = True
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, SchedulerUnavailable):
+                    raise item
+                finished = item.stop_stream
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if submitted and not finished:
+                self.abort([request_id])
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Ask the scheduler to stop ``request_ids``. Never waits, so it is safe in a ``finally``
+        of a cancelled task; the frame leaves as soon as the socket can take it."""
+        if request_ids and self._socket is not None:
+            self._send_nowait(AbortRequests(request_ids=list(request_ids)))
+
+    async def stats(self, timeout_s: float | None = None) -> SchedulerStats:
+        """The scheduler's ``SchedulerStats`` in reply to a request this call sends.
+
+        If the replies cannot be paired with requests (some were lost), the newest reply that
+        arrived during the call is used once the timeout (``stats_timeout_s`` by default) ends;
+        with no reply at all, ``SchedulerUnavailable``.
+        """
+        timeout_s = self.config.stats_timeout_s if timeout_s is None else timeout_s
+        ticket, sent = self._send_stats_request()
+        waiter = StatsWaiter(ticket, asyncio.get_running_loop().create_future())
+        self._stats_waiters.append(waiter)
+        try:
+            return await asyncio.wait_for(waiter.future, timeout_s)
+        except asyncio.TimeoutError as error:
+            sent.cancel()
+            if waiter.newest_reply is not None:
+                return waiter.newest_reply
+            raise SchedulerUnavailable(
+                f"the scheduler did not answer a stats request within {timeout_s:g} s"
+            ) from error
+        finally:
+            self._stats_waiters.remove(waiter)
+
+    def _send_stats_request(self) -> tuple[int, asyncio.Future[Any]]:
+        sent = self._send_nowait(StatsRequest())
+        return self._stats_tickets.sent(), sent
+
+    async def _send(self, message: Any, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._socket_or_raise().send(self._encode(message)), timeout_s)
+        except asyncio.TimeoutError as error:
+            raise SchedulerUnavailable(
+                f"the scheduler at {self.config.scheduler_addr} did not accept the request "
+                f"within {timeout_s:g} s"
+            ) from error
+
+    def _send_nowait(self, message: Any) -> asyncio.Future[Any]:
+        future = self._socket_or_raise().send(self._encode(message))
+        future.add_done_callback(_log_send_failure)
+        return future
+
+    def _socket_or_raise(self) -> zmq.asyncio.Socket:
+        if self._socket is None:
+            raise SchedulerUnavailable("the API server is not connected to the scheduler")
+        return self._socket
+
+    async def _read_loop(self) -> None:
+        socket = self._socket_or_raise()
+        while True:
+            try:
+                frames = await socket.recv_multipart()
+            except zmq.ZMQError as error:
+                logger.error("the scheduler socket failed; no more results will arrive: %s", error)
+                return
+            try:
+                message = self._decode(frames[-1])
+            except msgspec.DecodeError as error:
+                logger.warning(
+                    "dropping a frame from the scheduler that does not decode: %s", error
+                )
+                continue
+            self._last_heard = time.monotonic()
+            self._dispatch(message)
+
+    def _dispatch(self, message: SchedulerResults | SchedulerStats) -> None:
+        if isinstance(message, SchedulerStats):
+            answered = self._stats_tickets.answered()
+            for waiter in self._stats_waiters:
+                if waiter.ticket <= answered and not waiter.future.done():
+                    waiter.future.set_result(message)
+                waiter.newest_reply = message
+            return
+        for request_id, result in message.results.items():
+            queue = self._queues.get(request_id)
+            if queue is None:
+                logger.debug("dropping a result for request %s, which is not in flight", request_id)
+            else:
+                queue.put_nowait(result)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if not self._queues:
+                self._last_heard = now  # silence only counts while someone is waiting
+                continue
+            silence = now - self._last_heard
+            if silence > self.config.scheduler_timeout_s:
+                self._fail_all(
+                    SchedulerUnavailable(f"the scheduler has not answered for {silence:.0f} s")
+                )
+            elif silence >= interval and (self._pending_ping is None or self._pending_ping.done()):
+                _, self._pending_ping = self._send_stats_request()
+
+    def _fail_all(self, error: SchedulerUnavailable) -> None:
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            queue.put_nowait(error)
+        if queues:
+            logger.error("failing %d requests in flight: %s", len(queues), error)
+
+
+def _log_send_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("could not send to the scheduler: %s", future.exception())

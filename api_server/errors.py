@@ -1,0 +1,146 @@
+"""Every error the API server answers, in OpenAI's shape:
+``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``.
+
+Handlers installed by ``install_error_handlers`` map malformed JSON and validation errors to 400,
+unknown routes to 404, ``OpenAIError`` to its own status, and anything unexpected to a 500 whose
+body names no internals (the traceback goes to the log only).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class OpenAIError(Exception):
+    """An error answered as ``status_code`` with OpenAI's error body."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        error_type: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """400: the request is wrong and the client can fix it."""
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    """404 for a model name this server does not serve."""
+    return OpenAIError(
+        404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found"
+    )
+
+
+def service_unavailable(message: str) -> OpenAIError:
+    """503: the scheduler cannot be reached or is not ready; retrying later may work."""
+    return OpenAIError(503, message, "service_unavailable_error", code="service_unavailable")
+
+
+def server_error(message: str) -> OpenAIError:
+    """500: the system failed the request (a worker died, the KV cache cannot hold it, ...)."""
+    return OpenAIError(500, message, "server_error", code="internal_error")
+
+
+def validation_error(error: RequestValidationError) -> OpenAIError:
+    """400 for a body pydantic rejected: malformed JSON, missing, mistyped or unknown fields."""
+    details = list(error.errors())
+    unknown = [
+        _field_path(detail["loc"]) for detail in details if detail["type"] == "extra_forbidden"
+    ]
+    if unknown:
+        return invalid_request(f"Unrecognized request argument supplied: {', '.join(unknown)}")
+    for detail in details:
+        if detail["type"] == "json_invalid":
+            reason = detail.get("ctx", {}).get("error", detail.get("msg"))
+            where = detail["loc"][-1] if len(detail["loc"]) > 1 else "?"
+            return invalid_request(
+                f"The request body is not valid JSON: {reason} at character {where}"
+            )
+        if tuple(detail["loc"]) == ("body",) and detail["type"] != "missing":
+            return invalid_request(
+                "The request body must be a JSON object sent as Content-Type: application/json"
+            )
+    messages = list(dict.fromkeys(_describe(detail) for detail in details))
+    param = _field_path(details[0]["loc"]) if details else None
+    return invalid_request("; ".join(messages), param=param or None)
+
+
+def _describe(detail: dict[str, Any]) -> str:
+    path = _field_path(detail["loc"])
+    if detail["type"] == "missing":
+        return f"'{path}' is a required property" if path else "A JSON request body is required"
+    message = detail.get("msg", "invalid value")
+    return f"{path}: {message}" if path else message
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """``("body", "messages", 0, "content")`` → ``messages[0].content`` (union tags dropped)."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif "[" in str(part) or str(part) in _UNION_TAGS:
+            continue
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+async def _openai_error_handler(_: Request, error: OpenAIError) -> JSONResponse:
+    return error.response()
+
+
+async def _validation_handler(_: Request, error: RequestValidationError) -> JSONResponse:
+    return validation_error(error).response()
+
+
+async def _http_error_handler(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    error_type = "NotFoundError" if error.status_code == 404 else "invalid_request_error"
+    body = error_body(str(error.detail), error_type, code=str(error.status_code))
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+
+async def _unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:
+    logger.exception("unexpected error serving %s %s", request.method, request.url.path)
+    return server_error("Internal server error; see the API server's log.").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every failure through OpenAI's error shape."""
+    app.add_exception_handler(OpenAIError, _openai_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    app.add_exception_handler(Exception, _unexpected_error_handler)

@@ -1,0 +1,148 @@
+"""OpenAI request schemas (pydantic v2) for /v1/chat/completions and /v1/completions.
+
+Every field OpenAI defines is declared, so a request built by an OpenAI SDK parses; fields we do
+not support yet are rejected by ``api_server.request_builder`` with a 400 naming them. Fields OpenAI
+does not define (and that are not vLLM extensions listed here) fail validation as
+"Unrecognized request argument supplied". Response schemas live in ``api_server.responses``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16
+
+
+class OpenAIBaseModel(BaseModel):
+    """Unknown fields are errors (OpenAI: "Unrecognized request argument supplied: X")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content. Only ``text`` parts are supported; others are parsed
+    (so the error can name their type) and rejected by the request builder."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Fields shared by chat and completions requests (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    """None means the served model (as vLLM allows)."""
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    n: int | None = Field(default=1, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        return stop
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The most tokens to generate; None means until EOS or the context is full."""
+        return None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    echo: bool = False
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's current name) wins over ``max_tokens``."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. ``max_tokens`` defaults to 16 as in OpenAI's API (and vLLM)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0)
+    suffix: str | None = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens

@@ -1,0 +1,216 @@
+"""The API server's ``PipelineTokenizer``: a Hugging Face tokenizer directory, read without torch.
+
+Text goes through ``tokenizers.Tokenizer`` (tokenizer.json); chat prompts through the chat template
+in tokenizer_config.json or chat_template.jinja, rendered by ``api_server.chat_template``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from tokenizers import Tokenizer
+
+from api_server.chat_template import render_chat_template, render_fallback_prompt
+from api_server.config import generation_eos_token_ids, read_json
+from interfaces import TextContext, TextGenerationRequest, TextGenerationRequestMessage
+
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class HuggingFaceTokenizer:
+    """Implements ``interfaces.PipelineTokenizer`` for one model directory.
+
+    ``max_model_len`` bounds prompt plus output tokens; a prompt that leaves no room for output
+    raises ``ValueError`` (the HTTP layer answers 400). Safe to share between requests: it holds
+    no per-request state.
+    """
+
+    def __init__(self, model_dir: Path, max_model_len: int) -> None:
+        self.model_dir = Path(model_dir)
+        self.max_model_len = max_model_len
+        self.backend = _load_backend(self.model_dir / "tokenizer.json")
+        config = read_json(self.model_dir / "tokenizer_config.json")
+        self.special_tokens = _special_tokens(config)
+        self.chat_templates = _chat_templates(self.model_dir, config)
+        self.eos_token_ids = self._find_eos_token_ids()
+
+    @property
+    def eos(self) -> int:
+        """The end-of-sequence token id (the tokenizer's eos token, else generation config's)."""
+        return self.eos_token_ids[0]
+
+    @property
+    def expects_content_wrapping(self) -> bool:
+        """Message content reaches the template as a plain string, never as typed parts."""
+        return False
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_templates)
+
+    async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``prompt``; ``ValueError`` if they exceed ``max_model_len``."""
+        token_ids = self.encode_now(prompt, add_special_tokens)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"but the text has {len(token_ids)} tokens."
+            )
+        return token_ids
+
+    def encode_now(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``text`` with no length check (synchronous)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    async def decode(self, encoded: list[int], **kwargs: Any) -> str:
+        """Text for ``encoded``; ``skip_special_tokens`` (default False) as in transformers."""
+        return self.backend.decode(
+            encoded, skip_special_tokens=kwargs.get("skip_special_tokens", False)
+        )
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for ``messages`` (dicts with role and string content), ending with the
+        assistant's turn. Without a chat template: mlx_lm.server's role-prefix format."""
+        if not self.chat_templates:
+            return render_fallback_prompt(messages)
+        source = self.chat_templates.get("default") or next(iter(self.chat_templates.values()))
+        if tools and "tool_use" in self.chat_templates:
+            source = self.chat_templates["tool_use"]
+        return render_chat_template(source, messages, self.special_tokens, tools, options)
+
+    async def new_context(self, request: TextGenerationRequest) -> TextContext:
+        """Tokenize ``request`` (chat template for messages) and bound its output length.
+
+        ``max_length`` is min(max_model_len, prompt tokens + max_new_tokens). Raises ``ValueError``
+        for an empty prompt, token ids outside the vocabulary, or a prompt that leaves no room.
+        """
+        prompt_token_ids = self._prompt_token_ids(request)
+        self._check_prompt_length(len(prompt_token_ids))
+        max_new_tokens = request.sampling_params.max_new_tokens
+        max_length = self.max_model_len
+        if max_new_tokens is not None:
+            max_length = min(max_length, len(prompt_token_ids) + max_new_tokens)
+        return TextContext(
+            request_id=request.request_id,
+            prompt_token_ids=prompt_token_ids,
+            max_length=max_length,
+            eos_token_ids=list(self.eos_token_ids),
+            sampling_params=request.sampling_params,
+            timestamp_ns=request.timestamp_ns,
+        )
+
+    def _prompt_token_ids(self, request: TextGenerationRequest) -> list[int]:
+        if request.messages is not None:
+            messages = [_message_dict(message) for message in request.messages]
+            tools = msgspec.to_builtins(request.tools) if request.tools else None
+            prompt = self.apply_chat_template(messages, tools, request.chat_template_options)
+            token_ids = self.encode_now(prompt, add_special_tokens=False)
+        elif isinstance(request.prompt, str):
+            token_ids = self.encode_now(request.prompt, add_special_tokens=True)
+        elif isinstance(request.prompt, list):
+            token_ids = self._checked_token_ids(request.prompt)
+        else:
+            raise ValueError("a request needs either messages or a prompt")
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must have at least one token")
+        return token_ids
+
+    def _checked_token_ids(self, token_ids: list[int]) -> list[int]:
+        vocab_size = self.vocab_size
+        for token_id in token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"prompt token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                )
+        return list(token_ids)
+
+    def _check_prompt_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {num_prompt_tokens} tokens, leaving no room for the completion. "
+                "Shorten the prompt or the conversation."
+            )
+
+    def _find_eos_token_ids(self) -> list[int]:
+        token_ids: list[int] = []
+        eos_text = self.special_tokens.get("eos_token")
+        eos_id = self.backend.token_to_id(eos_text) if eos_text else None
+        if eos_id is not None:
+            token_ids.append(eos_id)
+        token_ids += generation_eos_token_ids(self.model_dir)
+        token_ids = list(dict.fromkeys(token_ids))
+        if not token_ids:
+            raise ValueError(f"{self.model_dir} names no end-of-sequence token")
+        return token_ids
+
+
+def _load_backend(path: Path) -> Tokenizer:
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: the model directory needs a tokenizer.json")
+    backend = Tokenizer.from_file(str(path))
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """``bos_token`` etc. as strings (tokenizer_config may hold them as AddedToken dicts)."""
+    tokens = {}
+    for name in _SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
+def _chat_templates(model_dir: Path, config: dict[str, Any]) -> dict[str, str]:
+    """Templates by name ("default", "tool_use", ...); chat_template.jinja wins over the config."""
+    template_file = model_dir / "chat_template.jinja"
+    if template_file.is_file():
+        return {"default": template_file.read_text(encoding="utf-8")}
+    template = config.get("chat_template")
+    if isinstance(template, str):
+        return {"default": template}
+    if isinstance(template, list):
+        return {item["name"]: item["template"] for item in template if isinstance(item, dict)}
+    return {}
+
+
+def _message_dict(message: TextGenerationRequestMessage) -> dict[str, Any]:
+    """The template's view of a message: string content; "developer" is OpenAI's new "system"."""
+    result: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": _flatten_content(message.content),
+    }
+    for name in ("name", "tool_calls", "tool_call_id"):
+        value = getattr(message, name)
+        if value is not None:
+            result[name] = value
+    return result
+
+
+def _flatten_content(content: str | list[dict[str, Any]] | None) -> str:
+    """Join text parts with newlines (vLLM's "string" content format)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ValueError(f"content parts of type {part.get('type')!r} are not supported")
+        texts.append(part.get("text", part.get("content", "")))
+    return "\n".join(texts)

@@ -1,0 +1,197 @@
+"""EngineClient against a bare ROUTER socket that the test drives message by message."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from api_server.config import EngineClientConfig
+from api_server.engine_client import EngineClient, SchedulerUnavailable
+from interfaces import SchedulerResult, TextContext, TextGenerationOutput
+from interfaces.api_to_scheduler import (
+    AbortRequests,
+    ApiToSchedulerMessage,
+    StatsRequest,
+    SubmitRequest,
+)
+from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces.outputs import GenerationStatus
+from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats
+
+encode = msgpack_numpy_encoder()
+decode = msgpack_numpy_decoder(ApiToSchedulerMessage)
+CONTEXT = TextContext(request_id="r1", prompt_token_ids=[1, 2], max_length=10)
+
+
+def stats(num_running: int) -> SchedulerStats:
+    return SchedulerStats(num_running, 0, 10, num_running, True)
+
+
+def results(request_id: str, result: SchedulerResult) -> bytes:
+    return encode(SchedulerResults(results={request_id: result}))
+
+
+def output(tokens: list[int], status=GenerationStatus.ACTIVE) -> TextGenerationOutput:
+    return TextGenerationOutput("r1", tokens, status)
+
+
+async def receive(router: zmq.asyncio.Socket) -> tuple[bytes, object]:
+    identity, frame = await asyncio.wait_for(router.recv_multipart(), 5)
+    return identity, decode(frame)
+
+
+def run_with_router(tmp_path: Path, test: Callable[..., Awaitable[None]], bind: bool = True):
+    """Run ``test(client, router)`` with an EngineClient connected to a ROUTER (bound or not)."""
+    address = f"ipc://{tmp_path}/scheduler.ipc"
+    config = EngineClientConfig(
+        address,
+        submit_timeout_s=0.5,
+        stats_timeout_s=0.5,
+        scheduler_timeout_s=0.6,
+        heartbeat_interval_s=0.1,
+    )
+
+    async def main() -> None:
+        zmq_context = zmq.asyncio.Context()
+        router = zmq_context.socket(zmq.ROUTER)
+        if bind:
+            router.bind(address)
+        client = EngineClient(config)
+        await client.start()
+        try:
+            await asyncio.wait_for(test(client, router), 10)
+        finally:
+            await client.close()
+            zmq_context.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+def test_results_stream_until_complete_and_bad_frames_are_dropped(tmp_path: Path) -> None:
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream = client.generate(CONTEXT)
+        first = asyncio.ensure_future(anext(stream))
+        identity, message = await receive(router)
+        assert message == SubmitRequest(CONTEXT)
+        await router.send_multipart([identity, b"\xc1 not msgpack"])
+        await router.send_multipart(
+            [identity, results("someone-else", SchedulerResult.active(output([9])))]
+        )
+        await router.send_multipart([identity, results("r1", SchedulerResult.active(output([5])))])
+        assert (await first).result.tokens == [5]
+        done = SchedulerResult.complete(output([6, 2], GenerationStatus.END_OF_SEQUENCE))
+        await router.send_multipart([identity, results("r1", done)])
+        assert [item async for item in stream] == [done]
+        assert client.num_requests_in_flight == 0
+        with pytest.raises(asyncio.TimeoutError):  # a finished request is not aborted
+            await asyncio.wait_for(router.recv_multipart(), 0.2)
+
+    run_with_router(tmp_path, test)
+
+
+def test_leaving_a_stream_early_aborts_the_request(tmp_path: Path) -> None:
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream = client.generate(CONTEXT)
+        first = asyncio.ensure_future(anext(stream))
+        identity, _ = await receive(router)
+        await router.send_multipart([identity, results("r1", SchedulerResult.active(output([5])))])
+        await first
+        await stream.aclose()
+        assert await receive(router) == (identity, AbortRequests(["r1"]))
+        assert client.num_requests_in_flight == 0
+
+    run_with_router(tmp_path, test)
+
+
+def test_cancelling_the_consumer_aborts_the_request(tmp_path: Path) -> None:
+    async def consume(client: EngineClient) -> None:
+        async for _ in client.generate(CONTEXT):
+            pass
+
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        task = asyncio.ensure_future(consume(client))
+        identity, _ = await receive(router)
+        task.cancel()
+        assert await receive(router) == (identity, AbortRequests(["r1"]))
+
+    run_with_router(tmp_path, test)
+
+
+def test_concurrent_stats_get_the_replies_to_their_own_requests(tmp_path: Path) -> None:
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        first = asyncio.ensure_future(client.stats())
+        second = asyncio.ensure_future(client.stats())
+        identity, message = await receive(router)
+        assert message == StatsRequest()
+        await receive(router)
+        await router.send_multipart([identity, encode(stats(1))])
+        await asyncio.sleep(0.05)
+        assert first.done() and not second.done()
+        await router.send_multipart([identity, encode(stats(2))])
+        assert (await first, await second) == (stats(1), stats(2))
+
+    run_with_router(tmp_path, test)
+
+
+def test_stats_survive_a_lost_request(tmp_path: Path) -> None:
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        with pytest.raises(SchedulerUnavailable):
+            await client.stats()
+        await receive(router)  # the first request is lost: never answered
+        second = asyncio.ensure_future(client.stats())
+        identity, _ = await receive(router)
+        await router.send_multipart([identity, encode(stats(2))])
+        assert await second == stats(2)
+        third = asyncio.ensure_future(client.stats())
+        identity, _ = await receive(router)
+        await router.send_multipart([identity, encode(stats(3))])
+        assert await asyncio.wait_for(third, 0.3) == stats(3)  # paired again: no timeout wait
+
+    run_with_router(tmp_path, test)
+
+
+def test_stats_times_out(tmp_path: Path) -> None:
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        with pytest.raises(SchedulerUnavailable, match=r"within 0\.5 s"):
+            await client.stats()
+
+    run_with_router(tmp_path, test)
+
+
+def test_a_silent_scheduler_fails_requests_in_flight(tmp_path: Path) -> None:
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream = client.generate(CONTEXT)
+        with pytest.raises(SchedulerUnavailable, match="has not answered"):
+            await anext(stream)
+        _, message = await receive(router)
+        assert message == SubmitRequest(CONTEXT)
+        assert (await receive(router))[1] == StatsRequest()  # the heartbeat pinged first
+        assert client.num_requests_in_flight == 0
+
+    run_with_router(tmp_path, test)
+
+
+def test_no_scheduler_fails_the_submit(tmp_path: Path) -> None:
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        with pytest.raises(SchedulerUnavailable, match=r"did not accept the request within 0\.5 s"):
+            await anext(client.generate(CONTEXT))
+        assert client.num_requests_in_flight == 0
+
+    run_with_router(tmp_path, test, bind=False)
+
+
+def test_a_request_id_in_flight_cannot_be_reused(tmp_path: Path) -> None:
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream = client.generate(CONTEXT)
+        first = asyncio.ensure_future(anext(stream))
+        await receive(router)
+        with pytest.raises(ValueError, match="already in flight"):
+            await anext(client.generate(CONTEXT))
+        first.cancel()
+
+    run_with_router(tmp_path, test)

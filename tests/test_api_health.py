@@ -1,0 +1,128 @@
+"""The API server's life around generation: client disconnects, failed requests, a silent
+scheduler, /health and /metrics (real HTTP against the fake scheduler)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fake_scheduler import ApiHarness, sse_events
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api-health"))
+    yield harness
+    harness.close()
+
+
+@pytest.fixture(autouse=True)
+def fresh_scheduler(api: ApiHarness) -> None:
+    api.scheduler.reset()
+    api.scheduler.reply = api.tokenizer.encode_now("Hello there, friend", add_special_tokens=False)
+    api.scheduler.eos_token_id = 2
+
+
+@pytest.fixture
+def client(api: ApiHarness):
+    with httpx.Client(base_url=api.url, timeout=httpx.Timeout(10.0)) as http:
+        yield http
+
+
+def test_client_disconnect_mid_stream_aborts(api: ApiHarness, client: httpx.Client) -> None:
+    api.scheduler.repeat = True
+    api.scheduler.step_interval_s = 0.01
+    request = {"messages": MESSAGES, "stream": True, "max_tokens": 200}
+    with client.stream("POST", "/v1/chat/completions", json=request) as response:
+        lines = response.iter_lines()
+        first = json.loads(next(line for line in lines if line).removeprefix("data: "))
+        next(line for line in lines if line)
+        assert api.scheduler.stats().num_requests_running == 1
+        assert api.scheduler.stats().num_kv_blocks_used >= 1
+    assert api.scheduler.wait_for(lambda: first["id"] in api.scheduler.aborted)
+    assert api.scheduler.stats().num_requests_running == 0
+    metrics = client.get("/metrics").text
+    assert 'switchyard:kv_cache_usage_perc{model_name="smollm2-test"} 0.0' in metrics
+    assert 'switchyard:num_requests_running{model_name="smollm2-test"} 0.0' in metrics
+
+
+def test_client_disconnect_during_a_non_streaming_request_aborts(api: ApiHarness) -> None:
+    api.scheduler.repeat = True
+    api.scheduler.step_interval_s = 0.01
+    timeout = httpx.Timeout(10.0, read=0.3)
+    with (
+        httpx.Client(base_url=api.url, timeout=timeout) as impatient,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        impatient.post("/v1/completions", json={"prompt": "x", "max_tokens": 200})
+    request_id = api.scheduler.submitted[-1].request_id
+    assert api.scheduler.wait_for(lambda: request_id in api.scheduler.aborted)
+    assert api.scheduler.wait_for(lambda: api.scheduler.stats().num_requests_running == 0)
+
+
+def test_request_failed_by_the_system(api: ApiHarness, client: httpx.Client) -> None:
+    api.scheduler.fail_with = "a worker died"
+    response = client.post("/v1/chat/completions", json={"messages": MESSAGES})
+    assert response.status_code == 500
+    assert response.json() == {
+        "error": {
+            "message": "a worker died",
+            "type": "server_error",
+            "param": None,
+            "code": "internal_error",
+        }
+    }
+    streamed = client.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True})
+    assert streamed.status_code == 500  # it failed before the first token: a real status
+
+
+def test_request_failed_mid_stream_sends_an_error_event(
+    api: ApiHarness, client: httpx.Client
+) -> None:
+    api.scheduler.fail_with = "out of KV cache"
+    api.scheduler.fail_after_tokens = 3
+    response = client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert response.status_code == 200
+    events = sse_events(response)
+    assert json.loads(events[-1])["error"]["message"] == "out of KV cache"
+    assert json.loads(events[-1])["error"]["type"] == "server_error"
+
+
+def test_silent_scheduler_fails_requests_instead_of_hanging(
+    api: ApiHarness, client: httpx.Client
+) -> None:
+    api.scheduler.silent = True
+    response = client.post("/v1/chat/completions", json={"messages": MESSAGES})
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "service_unavailable_error"
+    assert "has not answered" in response.json()["error"]["message"]
+
+
+def test_health(api: ApiHarness, client: httpx.Client) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    api.scheduler.workers_ready = False
+    response = client.get("/health")
+    assert response.status_code == 503
+    assert (
+        response.json()["error"]["message"] == "the scheduler is up but its workers are not ready"
+    )
+
+
+def test_metrics(api: ApiHarness, client: httpx.Client) -> None:
+    api.scheduler.repeat = True
+    api.scheduler.step_interval_s = 0.05
+    request = {"prompt": "x", "stream": True, "max_tokens": 200}
+    with client.stream("POST", "/v1/completions", json=request) as response:
+        lines = response.iter_lines()  # kept: dropping it would close the connection
+        next(line for line in lines if line)
+        metrics = client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    assert 'switchyard:num_requests_running{model_name="smollm2-test"} 1.0' in text
+    assert 'switchyard:num_requests_waiting{model_name="smollm2-test"} 0.0' in text
+    assert 'switchyard:kv_cache_usage_perc{model_name="smollm2-test"} 0.015625' in text

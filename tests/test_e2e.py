@@ -1,0 +1,304 @@
+"""End to end: `switchyard serve` with the default model, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+READY_TIMEOUT_S = 300
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about trains.",
+    "List three primary colors.",
+]
+
+
+class ServeProcess:
+    """A `switchyard serve` child whose stdout is watched for the ready line."""
+
+    def __init__(self, *flags: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "switchyard", "serve", "--port", "0", *flags],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.base_url = self._wait_for_ready_line()
+
+    def _wait_for_ready_line(self) -> str:
+        found: list[str] = []
+
+        def read() -> None:
+            for line in self.process.stdout:
+                match = re.search(r"on (http://\S+)", line)
+                if match:
+                    found.append(match.group(1))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(READY_TIMEOUT_S)
+        if not found:
+            self.process.kill()
+            raise RuntimeError("switchyard serve did not become ready")
+        return found[0]
+
+    def children(self) -> list[tuple[int, str]]:
+        """(pid, command line) of every process in the serve process's session."""
+        listing = subprocess.run(
+            ["ps", "-o", "pid=,sid=,args=", "-e"], capture_output=True, text=True, check=True
+        ).stdout
+        result = []
+        for line in listing.splitlines():
+            pid, sid, args = line.strip().split(None, 2)
+            if int(sid) == self.process.pid and int(pid) != self.process.pid:
+                result.append((int(pid), args))
+        return result
+
+    def terminate(self, timeout: float = 30) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    serve = ServeProcess("--api-servers", "2")
+    yield serve
+    if serve.process.poll() is None:
+        serve.process.kill()
+        os.killpg(serve.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir):
+    """transformers' greedy generation on the same model, the parity reference."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    model.eval()
+
+    def generate(input_ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            output = model.generate(
+                torch.tensor([input_ids]),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        return output[0, len(input_ids) :].tolist()
+
+    def chat(prompt: str, max_new_tokens: int = 32) -> tuple[str, int]:
+        messages = [{"role": "user", "content": prompt}]
+        input_ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        tokens = generate(list(input_ids), max_new_tokens)
+        return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
+
+    def complete(prompt: str, max_new_tokens: int = 32) -> tuple[str, int]:
+        tokens = generate(tokenizer.encode(prompt), max_new_tokens)
+        return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
+
+    return chat, complete
+
+
+def chat_messages(prompt):
+    return [{"role": "user", "content": prompt}]
+
+
+@pytest.mark.parametrize("prompt", CHAT_PROMPTS)
+def test_chat_greedy_matches_transformers(client, reference, prompt):
+    expected_text, expected_count = reference[0](prompt)
+    response = client.chat.completions.create(
+        model=MODEL, messages=chat_messages(prompt), max_tokens=32, temperature=0
+    )
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected_text
+    assert choice.finish_reason == ("length" if expected_count == 32 else "stop")
+    assert response.usage.completion_tokens == expected_count
+    assert response.usage.total_tokens == response.usage.prompt_tokens + expected_count
+    assert response.model == MODEL
+
+
+def test_completion_greedy_matches_transformers(client, reference):
+    prompt = "The three laws of robotics are"
+    expected_text, expected_count = reference[1](prompt, 24)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert response.choices[0].text == expected_text
+    assert response.usage.completion_tokens == expected_count
+
+
+def test_streaming_chat_equals_non_streaming(client, reference):
+    prompt = CHAT_PROMPTS[1]
+    expected_text, _ = reference[0](prompt)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=chat_messages(prompt),
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish_reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert text == expected_text
+    assert [r for r in finish_reasons if r is not None] in (["stop"], ["length"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_streaming_completion(client, reference):
+    prompt = "Once upon a time"
+    expected_text, _ = reference[1](prompt, 16)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in stream) == expected_text
+
+
+def test_sixteen_concurrent_streams_each_equal_their_solo_output(server, client):
+    prompts = [f"Count from {i} to {i + 5}, separated by commas." for i in range(16)]
+    solo = {}
+    for prompt in prompts[:4] + prompts[-2:]:
+        response = client.chat.completions.create(
+            model=MODEL, messages=chat_messages(prompt), max_tokens=24, temperature=0
+        )
+        solo[prompt] = response.choices[0].message.content
+
+    async def stream_one(async_client, prompt):
+        stream = await async_client.chat.completions.create(
+            model=MODEL, messages=chat_messages(prompt), max_tokens=24, temperature=0, stream=True
+        )
+        return "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
+
+    async def run_all():
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+        ) as async_client:
+            return await asyncio.gather(*(stream_one(async_client, p) for p in prompts))
+
+    texts = dict(zip(prompts, asyncio.run(run_all()), strict=True))
+    assert all(texts.values())
+    assert {p: texts[p] for p in solo} == solo
+
+
+def scheduler_gauges(base_url):
+    metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
+    values = {}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        match = re.search(rf"^switchyard:{name}\{{[^}}]*\}} (\S+)$", metrics, re.MULTILINE)
+        values[name] = float(match.group(1))
+    return values
+
+
+def test_a_dropped_stream_is_aborted_and_its_cache_freed(server):
+    body = {
+        "model": MODEL,
+        "messages": chat_messages("Tell me a very long story."),
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+        assert all(line.startswith("data: ") or line == "" for line in received)
+        assert scheduler_gauges(server.base_url)["num_requests_running"] == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        gauges = scheduler_gauges(server.base_url)
+        if gauges["num_requests_running"] == 0 and gauges["kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.2)
+    assert gauges == {
+        "num_requests_running": 0.0,
+        "num_requests_waiting": 0.0,
+        "kv_cache_usage_perc": 0.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": MODEL, "messages": chat_messages("hi"), "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": MODEL}, 400, "messages"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+        ({"model": "no-such-model", "messages": chat_messages("hi")}, 404, "model"),
+        ({"model": MODEL, "messages": chat_messages("hi " * 9000)}, 400, "messages"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert param in (error["param"] or "") + error["message"]
+
+
+def test_malformed_json_gets_a_400(server):
+    response = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=b'{"model": "x", "messages": [',
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_models_and_health(server, client):
+    assert [model.id for model in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_every_process_shows_its_role(server):
+    titles = sorted(args for _, args in server.children())
+    roles = [t for t in titles if t.startswith("switchyard-")]
+    assert roles == [
+        "switchyard-api-server",
+        "switchyard-api-server",
+        "switchyard-scheduler",
+        "switchyard-worker tp0",
+    ]
+
+
+def test_sigterm_stops_every_process_and_exits_zero(server):
+    children = [pid for pid, _ in server.children()]
+    assert server.terminate() == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+        time.sleep(0.1)
+    assert [pid for pid in children if _alive(pid)] == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return bool(state.stdout.strip()) and not state.stdout.strip().startswith("Z")

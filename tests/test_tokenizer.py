@@ -1,0 +1,216 @@
+"""The API server's tokenizer: chat templates, the no-template fallback, context limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from api_server.chat_template import ChatTemplateError
+from api_server.tokenizer import HuggingFaceTokenizer
+from interfaces import SamplingParams, TextGenerationRequest, TextGenerationRequestMessage
+
+SMOLLM_DEFAULT_SYSTEM = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path) -> HuggingFaceTokenizer:
+    return HuggingFaceTokenizer(default_model_dir, max_model_len=64)
+
+
+def make_model_dir(source: Path, target: Path, tokenizer_config: dict, **files: str) -> Path:
+    """A model directory with ``source``'s tokenizer.json and the given configs."""
+    target.mkdir()
+    shutil.copy(source / "tokenizer.json", target / "tokenizer.json")
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (target / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
+    for name, text in files.items():
+        (target / name.replace("__", ".")).write_text(text)
+    return target
+
+
+def chat_request(messages: list[dict], max_new_tokens: int | None = None) -> TextGenerationRequest:
+    return TextGenerationRequest(
+        request_id="r1",
+        index=0,
+        model_name="m",
+        messages=[TextGenerationRequestMessage(**message) for message in messages],
+        sampling_params=SamplingParams(max_new_tokens=max_new_tokens),
+    )
+
+
+def test_smollm2_chat_template(tokenizer: HuggingFaceTokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    assert tokenizer.apply_chat_template(messages) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_smollm2_default_system_prompt(tokenizer: HuggingFaceTokenizer) -> None:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert (
+        prompt == SMOLLM_DEFAULT_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_new_context_encodes_the_template_without_extra_special_tokens(
+    tokenizer: HuggingFaceTokenizer,
+) -> None:
+    context = asyncio.run(tokenizer.new_context(chat_request([{"role": "user", "content": "Hi"}])))
+    expected = tokenizer.encode_now(
+        SMOLLM_DEFAULT_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    assert context.prompt_token_ids == expected
+    assert context.prompt_token_ids[0] == 1  # <|im_start|>, once, from the template
+    assert context.prompt_token_ids.count(1) == 3
+    assert context.max_length == 64  # max_new_tokens None: the whole context
+    assert context.eos_token_ids == [2]
+    assert context.request_id == "r1"
+
+
+def test_max_length_is_prompt_plus_max_new_tokens_within_the_context(
+    tokenizer: HuggingFaceTokenizer,
+) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    short = asyncio.run(tokenizer.new_context(chat_request(messages, max_new_tokens=5)))
+    assert short.max_length == short.num_prompt_tokens + 5
+    long = asyncio.run(tokenizer.new_context(chat_request(messages, max_new_tokens=1000)))
+    assert long.max_length == 64
+
+
+def test_content_parts_are_joined_and_developer_is_system(tokenizer: HuggingFaceTokenizer) -> None:
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    context = asyncio.run(tokenizer.new_context(chat_request(messages)))
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\na\nb<|im_end|>\n"
+    assert asyncio.run(tokenizer.decode(context.prompt_token_ids)) == (
+        expected + "<|im_start|>assistant\n"
+    )
+
+
+def test_prompt_too_long_is_a_value_error(tokenizer: HuggingFaceTokenizer) -> None:
+    request = TextGenerationRequest(request_id="r", index=0, model_name="m", prompt="word " * 100)
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens, but the prompt has"):
+        asyncio.run(tokenizer.new_context(request))
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
+        asyncio.run(tokenizer.encode("word " * 100))
+
+
+def test_a_prompt_that_fills_the_context_leaves_no_room(tokenizer: HuggingFaceTokenizer) -> None:
+    request = TextGenerationRequest(request_id="r", index=0, model_name="m", prompt=[5] * 64)
+    with pytest.raises(ValueError, match="leaving no room"):
+        asyncio.run(tokenizer.new_context(request))
+    ok = TextGenerationRequest(request_id="r", index=0, model_name="m", prompt=[5] * 63)
+    assert asyncio.run(tokenizer.new_context(ok)).max_length == 64
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"), [("", "prompt is empty"), ([], "prompt is empty"), ([49152], "outside")]
+)
+def test_bad_prompts(tokenizer: HuggingFaceTokenizer, prompt, message: str) -> None:
+    request = TextGenerationRequest(request_id="r", index=0, model_name="m", prompt=prompt)
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(tokenizer.new_context(request))
+
+
+def test_completion_prompt_text_is_encoded_with_special_tokens(
+    tokenizer: HuggingFaceTokenizer,
+) -> None:
+    request = TextGenerationRequest(request_id="r", index=0, model_name="m", prompt="Hello world")
+    context = asyncio.run(tokenizer.new_context(request))
+    assert context.prompt_token_ids == [19556, 905]  # SmolLM2 adds no BOS to plain text
+
+
+def test_fallback_format_without_a_chat_template(default_model_dir: Path, tmp_path: Path) -> None:
+    config = {"eos_token": "<|im_end|>"}
+    model_dir = make_model_dir(default_model_dir, tmp_path / "plain", config)
+    tokenizer = HuggingFaceTokenizer(model_dir, max_model_len=128)
+    assert not tokenizer.has_chat_template
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    assert tokenizer.apply_chat_template(messages) == (
+        "ASSISTANT's RULE: Be brief.\nUSER: Hi\nASSISTANT: Hello.\nUSER: Bye\nASSISTANT:"
+    )
+
+
+def test_template_file_tojson_strftime_and_special_token_variables(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    template = (
+        "{{ bos_token }}{% for m in messages %}{{ m | tojson }}\n{% endfor %}"
+        "{% if add_generation_prompt %}{{ strftime_now('%Y') | length }}{% endif %}"
+    )
+    config = {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>"}
+    model_dir = make_model_dir(
+        default_model_dir, tmp_path / "custom", config, chat_template__jinja=template
+    )
+    tokenizer = HuggingFaceTokenizer(model_dir, max_model_len=128)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "é"}])
+    assert prompt == '<|im_start|>{"role": "user", "content": "é"}\n4'
+
+
+def test_named_templates_pick_tool_use_when_tools_are_given(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    config = {
+        "eos_token": "<|im_end|>",
+        "chat_template": [
+            {"name": "default", "template": "plain"},
+            {"name": "tool_use", "template": "tools: {{ tools | length }}"},
+        ],
+    }
+    model_dir = make_model_dir(default_model_dir, tmp_path / "named", config)
+    tokenizer = HuggingFaceTokenizer(model_dir, max_model_len=128)
+    messages = [{"role": "user", "content": "x"}]
+    assert tokenizer.apply_chat_template(messages) == "plain"
+    assert tokenizer.apply_chat_template(messages, tools=[{"type": "function"}]) == "tools: 1"
+
+
+def test_raise_exception_in_a_template_is_a_value_error(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    config = {
+        "eos_token": "<|im_end|>",
+        "chat_template": "{{ raise_exception('roles must alternate') }}",
+    }
+    model_dir = make_model_dir(default_model_dir, tmp_path / "strict", config)
+    tokenizer = HuggingFaceTokenizer(model_dir, max_model_len=128)
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+    assert issubclass(ChatTemplateError, ValueError)
+
+
+def test_eos_token_ids_merge_generation_config_and_tokenizer(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = make_model_dir(
+        default_model_dir,
+        tmp_path / "eos",
+        {"eos_token": "<|im_end|>"},
+        generation_config__json=json.dumps({"eos_token_id": [0, 2]}),
+    )
+    tokenizer = HuggingFaceTokenizer(model_dir, max_model_len=128)
+    assert tokenizer.eos_token_ids == [2, 0]
+    assert tokenizer.eos == 2

@@ -1,0 +1,84 @@
+"""``python -m worker``: load a model and serve it to the scheduler (tensor-parallel rank 0)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from types import FrameType
+
+import setproctitle
+
+from interfaces import envs
+from worker.config import DTYPES, WorkerConfig, parse_memory
+from worker.model_files import model_name_for, resolve_model
+from worker.model_runner import ModelRunner
+from worker.server import WorkerServer
+
+logger = logging.getLogger("worker")
+
+PROCESS_TITLE = "switchyard-worker tp0"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    parser.add_argument(
+        "--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)"
+    )
+    parser.add_argument(
+        "--scheduler-addr", required=True, help="the scheduler's backend ROUTER address"
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES))
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=parse_memory,
+        default=None,
+        help="KV cache bytes (4294967296, 512MiB, 2GiB) or a fraction of free memory (0.8)",
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Load the model, then serve until Shutdown or a signal. Returns the exit code."""
+    args = parse_args(argv)
+    setproctitle.setproctitle(PROCESS_TITLE)
+    logging.basicConfig(
+        level=envs.log_level(), format="%(asctime)s %(levelname)s worker-tp0 %(name)s: %(message)s"
+    )
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_while_loading)
+    try:
+        runner = _load(args)
+    except ValueError as error:
+        logger.error("cannot start the worker: %s", error)
+        return 1
+    return WorkerServer(runner, args.scheduler_addr).serve()
+
+
+def _load(args: argparse.Namespace) -> ModelRunner:
+    config = WorkerConfig(
+        model_dir=resolve_model(args.model),
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        served_model_name=args.served_model_name or model_name_for(args.model),
+    )
+    return ModelRunner(config)
+
+
+def _exit_while_loading(signum: int, _frame: FrameType | None) -> None:
+    """A signal before serving: unwind (so a half-built GGUF conversion is removed) and exit."""
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

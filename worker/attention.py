@@ -1,0 +1,166 @@
+"""Attention over the paged KV cache for a flat, mixed batch of tokens.
+
+A step's tokens are all requests' scheduled tokens concatenated (varlen). A request may prefill
+many tokens (a whole prompt, or a chunk starting after tokens already cached) while another
+decodes one. Every layer writes the new keys/values into their cache slots, then each request's
+queries attend to its cached keys through its block table: the blocks are gathered into a padded
+batch and one ``scaled_dot_product_attention`` call serves all requests, with a causal mask on
+absolute positions hiding both future tokens and padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from worker.kv_cache import slot_mapping
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a step's tokens sit, shared by every layer. Built once per step on the device.
+
+    ``slot_mapping`` (num_tokens,): cache slot each new token's key/value is written to.
+    ``block_tables`` (num_requests, max_num_blocks): each request's blocks, padded with block 0
+    (padding is masked out, so any valid block id would do).
+    ``token_request_indices`` / ``token_query_indices`` (num_tokens,): the request each token
+    belongs to and its index among that request's scheduled tokens.
+    ``attention_mask`` (num_requests, 1, max_query_len, max_num_blocks * block_size): True where
+    a query may attend to a key: the key's position is at most the query's position.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    token_request_indices: torch.Tensor
+    token_query_indices: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """A step's flat token layout: positions, metadata, and where each request's last token is.
+
+    ``positions`` (num_tokens,) are absolute token positions; ``last_token_indices``
+    (num_requests,) index each request's final scheduled token in the flat batch.
+    """
+
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    last_token_indices: torch.Tensor
+
+
+def build_batch_layout(
+    num_computed_tokens: Sequence[int],
+    num_scheduled_tokens: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+) -> BatchLayout:
+    """Lay out requests that compute [num_computed, num_computed + num_scheduled) tokens each.
+
+    ``block_ids[i]`` must cover request i's tokens up to its new end; the caller checks that.
+    """
+    starts = np.asarray(num_computed_tokens, dtype=np.int64)
+    query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)
+    ends = starts + query_lens
+    token_requests, token_queries = _token_indices(query_lens)
+    positions = starts[token_requests] + token_queries
+    slots = [
+        slot_mapping(ids, start, end, block_size)
+        for ids, start, end in zip(block_ids, starts, ends, strict=True)
+    ]
+    block_tables = _block_tables(block_ids, -(-ends // block_size))
+    query_positions = np.zeros((len(starts), int(query_lens.max())), dtype=np.int64)
+    query_positions[token_requests, token_queries] = positions
+    mask = _causal_mask(query_positions, block_tables.shape[1] * block_size)
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
+    metadata = AttentionMetadata(
+        slot_mapping=tensor(np.concatenate(slots)),
+        block_tables=tensor(block_tables),
+        token_request_indices=tensor(token_requests),
+        token_query_indices=tensor(token_queries),
+        attention_mask=tensor(mask),
+    )
+    return BatchLayout(tensor(positions), metadata, tensor(np.cumsum(query_lens) - 1))
+
+
+def _token_indices(query_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each flat-batch token: its request's index, and its index among that request's tokens."""
+    token_requests = np.repeat(np.arange(len(query_lens)), query_lens)
+    query_starts = np.cumsum(query_lens) - query_lens
+    return token_requests, np.arange(int(query_lens.sum())) - query_starts[token_requests]
+
+
+def _causal_mask(query_positions: np.ndarray, max_context: int) -> np.ndarray:
+    """(num_requests, 1, max_query_len, max_context): key position <= query position.
+
+    ``query_positions`` (num_requests, max_query_len) holds 0 in padding rows, so they see one
+    key and never form a fully masked row (which would turn into NaNs); their outputs are dropped.
+    """
+    mask = np.arange(max_context)[None, None, :] <= query_positions[:, :, None]
+    # (num_requests, max_query_len, max_context)
+    return mask[:, None]  # (num_requests, 1, max_query_len, max_context)
+
+
+def _block_tables(block_ids: Sequence[Sequence[int]], num_blocks: np.ndarray) -> np.ndarray:
+    """(num_requests, max(num_blocks)) array of each request's first num_blocks blocks, 0-padded."""
+    tables = np.zeros((len(block_ids), int(num_blocks.max())), dtype=np.int64)
+    for i, (ids, count) in enumerate(zip(block_ids, num_blocks, strict=True)):
+        tables[i, :count] = ids[:count]
+    return tables
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` (num_tokens, num_kv_heads, head_dim) at cache ``slots``."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    # (num_blocks * block_size, num_kv_heads, head_dim): one row per slot
+    key_cache.view(flat_shape).index_copy_(0, slots, key)
+    value_cache.view(flat_shape).index_copy_(0, slots, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attend ``query`` (num_tokens, num_heads, head_dim) to cached keys; same shape out.
+
+    The step's own keys/values must already be written (``write_kv``).
+    """
+    num_requests, _, max_query_len, _ = metadata.attention_mask.shape
+    requests, queries = metadata.token_request_indices, metadata.token_query_indices
+    padded = query.new_zeros(num_requests, max_query_len, *query.shape[1:])
+    padded[requests, queries] = query  # (num_requests, max_query_len, num_heads, head_dim)
+    keys = _gather(key_cache, metadata.block_tables)
+    values = _gather(value_cache, metadata.block_tables)
+    output = F.scaled_dot_product_attention(
+        padded.transpose(1, 2),  # (num_requests, num_heads, max_query_len, head_dim)
+        keys,
+        values,
+        attn_mask=metadata.attention_mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # (num_requests, num_heads, max_query_len, head_dim)
+    return output.transpose(1, 2)[requests, queries]  # (num_tokens, num_heads, head_dim)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """Each request's blocks, contiguous: (num_requests, num_kv_heads, max_context, head_dim)."""
+    blocks = cache[block_tables]  # (num_requests, max_num_blocks, block_size, kv_heads, head_dim)
+    return blocks.flatten(1, 2).transpose(1, 2)  # (num_requests, kv_heads, max_context, head_dim)

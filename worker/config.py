@@ -1,0 +1,88 @@
+"""WorkerConfig: how one worker process loads its model and sizes its KV cache."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+DEFAULT_GPU_KV_CACHE_FRACTION = 0.8
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings for one worker; validated on construction (bad values raise ``ValueError``).
+
+    ``model_dir`` is a Hugging Face-format directory (see ``worker.model_files.resolve_model``).
+    ``device`` is "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+    ``dtype`` None means float32 on CPU and bfloat16 on CUDA.
+    ``kv_cache_memory`` is bytes when greater than 1, a fraction of free device memory when in
+    (0, 1]; None means 1 GiB on CPU and 0.8 of free memory on CUDA.
+    ``max_model_len`` None means the model's ``max_position_embeddings``.
+    ``seed`` seeds sampling for requests that bring no seed of their own; None draws fresh.
+    ``served_model_name`` None means the model directory's name.
+    """
+
+    model_dir: Path
+    device: str = "auto"
+    dtype: str | None = None
+    kv_cache_memory: float | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    seed: int | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device the model and KV cache live on."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of weights, activations and the KV cache."""
+        if self.dtype is not None:
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for this model."""
+        return self.served_model_name or self.model_dir.name
+
+
+def parse_memory(text: str) -> float:
+    """Parse ``--kv-cache-memory``: "0.5" (fraction), "2147483648", "512MiB", "2GiB" or "2GB"."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lowered = text.strip().lower()
+    for suffix, scale in units.items():
+        if lowered.endswith(suffix):
+            return int(float(lowered[: -len(suffix)]) * scale)
+    try:
+        value = float(lowered)
+    except ValueError:
+        raise ValueError(f"cannot parse memory size {text!r}") from None
+    return int(value) if value > 1 else value
+
+
+def default_num_threads() -> int:
+    """CPU threads for torch: every core this process may run on."""
+    return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 1

@@ -1,0 +1,103 @@
+"""The paged KV cache: fixed-size blocks of keys and values, one pair of tensors per layer.
+
+The scheduler owns block ids (which block holds which tokens); the worker owns the memory. Token
+``pos`` of a request lives in slot ``block_ids[pos // block_size] * block_size + pos % block_size``
+of every layer's cache.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from worker.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_KV_CACHE_FRACTION
+
+
+class KVCache:
+    """Key and value blocks for every layer, each (num_blocks, block_size, num_kv_heads, head_dim).
+
+    Owned by the ModelRunner; attention layers write new keys/values by slot and read them back
+    through block tables. Blocks start zeroed so padded reads never meet NaNs.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.key_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.value_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) of layer ``index``."""
+        return self.key_caches[index], self.value_caches[index]
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Memory one block takes across all layers, keys and values together."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
+    """How many blocks fit in ``budget_bytes``; ``ValueError`` if not even one does."""
+    num_blocks = int(budget_bytes) // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {int(budget_bytes)} bytes holds no block of {block_bytes} bytes; "
+            "raise --kv-cache-memory"
+        )
+    return num_blocks
+
+
+def kv_cache_budget(kv_cache_memory: float | None, device: torch.device) -> int:
+    """Bytes for the KV cache: ``kv_cache_memory`` bytes if > 1, else that fraction of free memory.
+
+    None means 1 GiB on CPU and 0.8 of free memory on CUDA (measured after the model is loaded).
+    """
+    if kv_cache_memory is None:
+        if device.type == "cpu":
+            return DEFAULT_CPU_KV_CACHE_MEMORY
+        kv_cache_memory = DEFAULT_GPU_KV_CACHE_FRACTION
+    if kv_cache_memory > 1:
+        return int(kv_cache_memory)
+    return int(kv_cache_memory * free_memory(device))
+
+
+def free_memory(device: torch.device) -> int:
+    """Free bytes on ``device``: CUDA's free memory, or the system's available memory."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def slot_mapping(block_ids: Sequence[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """Cache slots of token positions [start, end) of a request holding ``block_ids``."""
+    positions = np.arange(start, end, dtype=np.int64)
+    blocks = np.asarray(block_ids, dtype=np.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size

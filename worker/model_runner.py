@@ -1,0 +1,225 @@
+"""ModelRunner: turns one SchedulerOutput into one batched forward pass and sampled tokens.
+
+The runner decides nothing about scheduling. It caches each request's tokens and block ids,
+computes exactly the tokens the scheduler named, and samples a token for every request whose
+computed tokens thereby reach the end of its known tokens (prompt plus outputs so far).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from interfaces import RequestID, TextGenerationOutput
+from interfaces.scheduler_to_worker import SchedulerOutput
+from worker.attention import build_batch_layout
+from worker.config import WorkerConfig, default_num_threads
+from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_blocks_for_budget
+from worker.models.config import ModelConfig
+from worker.models.llama import load_model
+from worker.request_state import RequestState
+from worker.sampler import Sampler, SamplingBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and per-request state of one worker (TokenGenerator).
+
+    Called by the worker server's loop, one step at a time, from a single thread.
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        if self.device.type == "cpu":
+            torch.set_num_threads(default_num_threads())
+        self.model = load_model(config.model_dir, self.device, self.dtype)
+        self.model_config: ModelConfig = self.model.config
+        self._max_model_len = _max_model_len(config, self.model_config)
+        self.kv_cache = self._allocate_kv_cache()
+        self.sampler = Sampler(self.device, config.seed)
+        self.requests: dict[RequestID, RequestState] = {}
+        logger.info(
+            "loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
+            config.model_dir,
+            self.device,
+            self.dtype,
+            self.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
+        )
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt plus output) one request may hold."""
+        return self._max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    def _allocate_kv_cache(self) -> KVCache:
+        model = self.model_config
+        shape = (model.num_hidden_layers, self.config.block_size, model.num_key_value_heads)
+        block_bytes = bytes_per_block(*shape, model.head_dim, self.dtype)
+        budget = kv_cache_budget(self.config.kv_cache_memory, self.device)
+        num_blocks = num_blocks_for_budget(budget, block_bytes)
+        return KVCache(
+            model.num_hidden_layers,
+            num_blocks,
+            self.config.block_size,
+            model.num_key_value_heads,
+            model.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    @torch.inference_mode()
+    def next_token(
+        self, scheduler_output: SchedulerOutput
+    ) -> dict[RequestID, TextGenerationOutput]:
+        """Run one step; return one new token for each request that reached a sampling point.
+
+        If the step raises (``ValueError`` for an inconsistent step), every request it named is
+        released, so no half-applied state outlives the failure.
+        """
+        try:
+            self._update_states(scheduler_output)
+            return self._execute(scheduler_output.num_scheduled_tokens)
+        except Exception:
+            for request_id in _named_request_ids(scheduler_output):
+                self.release(request_id)
+            raise
+
+    def release(self, request_id: RequestID) -> None:
+        """Forget ``request_id``; unknown ids are ignored. Its blocks belong to the scheduler."""
+        self.requests.pop(request_id, None)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.release(request_id)
+        for new in scheduler_output.new_requests:
+            state = RequestState.from_new_request(new, self.device)
+            self._check_block_ids(state.request_id, state.block_ids)
+            self.requests[state.request_id] = state
+        for cached in scheduler_output.cached_requests:
+            state = self._state(cached.request_id)
+            self._check_block_ids(cached.request_id, cached.new_block_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _execute(
+        self, num_scheduled: dict[RequestID, int]
+    ) -> dict[RequestID, TextGenerationOutput]:
+        states = [self._state(request_id) for request_id in num_scheduled]
+        counts = list(num_scheduled.values())
+        if not states:
+            return {}
+        for state, count in zip(states, counts, strict=True):
+            self._check_schedulable(state, count)
+        layout = build_batch_layout(
+            [state.num_computed_tokens for state in states],
+            counts,
+            [state.block_ids for state in states],
+            self.block_size,
+            self.device,
+        )
+        sampling = [
+            i for i, (s, n) in enumerate(zip(states, counts, strict=True)) if _reaches_end(s, n)
+        ]
+        logits = self.model(
+            self._input_ids(states, counts),
+            layout.positions,
+            self.kv_cache,
+            layout.metadata,
+            layout.last_token_indices[sampling],
+        )
+        for state, count in zip(states, counts, strict=True):
+            state.num_computed_tokens += count
+        return self._sample(logits, [states[i] for i in sampling])
+
+    def _sample(
+        self, logits: torch.Tensor, states: list[RequestState]
+    ) -> dict[RequestID, TextGenerationOutput]:
+        if not states:
+            return {}
+        batch = SamplingBatch.from_params(
+            [state.sampling_params for state in states],
+            [state.next_token_generator() for state in states],
+            self.model_config.vocab_size,
+            self.device,
+        )
+        tokens = self.sampler(logits, batch).tolist()
+        outputs = {}
+        for state, token in zip(states, tokens, strict=True):
+            state.token_ids.append(token)
+            outputs[state.request_id] = TextGenerationOutput(state.request_id, [token])
+        return outputs
+
+    def _input_ids(self, states: list[RequestState], counts: list[int]) -> torch.Tensor:
+        input_ids = []
+        for state, count in zip(states, counts, strict=True):
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start : start + count])
+        return torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+
+    def _state(self, request_id: RequestID) -> RequestState:
+        state = self.requests.get(request_id)
+        if state is None:
+            raise ValueError(f"request {request_id!r} is not known to this worker")
+        return state
+
+    def _check_block_ids(self, request_id: RequestID, block_ids: list[int]) -> None:
+        if any(not 0 <= block_id < self.num_kv_blocks for block_id in block_ids):
+            raise ValueError(
+                f"request {request_id!r} names block ids outside [0, {self.num_kv_blocks})"
+            )
+
+    def _check_schedulable(self, state: RequestState, count: int) -> None:
+        end = state.num_computed_tokens + count
+        problem = None
+        if count < 1:
+            problem = f"{count} tokens scheduled"
+        elif end > state.num_tokens:
+            problem = f"tokens up to {end} scheduled but only {state.num_tokens} are known"
+        elif end > self.max_model_len:
+            problem = f"tokens up to {end} exceed max_model_len {self.max_model_len}"
+        elif len(state.block_ids) * self.block_size < end:
+            problem = f"{len(state.block_ids)} blocks cannot hold {end} tokens"
+        if problem is not None:
+            raise ValueError(f"request {state.request_id!r}: {problem}")
+
+
+def _reaches_end(state: RequestState, count: int) -> bool:
+    return state.num_computed_tokens + count == state.num_tokens
+
+
+def _named_request_ids(scheduler_output: SchedulerOutput) -> set[RequestID]:
+    named = {new.context.request_id for new in scheduler_output.new_requests}
+    named.update(cached.request_id for cached in scheduler_output.cached_requests)
+    named.update(scheduler_output.num_scheduled_tokens)
+    return named
+
+
+def _max_model_len(config: WorkerConfig, model: ModelConfig) -> int:
+    """The configured limit, else the model's; capped to a sliding window so attention is exact."""
+    limit = config.max_model_len or model.max_position_embeddings
+    if limit > model.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {limit} exceeds the model's {model.max_position_embeddings} positions"
+        )
+    if model.sliding_window is not None and model.sliding_window < limit:
+        logger.warning("capping max_model_len to the sliding window of %d", model.sliding_window)
+        limit = model.sliding_window
+    return limit

@@ -1,0 +1,191 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat batch and a paged KV cache.
+
+Module names follow Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``...) so weights
+load by name. One forward pass takes every request's scheduled tokens concatenated; attention
+finds each token's request and cache blocks in ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from worker.attention import AttentionMetadata, paged_attention, write_kv
+from worker.kv_cache import KVCache
+from worker.models.config import ModelConfig
+from worker.models.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary positions, reading and writing the paged cache."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(-1, num_heads, head_dim)  # (num_tokens, num_heads, head_dim)
+        k = self.k_proj(x).view(-1, num_kv_heads, head_dim)  # (num_tokens, num_kv_heads, head_dim)
+        v = self.v_proj(x).view(-1, num_kv_heads, head_dim)  # (num_tokens, num_kv_heads, head_dim)
+        q = RotaryEmbedding.rotate(q, *cos_sin)
+        k = RotaryEmbedding.rotate(k, *cos_sin)
+        key_cache, value_cache = kv_cache.layer(self.layer_index)
+        write_kv(key_cache, value_cache, k, v, metadata.slot_mapping)
+        out = paged_attention(q, key_cache, value_cache, metadata, scale=head_dim**-0.5)
+        out = out.flatten(1)  # (num_tokens, num_heads * head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_index)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a flat token batch. Build it with ``load_model``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run ``input_ids`` (num_tokens,) at ``positions`` (num_tokens,); cache their keys/values.
+
+        Returns float32 logits (len(logits_indices), vocab_size) for the flat-batch rows in
+        ``logits_indices`` only: the tokens that are followed by a sampled token.
+        """
+        x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos_sin, kv_cache, metadata)
+        x = self.model.norm(x[logits_indices])  # (num_sampled, hidden_size)
+        return self.lm_head(x).float()  # (num_sampled, vocab_size)
+
+
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Build the model described by ``model_dir/config.json`` and load its safetensors weights.
+
+    Raises ``ValueError`` for an unsupported architecture, missing files, or missing weights.
+    """
+    config = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _load_weights(model, Path(model_dir))
+    return model.eval()
+
+
+def _load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {model_dir} has no *.safetensors files")
+    parameters = dict(model.named_parameters())
+    missing = set(parameters)
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as weights:
+            for name in weights.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name not in parameters:
+                    continue
+                _copy_weight(parameters[name], weights.get_tensor(name), name)
+                missing.discard(name)
+    if model.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+
+
+@torch.no_grad()
+def _copy_weight(parameter: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if parameter.shape != tensor.shape:
+        raise ValueError(
+            f"weight {name} has shape {tuple(tensor.shape)}, expected {parameter.shape}"
+        )
+    parameter.copy_(tensor)

@@ -1,0 +1,127 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p and min-p in one pass of torch ops.
+
+Random choices use the exponential race: ``argmax(probs / noise)`` with ``noise ~ Exp(1)`` picks
+token i with probability ``probs[i]``. A request with a seed draws its noise from its own
+generator, re-seeded from (seed, index of the token being generated), so its tokens do not depend
+on which other requests share the batch, nor on whether it was preempted and resumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from interfaces import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_UNSUPPORTED_DEFAULTS = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def check_supported(params: SamplingParams) -> None:
+    """Raise ``ValueError`` for settings this sampler would otherwise silently ignore."""
+    for name, default in _UNSUPPORTED_DEFAULTS.items():
+        if getattr(params, name) != default:
+            raise ValueError(
+                f"{name} is not supported by this worker yet (got {getattr(params, name)})"
+            )
+
+
+def token_seed(seed: int, token_index: int) -> int:
+    """The generator seed for output token ``token_index`` of a request seeded with ``seed``."""
+    return (seed * _SEED_MIX + token_index) % (1 << 63)
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling settings as device tensors (one row per request being sampled).
+
+    ``generators[i]`` is None for rows without a seed; those share the sampler's generator.
+    ``top_ks`` holds vocab_size where top-k is off, ``top_ps`` infinity where top-p is off.
+    """
+
+    temperatures: torch.Tensor
+    top_ks: torch.Tensor
+    top_ps: torch.Tensor
+    min_ps: torch.Tensor
+    is_greedy: torch.Tensor
+    all_greedy: bool
+    generators: Sequence[torch.Generator | None]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatch:
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            temperatures=_tensor(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device
+            ),
+            top_ks=_tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device),
+            top_ps=_tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device),
+            min_ps=_tensor([p.min_p for p in params], device),
+            is_greedy=_tensor(greedy, device),
+            all_greedy=all(greedy),
+            generators=generators,
+        )
+
+
+def _tensor(values: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, device=device)
+
+
+class Sampler:
+    """Picks one token per row of a logits batch.
+
+    ``seed`` seeds the generator shared by rows without a seed of their own; None seeds it
+    randomly.
+    """
+
+    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+        self.generator = torch.Generator(device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Token ids (num_rows,) int64 for float32 ``logits`` (num_rows, vocab_size)."""
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy_tokens
+        probs = filtered_probabilities(logits / batch.temperatures[:, None], batch)
+        sampled = (probs / self._noise(probs, batch.generators)).argmax(dim=-1)
+        return torch.where(batch.is_greedy, greedy_tokens, sampled)
+
+    def _noise(self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]):
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
+        return noise
+
+
+def filtered_probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Softmax of ``logits`` (num_rows, vocab_size) restricted by top-k, top-p and min-p.
+
+    Top-p keeps the smallest prefix of the sorted distribution whose mass reaches top_p (always
+    at least the most likely token); min-p drops tokens below min_p times the top probability.
+    """
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks >= batch.top_ks[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    too_unlikely = sorted_probs < batch.min_ps[:, None] * sorted_probs[:, :1]
+    outside = (mass_before > batch.top_ps[:, None]) | too_unlikely
+    sorted_probs = sorted_logits.masked_fill(outside, float("-inf")).softmax(dim=-1)
+    return torch.zeros_like(sorted_probs).scatter_(-1, sorted_ids, sorted_probs)

@@ -1,0 +1,106 @@
+"""The worker's ZeroMQ loop: receive a step from the scheduler, run it, send the tokens back.
+
+The worker connects a DEALER to the scheduler's backend ROUTER, announces itself with
+``WorkerReady``, then answers every ``SchedulerOutput`` with ``ModelOutput`` (or
+``WorkerFailure`` if the step raised) until ``Shutdown``, SIGTERM or SIGINT. It polls with a short
+timeout so signals are noticed between steps; a step in progress always finishes first.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+
+import msgspec
+import zmq
+
+from interfaces import msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces.scheduler_to_worker import SchedulerOutput, SchedulerToWorkerMessage, Shutdown
+from interfaces.worker_to_scheduler import (
+    ModelOutput,
+    WorkerFailure,
+    WorkerReady,
+    WorkerToSchedulerMessage,
+)
+from worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_MS = 100
+LINGER_MS = 1000
+
+
+class WorkerServer:
+    """Serves one ModelRunner to the scheduler at ``scheduler_addr`` (e.g. ``ipc:///tmp/b.ipc``).
+
+    Owns its ZeroMQ context and socket; ``serve`` returns the process exit code.
+    """
+
+    def __init__(self, runner: ModelRunner, scheduler_addr: str) -> None:
+        self.runner = runner
+        self.scheduler_addr = scheduler_addr
+        self.stop_requested = False
+        self.encode = msgpack_numpy_encoder()
+        self.decode = msgpack_numpy_decoder(SchedulerToWorkerMessage)
+
+    def serve(self) -> int:
+        """Run until Shutdown (exit code 0) or SIGTERM/SIGINT (also 0, after the current step)."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._request_stop)
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.connect(self.scheduler_addr)
+        try:
+            self._send(socket, self._ready())
+            logger.info("worker ready; serving the scheduler at %s", self.scheduler_addr)
+            return self._loop(socket)
+        finally:
+            socket.close(linger=LINGER_MS)
+            context.term()
+
+    def _loop(self, socket: zmq.Socket) -> int:
+        while not self.stop_requested:
+            if not socket.poll(POLL_INTERVAL_MS, zmq.POLLIN):
+                continue
+            message = self._receive(socket)
+            if isinstance(message, Shutdown):
+                logger.info("shutdown requested by the scheduler")
+                return 0
+            if isinstance(message, SchedulerOutput):
+                self._send(socket, self.run_step(message))
+        logger.info("stopping on signal")
+        return 0
+
+    def run_step(self, step: SchedulerOutput) -> ModelOutput | WorkerFailure:
+        """Run one step; a step that raises becomes a WorkerFailure and the worker serves on."""
+        try:
+            return ModelOutput(step.step_id, self.runner.next_token(step))
+        except Exception as error:
+            logger.exception("step %d failed", step.step_id)
+            return WorkerFailure(step.step_id, str(error) or type(error).__name__)
+
+    def _receive(self, socket: zmq.Socket) -> SchedulerToWorkerMessage | None:
+        """The next message, or None (logged) for a frame that is not one."""
+        frames = socket.recv_multipart()
+        if len(frames) != 1:
+            logger.warning("dropped a message of %d frames; expected 1", len(frames))
+            return None
+        try:
+            return self.decode(frames[0])
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
+            logger.warning("dropped an undecodable frame of %d bytes: %s", len(frames[0]), error)
+            return None
+
+    def _ready(self) -> WorkerReady:
+        runner = self.runner
+        return WorkerReady(
+            runner.model_name, runner.num_kv_blocks, runner.block_size, runner.max_model_len
+        )
+
+    def _send(self, socket: zmq.Socket, message: WorkerToSchedulerMessage) -> None:
+        socket.send(self.encode(message))
+
+    def _request_stop(self, signum: int, _frame: FrameType | None) -> None:
+        logger.info("received %s", signal.Signals(signum).name)
+        self.stop_requested = True

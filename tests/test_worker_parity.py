@@ -145,7 +145,10 @@ def expected(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runner(model_dir: Path) -> ModelRunner:
-    return ModelRunner(WorkerConfig(model_dir, device="cpu", kv_cache_memory=64 << 20, seed=0))
+    config = WorkerConfig(
+        model_dir, device="cpu", kv_cache_memory=64 << 20, max_model_len=512, seed=0
+    )
+    return ModelRunner(config)
 
 
 def test_one_request_at_a_time(runner, prompts, expected):
@@ -226,7 +229,8 @@ def test_architecture_variants_match_transformers(variant, tmp_path):
             torch.tensor([prompt]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS
         )
         expected[f"{variant}-{i}"] = generated[0, len(prompt) :].tolist()
-    runner = ModelRunner(WorkerConfig(tmp_path, device="cpu", kv_cache_memory=4 << 20))
+    config = WorkerConfig(tmp_path, device="cpu", kv_cache_memory=4 << 20, max_model_len=256)
+    runner = ModelRunner(config)
     requests = [
         DrivenRequest(f"{variant}-0", prompts[0], [23]),
         DrivenRequest(f"{variant}-1", prompts[1], [10, 31]),

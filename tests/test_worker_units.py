@@ -214,7 +214,10 @@ def test_worker_config_validation(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_llama_dir) -> ModelRunner:
-    return ModelRunner(WorkerConfig(tiny_llama_dir, device="cpu", kv_cache_memory=8192 * 16))
+    config = WorkerConfig(
+        tiny_llama_dir, device="cpu", kv_cache_memory=8192 * 16, max_model_len=256
+    )
+    return ModelRunner(config)
 
 
 def _new(request_id: str, prompt: list[int], blocks: list[int], **params) -> NewRequestData:
@@ -225,7 +228,14 @@ def _new(request_id: str, prompt: list[int], blocks: list[int], **params) -> New
 def test_runner_reports_its_shape(tiny_runner, tiny_llama_dir):
     assert isinstance(tiny_runner, TokenGenerator)
     assert (tiny_runner.num_kv_blocks, tiny_runner.block_size) == (16, 16)
-    assert (tiny_runner.max_model_len, tiny_runner.model_name) == (512, tiny_llama_dir.name)
+    assert (tiny_runner.max_model_len, tiny_runner.model_name) == (256, tiny_llama_dir.name)
+
+
+def test_runner_refuses_a_pool_smaller_than_the_context(tiny_llama_dir):
+    # 16 blocks of 16 tokens hold 256 tokens; the model's context is 512.
+    config = WorkerConfig(tiny_llama_dir, device="cpu", kv_cache_memory=8192 * 16)
+    with pytest.raises(ValueError, match="holds 256 tokens, fewer than max_model_len 512"):
+        ModelRunner(config)
 
 
 def test_runner_rejects_inconsistent_steps_and_forgets_their_requests(tiny_runner):

@@ -40,6 +40,7 @@ class ModelRunner:
         self.model_config: ModelConfig = self.model.config
         self._max_model_len = _max_model_len(config, self.model_config)
         self.kv_cache = self._allocate_kv_cache()
+        _check_kv_capacity(self.kv_cache.num_blocks * self.block_size, self._max_model_len)
         self.sampler = Sampler(self.device, config.seed)
         self.requests: dict[RequestID, RequestState] = {}
         logger.info(
@@ -210,6 +211,15 @@ def _named_request_ids(scheduler_output: SchedulerOutput) -> set[RequestID]:
     named.update(cached.request_id for cached in scheduler_output.cached_requests)
     named.update(scheduler_output.num_scheduled_tokens)
     return named
+
+
+def _check_kv_capacity(num_cache_tokens: int, max_model_len: int) -> None:
+    """Refuse to start when one request of the full context length could not fit in the pool."""
+    if num_cache_tokens < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_cache_tokens} tokens, fewer than max_model_len "
+            f"{max_model_len}; raise --kv-cache-memory or lower --max-model-len"
+        )
 
 
 def _max_model_len(config: WorkerConfig, model: ModelConfig) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -77,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", error)
         return 2
     where = {"fd": args.fd} if args.fd is not None else {"host": args.host, "port": args.port}
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores the handlers it found and then
+    # re-raises the signal. With these no-op handlers found, the re-raise ends nothing, so a
+    # graceful shutdown exits 0 as orchestrators expect.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
     uvicorn.run(
         app,
         log_level=args.log_level.lower(),

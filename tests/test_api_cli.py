@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import socket
 import subprocess
 import sys
@@ -99,5 +98,5 @@ def test_two_processes_serve_one_inherited_socket(default_model_dir: Path, tmp_p
             process.wait(timeout=15)
         listener.close()
         scheduler.stop()
-    # uvicorn shuts down cleanly on SIGTERM, then re-raises the signal it captured
-    assert [process.returncode for process in processes] == [-signal.SIGTERM] * 2
+    # A graceful SIGTERM shutdown exits 0 (uvicorn's re-raised signal is neutralised).
+    assert [process.returncode for process in processes] == [0, 0]

@@ -1,0 +1,99 @@
+"""Each role started alone, as its container would start it, talking over tcp://127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def roles(tiny_llama_dir):
+    """Scheduler, worker and API server as three separate ``python -m`` processes."""
+    frontend = f"tcp://127.0.0.1:{free_port()}"
+    backend = f"tcp://127.0.0.1:{free_port()}"
+    http_port = free_port()
+    model = str(tiny_llama_dir)
+    commands = {
+        "scheduler": ["scheduler", "--frontend-addr", frontend, "--backend-addr", backend],
+        "worker": [
+            "worker",
+            "--model",
+            model,
+            "--scheduler-addr",
+            backend,
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            "64MiB",
+        ],
+        "api_server": [
+            "api_server",
+            "--model",
+            model,
+            "--scheduler-addr",
+            frontend,
+            "--port",
+            str(http_port),
+            "--served-model-name",
+            "tiny",
+        ],
+    }
+    processes = {
+        name: subprocess.Popen([sys.executable, "-m", *argv]) for name, argv in commands.items()
+    }
+    yield f"http://127.0.0.1:{http_port}", processes
+    for process in processes.values():
+        process.terminate()
+    for process in processes.values():
+        process.wait(timeout=30)
+
+
+def wait_healthy(base_url: str, processes: dict) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in processes.values()), "a role exited"
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError("the roles did not become healthy")
+
+
+def test_three_roles_serve_a_chat_completion_over_tcp(roles):
+    base_url, processes = roles
+    wait_healthy(base_url, processes)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    result = response.json()
+    assert result["choices"][0]["finish_reason"] == "length"
+    assert result["usage"]["completion_tokens"] == 8
+    assert result["model"] == "tiny"
+    for process in processes.values():
+        process.terminate()
+    assert {name: p.wait(timeout=30) for name, p in processes.items()} == {
+        "scheduler": 0,
+        "worker": 0,
+        "api_server": 0,
+    }

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, help="context length (default: model's)")
     serve.add_argument(
         "--kv-cache-memory",
-        help="KV cache size: bytes (e.g. 1073741824) or a fraction of free memory (e.g. 0.5)",
+        help="KV cache size: bytes with an optional unit (2GiB), or a fraction of free memory",
     )
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     serve.add_argument("--max-num-seqs", type=int, default=256, help="most requests per step")

@@ -74,6 +74,8 @@ class SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+    """Only requests with the same salt share prefix-cache entries (vLLM's extension)."""
 
     @field_validator("stop")
     @classmethod

@@ -126,6 +126,7 @@ def chat_generation_request(
         request_path="/v1/chat/completions",
         stop=request.stop,
         sampling_params=sampling_params(request),
+        cache_salt=request.cache_salt,
     )
 
 
@@ -142,6 +143,7 @@ def completion_generation_request(
         request_path="/v1/completions",
         stop=request.stop,
         sampling_params=sampling_params(request),
+        cache_salt=request.cache_salt,
     )
 
 

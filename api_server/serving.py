@@ -35,7 +35,7 @@ from api_server.request_builder import (
     completion_generation_request,
 )
 from api_server.responses import FinishReason
-from api_server.text_stream import GenerationStream, RequestFailed, TextDelta
+from api_server.text_stream import GenerationStream, RequestFailed, RequestRejected, TextDelta
 from api_server.tokenizer import HuggingFaceTokenizer
 from interfaces import TextGenerationRequest
 
@@ -111,6 +111,8 @@ def _prompt_param(request: TextGenerationRequest) -> str:
 def _as_openai_error(error: Exception) -> OpenAIError:
     if isinstance(error, SchedulerUnavailable):
         return service_unavailable(str(error))
+    if isinstance(error, RequestRejected):
+        return invalid_request(str(error))
     return server_error(str(error))
 
 

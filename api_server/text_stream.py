@@ -23,6 +23,10 @@ class RequestFailed(Exception):
     """The system (not the client) cancelled the request; the message is for the user."""
 
 
+class RequestRejected(RequestFailed):
+    """The scheduler refused the request before queuing it: it can never run as asked."""
+
+
 @dataclass(frozen=True)
 class TextDelta:
     """New text from one scheduler result; ``finish_reason`` is set on the last one only."""
@@ -67,6 +71,8 @@ class GenerationStream:
         async with contextlib.aclosing(results):
             async for result in results:
                 if result.status is SchedulerStatus.CANCELLED:
+                    if result.rejected:
+                        raise RequestRejected(result.error)
                     if result.error:
                         raise RequestFailed(result.error)
                     yield TextDelta(self._stop_matcher.flush(), "abort")

@@ -109,6 +109,7 @@ class HuggingFaceTokenizer:
             eos_token_ids=list(self.eos_token_ids),
             sampling_params=request.sampling_params,
             timestamp_ns=request.timestamp_ns,
+            cache_salt=request.cache_salt,
         )
 
     def _prompt_token_ids(self, request: TextGenerationRequest) -> list[int]:

@@ -60,12 +60,15 @@ class SchedulerResult(msgspec.Struct, Generic[OutputT], array_like=True, omit_de
     """One item of a request's result stream (MAX's ``SchedulerResult``).
 
     ``error`` is set only on a CANCELLED result that the system (not the client) caused, with a
-    message for the user: the request could not fit in the KV cache, a worker died, and so on.
+    message for the user. ``rejected`` marks a request refused before it was queued because it
+    can never run as asked (it would not fit in the context or the KV cache): a client error,
+    where other errors (a worker died) are server errors.
     """
 
     status: SchedulerStatus
     result: OutputT | None = None
     error: str | None = None
+    rejected: bool = False
 
     @classmethod
     def active(cls, result: OutputT) -> SchedulerResult[OutputT]:
@@ -78,6 +81,11 @@ class SchedulerResult(msgspec.Struct, Generic[OutputT], array_like=True, omit_de
     @classmethod
     def cancelled(cls, error: str | None = None) -> SchedulerResult[OutputT]:
         return cls(status=SchedulerStatus.CANCELLED, error=error)
+
+    @classmethod
+    def rejected_request(cls, error: str) -> SchedulerResult[OutputT]:
+        """A request refused before queuing: it can never run as asked."""
+        return cls(status=SchedulerStatus.CANCELLED, error=error, rejected=True)
 
     @property
     def stop_stream(self) -> bool:

@@ -74,6 +74,8 @@ class TextGenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     stop: str | list[str] | None = None
     chat_template_options: dict[str, Any] | None = None
     sampling_params: SamplingParams = SamplingParams()
+    cache_salt: str | None = None
+    """Keeps this tenant's prefix-cache entries apart from everyone else's (vLLM's extension)."""
 
 
 class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -83,7 +85,8 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     forwards it to the worker in the request's first step; both cache it by ``request_id``.
     ``max_length`` bounds prompt plus output tokens (the model's context or the request's
     ``max_new_tokens``, whichever is smaller). ``eos_token_ids`` end generation unless
-    ``sampling_params.ignore_eos``.
+    ``sampling_params.ignore_eos``. Requests share cached KV blocks only when their
+    ``cache_salt`` is equal (both None included).
     """
 
     request_id: RequestID
@@ -92,6 +95,7 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     eos_token_ids: list[int] = []
     sampling_params: SamplingParams = SamplingParams()
     timestamp_ns: int = 0
+    cache_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -29,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
     )
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not reuse the KV blocks of identical prompt prefixes",
+    )
     return parser.parse_args(argv)
 
 
@@ -39,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
         level=envs.log_level(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
     )
     try:
-        config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
+        config = SchedulerConfig(
+            args.max_num_seqs, args.max_num_batched_tokens, args.enable_prefix_caching
+        )
     except ValueError as error:
         raise SystemExit(f"switchyard-scheduler: {error}") from None
     server = SchedulerServer(config, args.frontend_addr, args.backend_addr)

@@ -10,11 +10,13 @@ class SchedulerConfig:
     """Limits of one scheduling step.
 
     ``max_num_batched_tokens`` is the single per-step token budget shared by decodes and prefill
-    chunks; ``max_num_seqs`` caps how many requests run at once.
+    chunks; ``max_num_seqs`` caps how many requests run at once. With ``enable_prefix_caching``,
+    requests reuse the KV blocks of identical prompt prefixes.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from interfaces import GenerationStatus, RequestID, TextContext
+from scheduler.block_hash import BlockHash
 
 
 class RequestStatus(enum.Enum):
@@ -20,21 +21,28 @@ class Request:
     """One request as the scheduler tracks it.
 
     ``num_computed_tokens`` counts tokens whose KV is (or, once the in-flight step lands, will be)
-    in the cache. It catches up to ``num_tokens``; prefill, chunked prefill, decode and recompute
-    after preemption are all that one mechanism. ``client_id`` is the ZeroMQ identity of the API
-    server that owns the request and receives its results.
+    in the cache. It catches up to ``num_tokens``; prefill, chunked prefill, decode, prefix-cache
+    hits and recompute after preemption are all that one mechanism. ``client_id`` is the ZeroMQ
+    identity of the API server that owns the request and receives its results.
+    ``num_cached_blocks`` of its leading blocks are registered in the prefix cache;
+    ``block_hashes`` grows as its blocks fill.
     """
 
     context: TextContext
     client_id: bytes
     max_model_len: int
-    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     worker_has_state: bool = False
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.context.prompt_token_ids)
 
     @property
     def request_id(self) -> RequestID:
@@ -47,7 +55,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens: what the KV cache must eventually hold."""
-        return self.num_prompt_tokens + len(self.output_token_ids)
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def max_new_tokens(self) -> int:
@@ -56,9 +72,9 @@ class Request:
 
     def append_token(self, token_id: int) -> GenerationStatus:
         """Record a sampled token and decide whether the request is done."""
-        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         params = self.context.sampling_params
-        num_output = len(self.output_token_ids)
+        num_output = self.num_output_tokens
         if num_output >= params.min_new_tokens:
             if token_id in (params.stop_token_ids or ()):
                 return GenerationStatus.END_OF_SEQUENCE

@@ -34,11 +34,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheConfig) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.block_manager = BlockManager(kv_cache.num_blocks, kv_cache.block_size)
+        self.block_manager = BlockManager(
+            kv_cache.num_blocks, kv_cache.block_size, config.enable_prefix_caching
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[RequestID, Request] = {}
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self._released_request_ids: list[RequestID] = []
         self._next_step_id = 0
 
@@ -49,7 +53,7 @@ class Scheduler:
         problem = self._admission_problem(context)
         if problem is not None:
             logger.warning("rejected request %s: %s", context.request_id, problem)
-            return SchedulerResult.cancelled(error=problem)
+            return SchedulerResult.rejected_request(problem)
         request = Request(context, client_id, self.kv_cache.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -69,7 +73,14 @@ class Scheduler:
             num_kv_blocks_total=self.block_manager.num_blocks,
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             workers_ready=True,
+            num_preemptions_total=self.num_preemptions,
+            prefix_cache_queries_total=self.prefix_cache_queries,
+            prefix_cache_hits_total=self.prefix_cache_hits,
         )
+
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError`` if the KV block bookkeeping is inconsistent (for tests)."""
+        self.block_manager.check_integrity(holders=self.running)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -89,8 +100,16 @@ class Scheduler:
             self._released_request_ids = []
         return step
 
-    def update_from_output(self, output: ModelOutput) -> ResultsByClient:
-        """Record the tokens a step produced; finish requests that hit a stop condition."""
+    def update_from_output(self, step: SchedulerOutput, output: ModelOutput) -> ResultsByClient:
+        """Record the tokens ``step`` produced; finish requests that hit a stop condition.
+
+        Blocks the step filled with computed tokens enter the prefix cache first, so even a
+        request that finishes now leaves its prefix for the next turn of its conversation.
+        """
+        for request_id in step.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.block_manager.cache_full_blocks(request)
         results: ResultsByClient = defaultdict(dict)
         for request_id, produced in output.outputs.items():
             request = self.requests.get(request_id)
@@ -171,9 +190,14 @@ class Scheduler:
         """Admit waiting requests in arrival order while budget, slots and blocks last."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.block_manager.allocate_slots(request, num_new) is None:
+            cached_prefix = self.block_manager.find_cached_prefix(request)
+            num_cached = len(cached_prefix) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if self.block_manager.allocate_slots(request, num_new, cached_prefix) is None:
                 return
+            request.num_computed_tokens = num_cached
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="token budget per step"
     )
+    serve.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not reuse the KV blocks of identical prompt prefixes",
+    )
     serve.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
 
@@ -86,6 +92,7 @@ def serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
         device=args.device,
         dtype=args.dtype,
     )

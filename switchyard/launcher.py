@@ -43,6 +43,7 @@ class ServeConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
     device: str | None = None
     dtype: str | None = None
 
@@ -111,6 +112,7 @@ class Launcher:
             *("--frontend-addr", frontend, "--backend-addr", backend),
             *("--max-num-seqs", str(config.max_num_seqs)),
             *("--max-num-batched-tokens", str(config.max_num_batched_tokens)),
+            *(() if config.enable_prefix_caching else ("--no-prefix-caching",)),
         ]
 
     def _worker_argv(self, backend: str) -> list[str]:

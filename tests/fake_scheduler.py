@@ -73,6 +73,7 @@ class FakeScheduler:
         self.step_interval_s = 0.001
         self.fail_with: str | None = None
         self.fail_after_tokens = 0
+        self.reject_with: str | None = None
         self.workers_ready = True
         self.silent = False
 
@@ -132,7 +133,11 @@ class FakeScheduler:
         elif isinstance(message, SubmitRequest):
             with self._lock:
                 self.submitted.append(message.context)
-                self._running[message.context.request_id] = _Running(identity, message.context)
+                if self.reject_with is None:
+                    self._running[message.context.request_id] = _Running(identity, message.context)
+            if self.reject_with is not None:
+                rejection = SchedulerResult.rejected_request(self.reject_with)
+                self._send(identity, SchedulerResults({message.context.request_id: rejection}))
         else:
             self._abort(message.request_ids)
 

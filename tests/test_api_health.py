@@ -81,6 +81,30 @@ def test_request_failed_by_the_system(api: ApiHarness, client: httpx.Client) -> 
     assert streamed.status_code == 500  # it failed before the first token: a real status
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_the_scheduler_rejects_gets_a_400(
+    api: ApiHarness, client: httpx.Client, stream: bool
+) -> None:
+    api.scheduler.reject_with = "the request may need 9000 tokens of KV cache, more than 4096"
+    body = {"messages": MESSAGES, "stream": stream}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "the request may need 9000 tokens of KV cache, more than 4096",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+
+
+def test_cache_salt_reaches_the_scheduler(api: ApiHarness, client: httpx.Client) -> None:
+    body = {"messages": MESSAGES, "cache_salt": "tenant-7"}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert api.scheduler.submitted[-1].cache_salt == "tenant-7"
+    body = {"prompt": "x", "cache_salt": ""}
+    assert client.post("/v1/completions", json=body).status_code == 400
+
+
 def test_request_failed_mid_stream_sends_an_error_event(
     api: ApiHarness, client: httpx.Client
 ) -> None:

@@ -97,9 +97,12 @@ def reference(default_model_dir):
     model.eval()
 
     def generate(input_ids: list[int], max_new_tokens: int) -> list[int]:
+        # An explicit mask: chat prompts contain <|im_end|>, the pad token, which generate()
+        # would otherwise mask out of the prompt.
         with torch.inference_mode():
             output = model.generate(
                 torch.tensor([input_ids]),
+                attention_mask=torch.ones(1, len(input_ids), dtype=torch.int64),
                 do_sample=False,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=tokenizer.eos_token_id,

@@ -14,8 +14,15 @@ CLIENT = b"api-0"
 EOS = 2
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=64, max_num_seqs=8, max_model_len=128):
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+def make_scheduler(
+    num_blocks=64,
+    block_size=4,
+    budget=64,
+    max_num_seqs=8,
+    max_model_len=128,
+    enable_prefix_caching=True,
+):
+    config = SchedulerConfig(max_num_seqs, budget, enable_prefix_caching)
     return Scheduler(config, KVCacheConfig(num_blocks, block_size, max_model_len))
 
 
@@ -33,8 +40,8 @@ def run_step(scheduler, worker):
     """One scheduler step through the fake worker; returns (step, results for CLIENT)."""
     step = scheduler.schedule()
     outputs = worker.next_token(step)
-    results = scheduler.update_from_output(ModelOutput(step.step_id, outputs))
-    scheduler.block_manager.check_integrity()
+    results = scheduler.update_from_output(step, ModelOutput(step.step_id, outputs))
+    scheduler.check_integrity()
     return step, results.get(CLIENT, {})
 
 

@@ -128,7 +128,9 @@ def test_requests_from_two_api_servers_are_routed_back_to_their_owner(system):
 
     first.send(encode(StatsRequest()))
     stats = receive(first)
-    assert stats == SchedulerStats(0, 0, 64, 0, workers_ready=True)
+    assert stats == SchedulerStats(
+        0, 0, 64, 0, workers_ready=True, prefix_cache_queries_total=5, prefix_cache_hits_total=0
+    )
     server.stop()
     assert worker.got_shutdown.wait(5)
 

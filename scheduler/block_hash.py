@@ -1,0 +1,39 @@
+"""Content hashes of full KV blocks, chained so that one hash names a block's whole prefix.
+
+A block's hash covers its parent's hash, its token ids and any extra keys (the cache salt, for
+the first block). Two requests share a cached block only if everything before it matches too.
+SHA-256 keeps collisions, which would hand one tenant another's cached state, out of reach.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+) -> BlockHash:
+    """The hash of one full block of ``token_ids`` that follows the block hashed ``parent``."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        digest.update(b"\x00" + key.encode())
+    return digest.digest()
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None,
+) -> None:
+    """Append the hashes of every full block of ``token_ids`` not hashed yet."""
+    for index in range(len(block_hashes), len(token_ids) // block_size):
+        parent = block_hashes[-1] if block_hashes else None
+        extra_keys = (cache_salt,) if index == 0 and cache_salt is not None else ()
+        block_tokens = token_ids[index * block_size : (index + 1) * block_size]
+        block_hashes.append(hash_block(parent, block_tokens, extra_keys))

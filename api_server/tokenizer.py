@@ -93,15 +93,25 @@ class HuggingFaceTokenizer:
     async def new_context(self, request: TextGenerationRequest) -> TextContext:
         """Tokenize ``request`` (chat template for messages) and bound its output length.
 
-        ``max_length`` is min(max_model_len, prompt tokens + max_new_tokens). Raises ``ValueError``
-        for an empty prompt, token ids outside the vocabulary, or a prompt that leaves no room.
+        ``max_length`` is prompt tokens + max_new_tokens, or max_model_len when max_new_tokens is
+        not set. Raises ``ValueError`` for an empty prompt, token ids outside the vocabulary, a
+        prompt that leaves no room, or prompt + max_new_tokens beyond max_model_len (as OpenAI
+        and vLLM refuse it, rather than quietly generating less than asked).
         """
         prompt_token_ids = self._prompt_token_ids(request)
-        self._check_prompt_length(len(prompt_token_ids))
+        num_prompt_tokens = len(prompt_token_ids)
+        self._check_prompt_length(num_prompt_tokens)
         max_new_tokens = request.sampling_params.max_new_tokens
         max_length = self.max_model_len
         if max_new_tokens is not None:
-            max_length = min(max_length, len(prompt_token_ids) + max_new_tokens)
+            max_length = num_prompt_tokens + max_new_tokens
+            if max_length > self.max_model_len:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {max_length} tokens ({num_prompt_tokens} in the "
+                    f"prompt, {max_new_tokens} for the completion). Please reduce the length "
+                    "of the prompt or of the completion."
+                )
         return TextContext(
             request_id=request.request_id,
             prompt_token_ids=prompt_token_ids,

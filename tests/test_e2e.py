@@ -251,6 +251,7 @@ def test_a_dropped_stream_is_aborted_and_its_cache_freed(server):
         ({"model": MODEL, "messages": "hi"}, 400, "messages"),
         ({"model": "no-such-model", "messages": chat_messages("hi")}, 404, "model"),
         ({"model": MODEL, "messages": chat_messages("hi " * 9000)}, 400, "messages"),
+        ({"model": MODEL, "messages": chat_messages("hi"), "max_tokens": 9000}, 400, "context"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, param):

@@ -90,8 +90,24 @@ def test_max_length_is_prompt_plus_max_new_tokens_within_the_context(
     messages = [{"role": "user", "content": "Hi"}]
     short = asyncio.run(tokenizer.new_context(chat_request(messages, max_new_tokens=5)))
     assert short.max_length == short.num_prompt_tokens + 5
-    long = asyncio.run(tokenizer.new_context(chat_request(messages, max_new_tokens=1000)))
-    assert long.max_length == 64
+    unbounded = asyncio.run(tokenizer.new_context(chat_request(messages)))
+    assert unbounded.max_length == 64
+    exact_fit = 64 - short.num_prompt_tokens
+    fits = asyncio.run(tokenizer.new_context(chat_request(messages, max_new_tokens=exact_fit)))
+    assert fits.max_length == 64
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_a_value_error(
+    tokenizer: HuggingFaceTokenizer,
+) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError) as error:
+        asyncio.run(tokenizer.new_context(chat_request(messages, max_new_tokens=1000)))
+    assert str(error.value) == (
+        "This model's maximum context length is 64 tokens. However, you requested 1031 tokens "
+        "(31 in the prompt, 1000 for the completion). Please reduce the length of the prompt "
+        "or of the completion."
+    )
 
 
 def test_content_parts_are_joined_and_developer_is_system(tokenizer: HuggingFaceTokenizer) -> None:

@@ -87,6 +87,10 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     ``max_new_tokens``, whichever is smaller). ``eos_token_ids`` end generation unless
     ``sampling_params.ignore_eos``. Requests share cached KV blocks only when their
     ``cache_salt`` is equal (both None included).
+
+    ``logprobs``: None returns no log probabilities; k >= 0 returns each generated token's log
+    probability and the k most likely alternatives. ``prompt_logprobs`` does the same for the
+    prompt tokens (completions ``echo`` with ``logprobs``); the first prompt token has none.
     """
 
     request_id: RequestID
@@ -96,6 +100,8 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     sampling_params: SamplingParams = SamplingParams()
     timestamp_ns: int = 0
     cache_salt: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

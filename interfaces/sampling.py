@@ -18,7 +18,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     ``top_k`` of 0 or -1 means "no top-k limit" (vLLM's convention for OpenAI requests).
     ``max_new_tokens=None`` means "until end of sequence or the context is full".
     ``seed=None`` draws fresh randomness; an integer makes sampling reproducible for this request,
-    independent of which other requests share the batch.
+    independent of which other requests share the batch. ``logit_bias`` (OpenAI's, keyed by
+    token id) is added to the logits before sampling; it is not one of MAX's fields.
     """
 
     top_k: int = 1
@@ -35,6 +36,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     stop_token_ids: list[int] | None = None
     detokenize: bool = True
     seed: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         problem = next(_problems(self), None)
@@ -76,3 +78,8 @@ def _problems(params: SamplingParams):
         yield "stop_token_ids must be non-negative token ids"
     if params.stop is not None and any(not s for s in params.stop):
         yield "stop strings must be non-empty"
+    if params.logit_bias is not None:
+        if any(token_id < 0 for token_id in params.logit_bias):
+            yield "logit_bias keys must be non-negative token ids"
+        if any(not -100.0 <= bias <= 100.0 for bias in params.logit_bias.values()):
+            yield "logit_bias values must be in [-100, 100]"

@@ -66,8 +66,18 @@ SAMPLING = SamplingParams(
     stop_token_ids=[7, 8],
     detokenize=False,
     seed=1234,
+    logit_bias={42: 5.0, 7: -100.0},
 )
-CONTEXT = TextContext("req-1", [1, 2, 3], 67, eos_token_ids=[2], sampling_params=SAMPLING)
+CONTEXT = TextContext(
+    "req-1",
+    [1, 2, 3],
+    67,
+    eos_token_ids=[2],
+    sampling_params=SAMPLING,
+    cache_salt="tenant",
+    logprobs=5,
+    prompt_logprobs=0,
+)
 OUTPUT = TextGenerationOutput(
     "req-1",
     [42],
@@ -181,6 +191,8 @@ def test_decoding_validates_sampling_params():
         ({"min_new_tokens": 5, "max_new_tokens": 4}, "must not exceed"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"stop": [""]}, "stop strings"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias values"),
     ],
 )
 def test_sampling_params_reject_bad_values_clearly(fields, message):

@@ -15,6 +15,7 @@ from interfaces.outputs import (
 from interfaces.protocols import PipelineTokenizer, TokenGenerator
 from interfaces.requests import (
     RequestID,
+    StructuredOutput,
     TextContext,
     TextGenerationRequest,
     TextGenerationRequestFunction,
@@ -34,6 +35,7 @@ __all__ = [
     "SchedulerResult",
     "SchedulerStatus",
     "SharedMemoryArray",
+    "StructuredOutput",
     "TextContext",
     "TextGenerationOutput",
     "TextGenerationRequest",

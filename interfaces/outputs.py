@@ -32,13 +32,17 @@ class LogProbabilities(msgspec.Struct, frozen=True, array_like=True):
 class TextGenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """Tokens generated for one request in one step (MAX's ``TextGenerationOutput``).
 
-    ``tokens`` holds only the tokens new since the previous output for this request.
+    ``tokens`` holds only the tokens new since the previous output for this request;
+    ``log_probabilities``, when asked for, one entry per step covering those tokens.
+    ``prompt_log_probabilities`` comes once, with the first output, when the request asked for
+    prompt log probabilities: one value per prompt token after the first.
     """
 
     request_id: RequestID
     tokens: list[int]
     final_status: GenerationStatus = GenerationStatus.ACTIVE
     log_probabilities: list[LogProbabilities] | None = None
+    prompt_log_probabilities: LogProbabilities | None = None
 
     @property
     def is_done(self) -> bool:

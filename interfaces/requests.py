@@ -78,6 +78,17 @@ class TextGenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """Keeps this tenant's prefix-cache entries apart from everyone else's (vLLM's extension)."""
 
 
+class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
+    """A constraint on the generated text, applied as token masks by the worker.
+
+    ``kind`` is "json_object" (any JSON object; ``spec`` None), "json_schema" (``spec`` is the
+    schema as JSON text), "regex" (``spec`` is the pattern) or "grammar" (``spec`` is EBNF).
+    """
+
+    kind: Literal["json_object", "json_schema", "regex", "grammar"]
+    spec: str | None = None
+
+
 class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """A tokenized request: everything the scheduler and worker need to generate for it.
 
@@ -91,6 +102,7 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     ``logprobs``: None returns no log probabilities; k >= 0 returns each generated token's log
     probability and the k most likely alternatives. ``prompt_logprobs`` does the same for the
     prompt tokens (completions ``echo`` with ``logprobs``); the first prompt token has none.
+    ``structured_output`` constrains what may be generated.
     """
 
     request_id: RequestID
@@ -102,6 +114,7 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     cache_salt: str | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

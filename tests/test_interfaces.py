@@ -16,6 +16,7 @@ from interfaces import (
     SchedulerResult,
     SchedulerStatus,
     SharedMemoryArray,
+    StructuredOutput,
     TextContext,
     TextGenerationOutput,
     TextGenerationRequest,
@@ -77,12 +78,14 @@ CONTEXT = TextContext(
     cache_salt="tenant",
     logprobs=5,
     prompt_logprobs=0,
+    structured_output=StructuredOutput("json_schema", '{"type": "object"}'),
 )
 OUTPUT = TextGenerationOutput(
     "req-1",
     [42],
     GenerationStatus.END_OF_SEQUENCE,
     [LogProbabilities([-0.25], [{42: -0.25, 7: -1.5}])],
+    LogProbabilities([-3.0, -0.5], [{2: -3.0}, {3: -0.5}]),
 )
 
 MESSAGES = [

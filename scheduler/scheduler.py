@@ -117,7 +117,11 @@ class Scheduler:
                 continue  # aborted while the step ran
             status = request.append_token(produced.tokens[0])
             result = TextGenerationOutput(
-                request_id, produced.tokens[:1], status, produced.log_probabilities
+                request_id,
+                produced.tokens[:1],
+                status,
+                produced.log_probabilities,
+                produced.prompt_log_probabilities,
             )
             if status.is_done:
                 self._finish(request)

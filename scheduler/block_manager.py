@@ -124,6 +124,12 @@ class BlockManager:
                 self._cached[block_hash] = block
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every block's contents (after a failed step); block ownership is unchanged."""
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
     def free(self, request: Request) -> None:
         """Release ``request``'s blocks, last block first; cached ones stay reusable."""
         for block_id in reversed(request.block_ids):

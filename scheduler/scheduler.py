@@ -100,16 +100,8 @@ class Scheduler:
             self._released_request_ids = []
         return step
 
-    def update_from_output(self, step: SchedulerOutput, output: ModelOutput) -> ResultsByClient:
-        """Record the tokens ``step`` produced; finish requests that hit a stop condition.
-
-        Blocks the step filled with computed tokens enter the prefix cache first, so even a
-        request that finishes now leaves its prefix for the next turn of its conversation.
-        """
-        for request_id in step.num_scheduled_tokens:
-            request = self.requests.get(request_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                self.block_manager.cache_full_blocks(request)
+    def update_from_output(self, output: ModelOutput) -> ResultsByClient:
+        """Record the tokens a step produced; finish requests that hit a stop condition."""
         results: ResultsByClient = defaultdict(dict)
         for request_id, produced in output.outputs.items():
             request = self.requests.get(request_id)
@@ -131,8 +123,17 @@ class Scheduler:
         return results
 
     def fail_step(self, step: SchedulerOutput, error: str) -> ResultsByClient:
-        """The worker could not run ``step``: fail every request in it with ``error``."""
-        return self._cancel(list(step.num_scheduled_tokens), error)
+        """The worker could not run ``step``: fail every request in it with ``error``.
+
+        Blocks were registered in the prefix cache when the step was scheduled; their contents
+        may never have been written, so the whole prefix cache is dropped.
+        """
+        results = self._cancel(list(step.num_scheduled_tokens), error)
+        self.block_manager.reset_prefix_cache()
+        for request in self.running:  # their blocks were computed in earlier steps: re-register
+            request.num_cached_blocks = 0
+            self.block_manager.cache_full_blocks(request)
+        return results
 
     def fail_all(self, error: str) -> ResultsByClient:
         """Fail every unfinished request (the worker group went away)."""
@@ -194,7 +195,9 @@ class Scheduler:
         """Admit waiting requests in arrival order while budget, slots and blocks last."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached_prefix = self.block_manager.find_cached_prefix(request)
+            cached_prefix = []
+            if request.context.prompt_logprobs is None:  # cached positions get no logprobs
+                cached_prefix = self.block_manager.find_cached_prefix(request)
             num_cached = len(cached_prefix) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if self.block_manager.allocate_slots(request, num_new, cached_prefix) is None:
@@ -239,10 +242,16 @@ class Scheduler:
         self.waiting.appendleft(request)
         logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens)
 
-    @staticmethod
-    def _commit(step: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _commit(self, step: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Schedule ``num_new`` tokens of ``request`` and register the blocks they fill.
+
+        Registering now, before the step runs, lets a request admitted later in this same step
+        (a sibling of ``n > 1``) share them: the worker runs steps in order and, within each
+        layer, writes the step's keys and values before any attention reads them.
+        """
         step.num_scheduled_tokens[request.request_id] = num_new
         request.num_computed_tokens += num_new
+        self.block_manager.cache_full_blocks(request)
 
     def _finish(self, request: Request) -> None:
         if request.status is RequestStatus.RUNNING:

@@ -145,8 +145,8 @@ class SchedulerServer:
                 "dropped output of step %d, expected %d", message.step_id, self._in_flight.step_id
             )
         elif isinstance(message, ModelOutput):
-            step, self._in_flight = self._in_flight, None
-            self._send_results(self.scheduler.update_from_output(step, message))
+            self._in_flight = None
+            self._send_results(self.scheduler.update_from_output(message))
         elif isinstance(message, WorkerFailure):
             logger.error("worker failed step %d: %s", message.step_id, message.error)
             step, self._in_flight = self._in_flight, None

@@ -40,7 +40,7 @@ def run_step(scheduler, worker):
     """One scheduler step through the fake worker; returns (step, results for CLIENT)."""
     step = scheduler.schedule()
     outputs = worker.next_token(step)
-    results = scheduler.update_from_output(step, ModelOutput(step.step_id, outputs))
+    results = scheduler.update_from_output(ModelOutput(step.step_id, outputs))
     scheduler.check_integrity()
     return step, results.get(CLIENT, {})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from interfaces import SchedulerStatus
+from interfaces import SchedulerStatus, TextContext
 from interfaces.worker_to_scheduler import ModelOutput
 from tests.fake_worker import FakeTokenGenerator
 from tests.test_scheduler import (
@@ -35,6 +35,47 @@ def test_a_repeated_prompt_computes_only_its_uncached_tail():
     assert (stats.prefix_cache_queries_total, stats.prefix_cache_hits_total) == (46, 20)
     second_tokens = results["second"].result.tokens + second["second"][0]
     assert first["first"][0] == second_tokens == expected_tokens(prompt, 3)
+
+
+def test_siblings_submitted_together_share_the_prompt_within_one_step():
+    scheduler, worker = make_scheduler(block_size=4), FakeTokenGenerator(4)
+    prompt = list(range(10, 33))  # 23 tokens: 5 full blocks
+    for request_id in ("n0", "n1", "n2"):
+        scheduler.add_request(context(request_id, prompt, max_new_tokens=2), CLIENT)
+    step, _ = run_step(scheduler, worker)
+    assert step.num_scheduled_tokens == {"n0": 23, "n1": 3, "n2": 3}
+    assert [new.block_ids for new in step.new_requests] == [
+        [0, 1, 2, 3, 4, 5],
+        [0, 1, 2, 3, 4, 6],
+        [0, 1, 2, 3, 4, 7],
+    ]
+    finished, _ = run_to_completion(scheduler, worker)
+    assert len({tuple(tokens) for tokens, _ in finished.values()}) == 1
+
+
+def test_requests_asking_for_prompt_logprobs_compute_their_whole_prompt():
+    scheduler, worker = make_scheduler(block_size=4), FakeTokenGenerator(4)
+    prompt = list(range(10, 33))
+    scheduler.add_request(context("first", prompt, max_new_tokens=1), CLIENT)
+    run_to_completion(scheduler, worker)
+    ctx = context("echo", prompt, max_new_tokens=1)
+    ctx = TextContext(ctx.request_id, ctx.prompt_token_ids, ctx.max_length, prompt_logprobs=2)
+    scheduler.add_request(ctx, CLIENT)
+    step, _ = run_step(scheduler, worker)
+    assert step.num_scheduled_tokens == {"echo": 23}
+
+
+def test_a_failed_step_drops_the_prefix_cache():
+    scheduler, worker = make_scheduler(block_size=4), FakeTokenGenerator(4)
+    prompt = list(range(10, 33))
+    scheduler.add_request(context("doomed", prompt, max_new_tokens=4), CLIENT)
+    step = scheduler.schedule()
+    results = scheduler.fail_step(step, "worker error: boom")
+    assert results[CLIENT]["doomed"].error == "worker error: boom"
+    assert scheduler.block_manager.num_cached_blocks == 0
+    scheduler.add_request(context("next", prompt, max_new_tokens=1), CLIENT)
+    step, _ = run_step(scheduler, worker)
+    assert step.num_scheduled_tokens == {"next": 23}
 
 
 def test_a_finished_conversation_turn_is_reused_by_the_next_turn():
@@ -97,7 +138,7 @@ def drive(scheduler, worker, workload, rng, max_steps=5000):
             del abort_after[rid]
         step = scheduler.schedule()
         outputs = ModelOutput(step.step_id, worker.next_token(step))
-        for rid, result in scheduler.update_from_output(step, outputs).get(CLIENT, {}).items():
+        for rid, result in scheduler.update_from_output(outputs).get(CLIENT, {}).items():
             tokens[rid] += result.result.tokens
             if result.stop_stream:
                 finals[rid] = result

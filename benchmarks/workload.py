@@ -1,0 +1,80 @@
+"""What every benchmark runs on: the model directory, its vocabulary, and random prompts.
+
+Shared by serve_bench.py, hf_baseline.py and roofline.py, so that the server and the transformers
+baseline see the same prompts for the same seed. Imports neither torch nor httpx.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+FIRST_ORDINARY_TOKEN_ID = 100
+"""Prompt token ids start here: SmolLM2's special tokens (and most tokenizers') sit below it."""
+
+DEFAULT_VOCAB_SIZE = 49152
+"""SmolLM2's vocabulary; used only when no model directory is known."""
+
+
+class BenchmarkError(Exception):
+    """A problem the user can fix (bad flag, server unreachable); printed without a traceback."""
+
+
+def num_cores() -> int:
+    """CPU cores this process may run on (what ``nproc`` prints)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def resolve_model_dir(model_path: str | None) -> Path:
+    """The Hugging Face directory ``switchyard serve --model MODEL_PATH`` would load.
+
+    ``None`` means Switchyard's default model. Runs ``switchyard prepare-model`` in a child (it
+    converts a GGUF file once and caches it), so this process never imports torch.
+    """
+    argv = [sys.executable, "-m", "switchyard", "prepare-model"]
+    if model_path is not None:
+        argv += ["--model", model_path]
+    completed = subprocess.run(argv, capture_output=True, text=True, check=False)
+    lines = completed.stdout.strip().splitlines()
+    if completed.returncode != 0 or not lines:
+        detail = completed.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise BenchmarkError(f"cannot prepare model {model_path or '(default)'}: {detail[0]}")
+    return Path(lines[-1])
+
+
+def read_model_config(model_dir: Path) -> dict:
+    """The model's config.json as a dict."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise BenchmarkError(f"{model_dir} has no config.json")
+    return json.loads(path.read_text())
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``num_prompts`` lists of exactly ``input_len`` token ids in [100, vocab_size).
+
+    Sent as token ids, so no tokenizer round trip can change their length. The same arguments
+    always give the same prompts.
+    """
+    if vocab_size <= FIRST_ORDINARY_TOKEN_ID:
+        raise BenchmarkError(f"vocabulary size {vocab_size} leaves no ordinary token ids")
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab_size) for _ in range(input_len)]
+        for _ in range(num_prompts)
+    ]
+
+
+def write_json(path: str, payload: dict) -> None:
+    """Write ``payload`` to ``path`` (``-`` for stdout), indented."""
+    text = json.dumps(payload, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text)

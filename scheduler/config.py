@@ -15,7 +15,9 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # 512 keeps a burst of prompts from being prefilled in one multi-second step on a CPU, which
+    # would hold back every request's first token (docs/performance.md); GPUs want 2048-8192.
+    max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

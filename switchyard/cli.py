@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from interfaces import envs
+from scheduler.config import SchedulerConfig
 from switchyard.launcher import Launcher, ServeConfig
 from worker.model_files import model_name_for
 
@@ -33,15 +34,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache size: bytes with an optional unit (2GiB), or a fraction of free memory",
     )
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    serve.add_argument("--max-num-seqs", type=int, default=256, help="most requests per step")
     serve.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget per step"
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        help="most requests per step",
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SchedulerConfig.max_num_batched_tokens,
+        help="token budget per step (prefill chunks and decodes); raise it on a GPU",
     )
     serve.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
         help="do not reuse the KV blocks of identical prompt prefixes",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=envs.api_key(),
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        "(default: $SWITCHYARD_API_KEY, which keeps the key out of `ps`)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        help="CORS origins, comma-separated or repeated ('*': any); default: CORS off",
     )
     serve.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
@@ -95,6 +116,8 @@ def serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         device=args.device,
         dtype=args.dtype,
+        api_key=args.api_key or None,
+        allowed_origins=_split_origins(args.allowed_origins),
     )
     launcher = Launcher(config)
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -110,6 +133,12 @@ def serve(args: argparse.Namespace) -> int:
         return launcher.wait()
     finally:
         launcher.shutdown()
+
+
+def _split_origins(values: list[str]) -> tuple[str, ...]:
+    """``["a,b", "c"]`` → ``("a", "b", "c")``: comma-separated, repeated, or both."""
+    origins = (origin.strip() for value in values for origin in value.split(","))
+    return tuple(dict.fromkeys(origin for origin in origins if origin))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -20,8 +21,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from scheduler.config import SchedulerConfig
+
+from interfaces import envs
 
 logger = logging.getLogger("switchyard")
 
@@ -41,11 +46,14 @@ class ServeConfig:
     max_model_len: int | None = None
     kv_cache_memory: str | None = None
     block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     enable_prefix_caching: bool = True
     device: str | None = None
     dtype: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """Passed to the API servers in their environment (SWITCHYARD_API_KEY), never in argv."""
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.api_servers < 1:
@@ -60,6 +68,15 @@ def _die_with_parent() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def child_environment(api_key: str | None) -> dict[str, str]:
+    """The launcher's environment for a child, with SWITCHYARD_API_KEY set to ``api_key`` (or
+    removed, for children that do not serve clients)."""
+    env = {key: value for key, value in os.environ.items() if key != envs.API_KEY_VARIABLE}
+    if api_key:
+        env[envs.API_KEY_VARIABLE] = api_key
+    return env
 
 
 def _bind_listener(host: str, port: int) -> socket.socket:
@@ -84,11 +101,14 @@ class Launcher:
     def _ipc(self, name: str) -> str:
         return f"ipc://{Path(self._run_dir.name) / name}"
 
-    def _spawn(self, name: str, argv: list[str], pass_fds: tuple[int, ...] = ()) -> None:
+    def _spawn(
+        self, name: str, argv: list[str], pass_fds: tuple[int, ...] = (), api_key: str | None = None
+    ) -> None:
+        """Start ``python -m argv``; only a child given ``api_key`` sees SWITCHYARD_API_KEY."""
         command = [sys.executable, "-m", *argv]
         logger.debug("starting %s: %s", name, " ".join(command))
         self.children[name] = subprocess.Popen(
-            command, preexec_fn=_die_with_parent, pass_fds=pass_fds
+            command, preexec_fn=_die_with_parent, pass_fds=pass_fds, env=child_environment(api_key)
         )
 
     def start(self) -> None:
@@ -101,7 +121,8 @@ class Launcher:
         self._spawn("worker", self._worker_argv(backend))
         for index in range(config.api_servers):
             argv = self._api_server_argv(frontend, listener.fileno())
-            self._spawn(f"api-server-{index}", argv, pass_fds=(listener.fileno(),))
+            fds = (listener.fileno(),)
+            self._spawn(f"api-server-{index}", argv, pass_fds=fds, api_key=config.api_key)
         listener.close()
         self._wait_until_ready()
 
@@ -143,6 +164,8 @@ class Launcher:
         ]
         if config.max_model_len is not None:
             argv += ["--max-model-len", str(config.max_model_len)]
+        if config.allowed_origins:
+            argv += ["--allowed-origins", ",".join(config.allowed_origins)]
         return argv
 
     def _wait_until_ready(self) -> None:

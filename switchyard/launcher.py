@@ -24,9 +24,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scheduler.config import SchedulerConfig
-
 from interfaces import envs
+from scheduler.config import SchedulerConfig
 
 logger = logging.getLogger("switchyard")
 

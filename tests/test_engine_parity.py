@@ -61,9 +61,7 @@ class Engine:
             step = self.scheduler.schedule()
             self.steps.append(step)
             output = ModelOutput(step.step_id, self.runner.next_token(step))
-            for request_id, result in self.scheduler.update_from_output(step, output)[
-                b"test"
-            ].items():
+            for request_id, result in self.scheduler.update_from_output(output)[b"test"].items():
                 tokens[request_id] += result.result.tokens
             self.scheduler.check_integrity()
         return tokens
@@ -143,3 +141,16 @@ def test_prefix_hit_computes_only_the_tail_and_keeps_the_output(model_dir, promp
     }
     assert engine.scheduler.stats().prefix_cache_hits_total == num_cached
     assert first["first"] == second["second"] == reference(tuple(prompt))
+
+
+def test_siblings_sharing_a_prompt_in_one_step_keep_parity(model_dir, prompts, reference):
+    # Like n > 1: the later siblings reuse the first one's blocks in the very step that
+    # computes them, which relies on each layer writing its keys/values before attention.
+    engine = Engine(model_dir, num_blocks=32, max_model_len=256, budget=256)
+    prompt = prompts["q0"] + prompts["q1"]
+    outputs = engine.generate({"n0": prompt, "n1": prompt, "n2": prompt})
+    num_cached = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    tail = len(prompt) - num_cached
+    assert engine.steps[0].num_scheduled_tokens == {"n0": len(prompt), "n1": tail, "n2": tail}
+    expected = reference(tuple(prompt))
+    assert outputs == {"n0": expected, "n1": expected, "n2": expected}

@@ -2,9 +2,11 @@
 
     python -m api_server --model DIR --scheduler-addr ADDR [--served-model-name NAME]
         [--host 127.0.0.1] [--port 8000] [--fd N] [--max-model-len N] [--log-level LEVEL]
+        [--api-key KEY] [--allowed-origins ORIGIN[,ORIGIN...]]...
 
 ``--fd N`` serves on an already-listening socket inherited as file descriptor N, so that the
-launcher can bind one port and start several API servers on it.
+launcher can bind one port and start several API servers on it. The API key defaults to
+$SWITCHYARD_API_KEY, which is how the launcher passes it (a flag would show in ``ps``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fd", type=int, help="serve on this inherited listening socket")
     parser.add_argument("--max-model-len", type=int, help="prompt plus output tokens at most")
     parser.add_argument(
+        "--api-key",
+        default=envs.api_key(),
+        help="require 'Authorization: Bearer KEY' (default: $SWITCHYARD_API_KEY; prefer it)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        help="CORS origins, comma-separated or repeated ('*': any); default: CORS off",
+    )
+    parser.add_argument(
         "--log-level",
         default=envs.log_level(),
         type=str.upper,
@@ -63,7 +76,15 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
         served_model_name=args.served_model_name or model_dir.resolve().name,
         max_model_len=resolve_max_model_len(model_dir, args.max_model_len),
         engine=EngineClientConfig(scheduler_addr=args.scheduler_addr),
+        api_key=args.api_key or None,
+        allowed_origins=split_origins(args.allowed_origins),
     )
+
+
+def split_origins(values: list[str]) -> tuple[str, ...]:
+    """``["a,b", "c"]`` → ``("a", "b", "c")``: comma-separated, repeated, or both."""
+    origins = (origin.strip() for value in values for origin in value.split(","))
+    return tuple(dict.fromkeys(origin for origin in origins if origin))
 
 
 def main(argv: list[str] | None = None) -> int:

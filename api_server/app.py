@@ -15,14 +15,17 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from api_server import utility_routes
 from api_server.config import ApiServerConfig
 from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.errors import install_error_handlers, service_unavailable
 from api_server.metrics import METRICS_CONTENT_TYPE, SchedulerMetrics
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
 from api_server.responses import ModelCard, ModelList
+from api_server.security import install_security
 from api_server.serving import ServerState, create_chat_completion, create_completion
 from api_server.tokenizer import HuggingFaceTokenizer
+from api_server.utility_routes import package_version
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +36,8 @@ router = APIRouter(strict_content_type=False)
 
 
 def create_app(config: ApiServerConfig) -> FastAPI:
-    """A FastAPI app serving the OpenAI routes, /health and /metrics for ``config``."""
+    """A FastAPI app serving the OpenAI routes, /tokenize, /detokenize, /version, /health and
+    /metrics for ``config``, behind its API key and CORS settings (api_server.security)."""
     tokenizer = HuggingFaceTokenizer(config.model_dir, config.max_model_len)
 
     @contextlib.asynccontextmanager
@@ -47,10 +51,12 @@ def create_app(config: ApiServerConfig) -> FastAPI:
         finally:
             await engine.close()
 
-    app = FastAPI(title="Switchyard", lifespan=lifespan)
+    app = FastAPI(title="Switchyard", version=package_version(), lifespan=lifespan)
     app.state.tokenizer = tokenizer
     install_error_handlers(app)
+    install_security(app, config.api_key, config.allowed_origins)
     app.include_router(router)
+    app.include_router(utility_routes.router)
     return app
 
 

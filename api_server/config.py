@@ -7,7 +7,7 @@ generation_config.json (``eos_token_id``), tokenizer.json and tokenizer_config.j
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,10 @@ class ApiServerConfig:
     max_model_len: int
     """Prompt plus output tokens at most (see ``resolve_max_model_len``)."""
     engine: EngineClientConfig
+    api_key: str | None = field(default=None, repr=False)
+    """Clients must send ``Authorization: Bearer <api_key>``; None: no authentication."""
+    allowed_origins: tuple[str, ...] = ()
+    """Origins allowed by CORS ("*" for any); empty: CORS off."""
 
 
 def read_json(path: Path) -> dict[str, Any]:

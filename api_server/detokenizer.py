@@ -62,22 +62,27 @@ class StopStringMatcher:
     """Finds the first stop string in a stream of text deltas.
 
     While streaming it holds back the last ``len(longest stop) - 1`` characters, which could be the
-    start of a stop string, so text that a stop string later cuts off is never sent.
+    start of a stop string, so text that a stop string later cuts off is never sent. The match is
+    the stop string that starts first (the shortest of those starting at the same place).
     """
 
-    def __init__(self, stop: list[str]) -> None:
+    def __init__(self, stop: list[str], include_stop: bool = False) -> None:
         self._stop = [text for text in stop if text]
+        self._include_stop = include_stop
         self._num_held_back = max((len(text) for text in self._stop), default=1) - 1
         self._pending = ""
 
     def add(self, text: str) -> tuple[str, bool]:
         """Append ``text``; return (text safe to send, whether a stop string was found).
 
-        When a stop string is found, the returned text ends just before it and the caller stops.
+        When a stop string is found, the returned text ends just before it (just after it with
+        ``include_stop``) and the caller stops.
         """
         self._pending += text
-        cut = min((i for i in map(self._pending.find, self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(self._pending.find(stop), len(stop)) for stop in self._stop]
+        start, length = min(((i, n) for i, n in found if i >= 0), default=(-1, 0))
+        if start >= 0:
+            cut = start + length if self._include_stop else start
             safe, self._pending = self._pending[:cut], ""
             return safe, True
         split = max(len(self._pending) - self._num_held_back, 0)

@@ -49,7 +49,20 @@ class OpenAIError(Exception):
 def error_body(
     message: str, error_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    """OpenAI's error object. Text quoted from the request (a field name, a model name) may hold
+    a lone surrogate, which UTF-8 cannot encode; it is shown escaped (``\\ud800``)."""
+    return {
+        "error": {
+            "message": _encodable(message),
+            "type": error_type,
+            "param": None if param is None else _encodable(param),
+            "code": code,
+        }
+    }
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", errors="backslashreplace").decode("utf-8")
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -88,6 +101,12 @@ def validation_error(error: RequestValidationError) -> OpenAIError:
             where = detail["loc"][-1] if len(detail["loc"]) > 1 else "?"
             return invalid_request(
                 f"The request body is not valid JSON: {reason} at character {where}"
+            )
+        if detail["type"] == "string_unicode":
+            param = _field_path(detail["loc"]) or None
+            return invalid_request(
+                f"{param or 'A field name'} is not valid Unicode: it holds a lone surrogate",
+                param=param,
             )
         if tuple(detail["loc"]) == ("body",) and detail["type"] != "missing":
             return invalid_request(

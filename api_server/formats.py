@@ -1,7 +1,8 @@
 """How each endpoint shapes its answer: whole responses and stream chunks, chat and completions.
 
 One ``ResponseFormat`` per request: it fixes the response id, ``created`` time and model name, so
-every chunk of a stream carries the same three.
+every chunk of a stream carries the same three, and it formats log probabilities (``num_logprobs``
+alternatives per token; None when the request did not ask for them).
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
+from api_server.choices import ChoiceDelta, ChoiceOutput
+from api_server.logprobs import TokenLogprob, TokenTexts, chat_logprobs, completion_logprobs
 from api_server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     DeltaMessage,
     FinishReason,
     Usage,
@@ -26,19 +31,21 @@ from api_server.responses import (
 
 
 class ResponseFormat(Protocol):
-    def opening_chunks(self) -> list[BaseModel]:
-        """Chunks sent before any text (chat: the assistant role)."""
+    def opening_chunks(self, indexes: list[int]) -> list[BaseModel]:
+        """Chunks sent before any text (chat: the assistant role, once per choice)."""
         ...
 
-    def text_chunk(self, text: str) -> BaseModel: ...
+    def delta_chunk(self, delta: ChoiceDelta) -> BaseModel | None:
+        """The chunk for one choice's new text and log probabilities; None if it has neither."""
+        ...
 
-    def finish_chunk(self, finish_reason: FinishReason) -> BaseModel: ...
+    def finish_chunk(self, index: int, finish_reason: FinishReason) -> BaseModel: ...
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         """The last chunk when ``stream_options.include_usage``: no choices, only usage."""
         ...
 
-    def response(self, text: str, finish_reason: FinishReason, usage: Usage) -> BaseModel:
+    def response(self, choices: list[ChoiceOutput], usage: Usage) -> BaseModel:
         """The whole (non-streaming) response."""
         ...
 
@@ -46,64 +53,122 @@ class ResponseFormat(Protocol):
 class ChatFormat:
     """``chat.completion`` and ``chat.completion.chunk`` objects."""
 
-    def __init__(self, response_id: str, model: str) -> None:
+    def __init__(
+        self, response_id: str, model: str, num_logprobs: int | None, texts: TokenTexts
+    ) -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
+        self.num_logprobs = num_logprobs
+        self.texts = texts
 
-    def opening_chunks(self) -> list[BaseModel]:
-        return [self._chunk(DeltaMessage(role="assistant", content=""))]
+    def opening_chunks(self, indexes: list[int]) -> list[BaseModel]:
+        return [self._chunk(index, DeltaMessage(role="assistant", content="")) for index in indexes]
 
-    def text_chunk(self, text: str) -> BaseModel:
-        return self._chunk(DeltaMessage(content=text))
+    def delta_chunk(self, delta: ChoiceDelta) -> BaseModel | None:
+        if not delta.text and not delta.logprobs:
+            return None
+        logprobs = self._logprobs(delta.logprobs)
+        return self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs=logprobs)
 
-    def finish_chunk(self, finish_reason: FinishReason) -> BaseModel:
-        return self._chunk(DeltaMessage(), finish_reason)
+    def finish_chunk(self, index: int, finish_reason: FinishReason) -> BaseModel:
+        return self._chunk(index, DeltaMessage(), finish_reason)
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(
             id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage
         )
 
-    def response(self, text: str, finish_reason: FinishReason, usage: Usage) -> BaseModel:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+    def response(self, choices: list[ChoiceOutput], usage: Usage) -> BaseModel:
         return ChatCompletion(
             id=self.response_id,
             created=self.created,
             model=self.model,
-            choices=[choice],
+            choices=[
+                ChatChoice(
+                    index=choice.index,
+                    message=AssistantMessage(content=choice.text),
+                    logprobs=self._logprobs(choice.logprobs),
+                    finish_reason=choice.finish_reason,
+                )
+                for choice in choices
+            ],
             usage=usage,
         )
 
-    def _chunk(self, delta: DeltaMessage, finish_reason: FinishReason | None = None) -> BaseModel:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if entries is None or self.num_logprobs is None:
+            return None
+        return chat_logprobs(entries, self.num_logprobs, self.texts)
+
+    def _chunk(
+        self,
+        index: int,
+        delta: DeltaMessage,
+        finish_reason: FinishReason | None = None,
+        logprobs: ChatLogprobs | None = None,
+    ) -> BaseModel:
+        choice = ChatChunkChoice(
+            index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
+        )
         return ChatCompletionChunk(
             id=self.response_id, created=self.created, model=self.model, choices=[choice]
         )
 
 
 class CompletionFormat:
-    """``text_completion`` objects, whole and as stream chunks."""
+    """``text_completion`` objects, whole and as stream chunks. In a stream, each choice's
+    ``text_offset`` values continue from its previous chunk."""
 
-    def __init__(self, response_id: str, model: str) -> None:
+    def __init__(
+        self, response_id: str, model: str, num_logprobs: int | None, texts: TokenTexts
+    ) -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
+        self.num_logprobs = num_logprobs
+        self.texts = texts
+        self._text_offsets: dict[int, int] = {}
 
-    def opening_chunks(self) -> list[BaseModel]:
+    def opening_chunks(self, indexes: list[int]) -> list[BaseModel]:
         return []
 
-    def text_chunk(self, text: str) -> BaseModel:
-        return self._completion([CompletionChoice(text=text)])
+    def delta_chunk(self, delta: ChoiceDelta) -> BaseModel | None:
+        if not delta.text and not delta.logprobs:
+            return None
+        offset = self._text_offsets.get(delta.index, 0)
+        logprobs = self._logprobs(delta.logprobs, offset)
+        if logprobs is not None:
+            self._text_offsets[delta.index] = offset + sum(map(len, logprobs.tokens))
+        choice = CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs)
+        return self._completion([choice])
 
-    def finish_chunk(self, finish_reason: FinishReason) -> BaseModel:
-        return self._completion([CompletionChoice(text="", finish_reason=finish_reason)])
+    def finish_chunk(self, index: int, finish_reason: FinishReason) -> BaseModel:
+        return self._completion(
+            [CompletionChoice(index=index, text="", finish_reason=finish_reason)]
+        )
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._completion([], usage)
 
-    def response(self, text: str, finish_reason: FinishReason, usage: Usage) -> BaseModel:
-        return self._completion([CompletionChoice(text=text, finish_reason=finish_reason)], usage)
+    def response(self, choices: list[ChoiceOutput], usage: Usage) -> BaseModel:
+        completion_choices = [
+            CompletionChoice(
+                index=choice.index,
+                text=choice.text,
+                logprobs=self._logprobs(choice.logprobs, 0),
+                finish_reason=choice.finish_reason,
+            )
+            for choice in choices
+        ]
+        return self._completion(completion_choices, usage)
+
+    def _logprobs(
+        self, entries: list[TokenLogprob] | None, text_offset: int
+    ) -> CompletionLogprobs | None:
+        if entries is None or self.num_logprobs is None:
+            return None
+        return completion_logprobs(entries, self.num_logprobs, self.texts, text_offset)
 
     def _completion(
         self, choices: list[CompletionChoice], usage: Usage | None = None

@@ -3,7 +3,8 @@
 Every field OpenAI defines is declared, so a request built by an OpenAI SDK parses; fields we do
 not support yet are rejected by ``api_server.request_builder`` with a 400 naming them. Fields OpenAI
 does not define (and that are not vLLM extensions listed here) fail validation as
-"Unrecognized request argument supplied". Response schemas live in ``api_server.responses``.
+"Unrecognized request argument supplied". Integers that travel to the scheduler are bounded here,
+so none can overflow msgpack. Response schemas live in ``api_server.responses``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+"""OpenAI's bound on ``top_logprobs`` (chat) and ``logprobs`` (completions)."""
+MAX_N = 128
+"""OpenAI's bound on ``n``."""
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class OpenAIBaseModel(BaseModel):
     """Unknown fields are errors (OpenAI: "Unrecognized request argument supplied: X")."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -46,9 +53,28 @@ class ChatMessage(OpenAIBaseModel):
     function_call: dict[str, Any] | None = None
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: the schema is kept as given and checked later."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint may be set."""
+
+    json_: str | dict[str, Any] | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    choice: list[str] | None = None
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -59,23 +85,31 @@ class SamplingFields(OpenAIBaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    n: int | None = Field(default=1, ge=1)
-    seed: int | None = None
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     user: str | None = None
-    top_k: int | None = None
+    response_format: ResponseFormat | None = None
+    top_k: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
-    min_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string (or stop token's text) at the end of the text (vLLM)."""
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     """Only requests with the same salt share prefix-cache entries (vLLM's extension)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | bool | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -95,6 +129,10 @@ class SamplingFields(OpenAIBaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
+    def num_choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
     def max_new_tokens(self) -> int | None:
         """The most tokens to generate; None means until EOS or the context is full."""
         return None
@@ -107,8 +145,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0)
-    response_format: ResponseFormat | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -134,17 +171,27 @@ class ChatCompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per generated token, or None when log probabilities are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions. ``max_tokens`` defaults to 16 as in OpenAI's API (and vLLM)."""
+    """POST /v1/completions. ``max_tokens`` defaults to 16 as in OpenAI's API (and vLLM);
+    0 is allowed only with ``echo`` (score the prompt without generating)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    best_of: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs

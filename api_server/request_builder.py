@@ -1,8 +1,9 @@
-"""From a parsed OpenAI request to ``interfaces.TextGenerationRequest``.
+"""From a parsed OpenAI request to ``interfaces.TextGenerationRequest``s, one per prompt.
 
 Fields OpenAI defines that Switchyard does not support yet are refused here with a 400 that
 names them, rather than silently ignored. Sampling follows OpenAI's defaults (temperature 1.0,
-no top-k limit): a request that sets nothing is sampled, ``temperature=0`` is greedy.
+no top-k limit): a request that sets nothing is sampled, ``temperature=0`` is greedy. Checks
+that need the vocabulary (``logit_bias`` keys, ``stop_token_ids``) take its size.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
+
+from pydantic import BaseModel
 
 from api_server.errors import invalid_request
 from api_server.protocol import (
@@ -21,24 +24,17 @@ from api_server.protocol import (
 from interfaces import SamplingParams, TextGenerationRequest, TextGenerationRequestMessage
 
 Check = Callable[[Any], bool]
+Prompt = str | list[int]
 
-_COMMON_UNSUPPORTED: dict[str, Check] = {
-    "n": lambda r: r.n not in (None, 1),
-    "logit_bias": lambda r: bool(r.logit_bias),
-    "frequency_penalty": lambda r: bool(r.frequency_penalty),
-    "presence_penalty": lambda r: bool(r.presence_penalty),
-    "repetition_penalty": lambda r: r.repetition_penalty not in (None, 1.0),
-    "min_tokens": lambda r: bool(r.min_tokens),
-}
+MAX_CHOICES = 2048
+"""The most choices (prompts x n) one request may ask for."""
+
 _CHAT_UNSUPPORTED: dict[str, Check] = {
-    "logprobs": lambda r: bool(r.logprobs),
-    "top_logprobs": lambda r: bool(r.top_logprobs),
     "echo": lambda r: r.echo,
     "tools": lambda r: bool(r.tools),
     "tool_choice": lambda r: r.tool_choice not in (None, "none"),
     "functions": lambda r: r.functions is not None,
     "function_call": lambda r: r.function_call not in (None, "none"),
-    "response_format": lambda r: r.response_format is not None and r.response_format.type != "text",
     "audio": lambda r: r.audio is not None,
     "modalities": lambda r: r.modalities not in (None, ["text"]),
     "prediction": lambda r: r.prediction is not None,
@@ -47,23 +43,54 @@ _CHAT_UNSUPPORTED: dict[str, Check] = {
     "web_search_options": lambda r: r.web_search_options is not None,
 }
 _COMPLETION_UNSUPPORTED: dict[str, Check] = {
-    "best_of": lambda r: r.best_of not in (None, 1),
-    "echo": lambda r: bool(r.echo),
-    "logprobs": lambda r: r.logprobs is not None,
     "suffix": lambda r: bool(r.suffix),
 }
+_PARAM_OF_SAMPLING_FIELD = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def check_unicode(request: BaseModel) -> None:
+    """400 naming the first string in ``request`` that is not valid Unicode: a lone UTF-16
+    surrogate, which JSON's ``\\ud800`` escapes let through but neither the tokenizer nor the
+    wire encoder can take."""
+    path = _invalid_string_path(request.model_dump(by_alias=True), "")
+    if path is not None:
+        raise invalid_request(
+            f"{path or 'A key'} is not valid Unicode: it holds a lone surrogate",
+            param=path or None,
+        )
+
+
+def _invalid_string_path(value: Any, path: str) -> str | None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items: list[tuple[Any, str]] = []
+    if isinstance(value, dict):
+        items = [(key, path) for key in value]
+        items += [(item, f"{path}.{key}" if path else str(key)) for key, item in value.items()]
+    elif isinstance(value, list):
+        items = [(item, f"{path}[{index}]") for index, item in enumerate(value)]
+    for item, item_path in items:
+        found = _invalid_string_path(item, item_path)
+        if found is not None:
+            return found
+    return None
 
 
 def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
-    """Raise a 400 naming every field set to a value Switchyard does not support yet."""
-    checks = dict(_COMMON_UNSUPPORTED)
+    """Raise a 400 naming the first field set to a value Switchyard does not support yet, or
+    a combination of fields that is invalid."""
+    check_unicode(request)
     chat = isinstance(request, ChatCompletionRequest)
-    checks.update(_CHAT_UNSUPPORTED if chat else _COMPLETION_UNSUPPORTED)
+    checks = _CHAT_UNSUPPORTED if chat else _COMPLETION_UNSUPPORTED
     unsupported = [name for name, is_unsupported in checks.items() if is_unsupported(request)]
     if unsupported:
         raise invalid_request(
             f"Unsupported parameter(s): {', '.join(unsupported)}. Switchyard does not support "
-            "them yet (n must be 1; penalties 0; no logprobs, tools or structured output).",
+            "them yet (no tools, function calls, audio or suffix).",
             param=unsupported[0],
             code="unsupported_parameter",
         )
@@ -72,11 +99,33 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
             "stream_options is only allowed when stream is true", param="stream_options"
         )
     if chat:
-        for index, message in enumerate(request.messages):
-            _check_message(index, message)
+        _check_chat(request)
+    else:
+        _check_completion(request)
 
 
-def _check_message(index: int, message: ChatMessage) -> None:
+def _check_chat(request: ChatCompletionRequest) -> None:
+    if request.top_logprobs is not None and not request.logprobs:
+        raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    for index, message in enumerate(request.messages):
+        check_message(index, message)
+
+
+def _check_completion(request: CompletionRequest) -> None:
+    if request.best_of not in (None, request.n):
+        raise invalid_request(
+            f"best_of ({request.best_of}) must equal n ({request.n}) or be left out: Switchyard "
+            "returns every choice it samples",
+            param="best_of",
+        )
+    if request.max_tokens == 0 and not request.echo:
+        raise invalid_request(
+            "max_tokens must be at least 1 unless echo is true", param="max_tokens"
+        )
+
+
+def check_message(index: int, message: ChatMessage) -> None:
+    """400 for message fields and content parts that are not supported yet."""
     for name in ("audio", "function_call"):
         if getattr(message, name) is not None:
             raise invalid_request(
@@ -95,73 +144,131 @@ def _check_message(index: int, message: ChatMessage) -> None:
             raise invalid_request(f"{param}.text is required", param=f"{param}.text")
 
 
-def sampling_params(request: SamplingFields) -> SamplingParams:
-    """SamplingParams with OpenAI's defaults; ``ValueError`` becomes a 400."""
+def sampling_params(request: SamplingFields, vocab_size: int) -> SamplingParams:
+    """SamplingParams with OpenAI's defaults; every invalid value is a 400 naming its field.
+
+    ``max_tokens`` 0 (completions' echo only) generates one token, which is then discarded.
+    """
+    max_new_tokens = request.max_new_tokens
+    min_new_tokens = request.min_tokens or 0
+    if max_new_tokens is not None and min_new_tokens > max_new_tokens:
+        raise invalid_request(
+            f"min_tokens ({min_new_tokens}) must not exceed max_tokens ({max_new_tokens})",
+            param="min_tokens",
+        )
     try:
         return SamplingParams(
             top_k=-1 if request.top_k is None else request.top_k,
             top_p=1.0 if request.top_p is None else request.top_p,
             min_p=0.0 if request.min_p is None else request.min_p,
             temperature=1.0 if request.temperature is None else request.temperature,
-            max_new_tokens=request.max_new_tokens,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            presence_penalty=request.presence_penalty or 0.0,
+            repetition_penalty=request.repetition_penalty or 1.0,
+            max_new_tokens=None if max_new_tokens is None else max(max_new_tokens, 1),
+            min_new_tokens=min_new_tokens,
             ignore_eos=request.ignore_eos,
             stop=request.stop_strings or None,
-            stop_token_ids=request.stop_token_ids,
+            stop_token_ids=_stop_token_ids(request.stop_token_ids, vocab_size),
             seed=request.seed,
+            logit_bias=_logit_bias(request.logit_bias, vocab_size),
         )
     except ValueError as error:
-        raise invalid_request(str(error)) from error
+        raise invalid_request(str(error), param=_param_of(str(error))) from error
+
+
+def _param_of(message: str) -> str:
+    """The request field a ``SamplingParams`` error message is about (its first word)."""
+    field = message.split(" ", 1)[0]
+    return _PARAM_OF_SAMPLING_FIELD.get(field, field)
+
+
+def _logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's ``{"token id": bias}`` as ``{token_id: bias}``; 400 for keys that are not token
+    ids of this vocabulary. (Bias values are range-checked by ``SamplingParams``.)"""
+    if not logit_bias:
+        return None
+    parsed = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if not 0 <= token_id < vocab_size:
+            raise invalid_request(
+                f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                param="logit_bias",
+            )
+        parsed[token_id] = bias
+    return parsed
+
+
+def _stop_token_ids(token_ids: list[int] | None, vocab_size: int) -> list[int] | None:
+    for token_id in token_ids or []:
+        if not 0 <= token_id < vocab_size:
+            raise invalid_request(
+                f"stop_token_ids must be token ids in [0, {vocab_size}), got {token_id}",
+                param="stop_token_ids",
+            )
+    return token_ids
 
 
 def chat_generation_request(
-    request: ChatCompletionRequest, request_id: str, model_name: str
+    request: ChatCompletionRequest, request_id: str, model_name: str, vocab_size: int
 ) -> TextGenerationRequest:
     """The chat request as MAX's ``TextGenerationRequest`` (call ``check_supported`` first)."""
     return TextGenerationRequest(
         request_id=request_id,
         index=0,
         model_name=model_name,
-        messages=[_generation_message(message) for message in request.messages],
+        messages=[generation_message(message) for message in request.messages],
         timestamp_ns=time.time_ns(),
         request_path="/v1/chat/completions",
         stop=request.stop,
-        sampling_params=sampling_params(request),
+        sampling_params=sampling_params(request, vocab_size),
         cache_salt=request.cache_salt,
     )
 
 
-def completion_generation_request(
-    request: CompletionRequest, request_id: str, model_name: str
-) -> TextGenerationRequest:
-    """The completions request as ``TextGenerationRequest``; one prompt only for now."""
-    return TextGenerationRequest(
-        request_id=request_id,
-        index=0,
-        model_name=model_name,
-        prompt=single_prompt(request.prompt),
-        timestamp_ns=time.time_ns(),
-        request_path="/v1/completions",
-        stop=request.stop,
-        sampling_params=sampling_params(request),
-        cache_salt=request.cache_salt,
-    )
+def completion_generation_requests(
+    request: CompletionRequest, request_id: str, model_name: str, vocab_size: int
+) -> list[TextGenerationRequest]:
+    """One ``TextGenerationRequest`` per prompt, ``index`` the prompt's position."""
+    prompts = split_prompts(request.prompt)
+    if len(prompts) * request.num_choices_per_prompt > MAX_CHOICES:
+        raise invalid_request(
+            f"At most {MAX_CHOICES} choices (prompts x n) per request; got "
+            f"{len(prompts)} x {request.num_choices_per_prompt}",
+            param="prompt",
+        )
+    params = sampling_params(request, vocab_size)
+    timestamp_ns = time.time_ns()
+    return [
+        TextGenerationRequest(
+            request_id=request_id,
+            index=index,
+            model_name=model_name,
+            prompt=prompt,
+            timestamp_ns=timestamp_ns,
+            request_path="/v1/completions",
+            echo=bool(request.echo),
+            stop=request.stop,
+            sampling_params=params,
+            cache_salt=request.cache_salt,
+        )
+        for index, prompt in enumerate(prompts)
+    ]
 
 
-def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-    """The one prompt of a request: a string or token ids; a batch of one is unwrapped."""
-    if isinstance(prompt, str):
-        return prompt
-    if prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise invalid_request(
-                "Several prompts in one request are not supported yet; send one per request",
-                param="prompt",
-            )
-        return prompt[0]  # type: ignore[return-value]
-    return prompt  # type: ignore[return-value]
+def split_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]:
+    """The prompts of a completions request: a string, token ids, or a list of either."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
 
 
-def _generation_message(message: ChatMessage) -> TextGenerationRequestMessage:
+def generation_message(message: ChatMessage) -> TextGenerationRequestMessage:
+    """The wire form of a chat message (content parts reduced to their text)."""
     content: str | list[dict[str, Any]] | None = message.content  # type: ignore[assignment]
     if isinstance(message.content, list):
         content = [{"type": "text", "text": part.text} for part in message.content]

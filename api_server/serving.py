@@ -1,9 +1,10 @@
 """The two generation endpoints, /v1/chat/completions and /v1/completions.
 
-Both follow one path: check the model name and the supported fields, build the
-``TextGenerationRequest``, tokenize it into a ``TextContext`` (errors → 400), submit, and answer
-either one JSON body or an SSE stream of ``data: {json}`` events ending with ``data: [DONE]``.
-The endpoints differ only in their ``ResponseFormat`` (api_server.formats).
+Both follow one path: check the model name and the supported fields, build one
+``TextGenerationRequest`` per prompt, tokenize each into a ``TextContext`` (errors → 400), fan
+each out into ``n`` choices, submit them all, and answer either one JSON body or an SSE stream of
+``data: {json}`` events ending with ``data: [DONE]``. The endpoints differ only in their
+``ResponseFormat`` (api_server.formats).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from api_server.choices import Choice, ChoiceDelta, Generation, choice_context
 from api_server.config import ApiServerConfig
 from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.errors import (
@@ -28,16 +30,17 @@ from api_server.errors import (
     service_unavailable,
 )
 from api_server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from api_server.logprobs import TokenTexts
 from api_server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from api_server.request_builder import (
     chat_generation_request,
     check_supported,
-    completion_generation_request,
+    completion_generation_requests,
 )
-from api_server.responses import FinishReason
-from api_server.text_stream import GenerationStream, RequestFailed, RequestRejected, TextDelta
+from api_server.structured_output import structured_output
+from api_server.text_stream import GenerationStream, RequestFailed, RequestRejected, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
-from interfaces import TextGenerationRequest
+from interfaces import StructuredOutput, TextContext, TextGenerationRequest
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -50,6 +53,10 @@ class ServerState:
     config: ApiServerConfig
     tokenizer: HuggingFaceTokenizer
     engine: EngineClient
+    token_texts: TokenTexts = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_texts = TokenTexts(self.tokenizer.backend)
 
     @property
     def model_name(self) -> str:
@@ -66,10 +73,13 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     state.check_model(request.model)
     check_supported(request)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation_request = chat_generation_request(request, request_id, state.model_name)
-    return await _generate(
-        state, request, generation_request, ChatFormat(request_id, state.model_name)
+    vocab_size = state.tokenizer.vocab_size
+    prompts = [chat_generation_request(request, request_id, state.model_name, vocab_size)]
+    generation = await _generation(state, request, prompts, request.num_logprobs)
+    response_format = ChatFormat(
+        request_id, state.model_name, request.num_logprobs, state.token_texts
     )
+    return await _respond(request, generation, response_format)
 
 
 async def create_completion(request: CompletionRequest, state: ServerState) -> Response:
@@ -77,35 +87,84 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
     state.check_model(request.model)
     check_supported(request)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation_request = completion_generation_request(request, request_id, state.model_name)
-    response_format = CompletionFormat(request_id, state.model_name)
-    return await _generate(state, request, generation_request, response_format)
+    vocab_size = state.tokenizer.vocab_size
+    prompts = completion_generation_requests(request, request_id, state.model_name, vocab_size)
+    generation = await _generation(state, request, prompts, request.num_logprobs)
+    response_format = CompletionFormat(
+        request_id, state.model_name, request.num_logprobs, state.token_texts
+    )
+    return await _respond(request, generation, response_format)
 
 
-async def _generate(
+async def _generation(
     state: ServerState,
     request: SamplingFields,
-    generation_request: TextGenerationRequest,
-    response_format: ResponseFormat,
-) -> Response:
-    try:
-        context = await state.tokenizer.new_context(generation_request)
-    except ValueError as error:
-        raise invalid_request(str(error), param=_prompt_param(generation_request)) from error
-    stream = GenerationStream(
-        state.engine,
-        context,
-        state.tokenizer.backend,
-        request.stop_strings,
-        request.skip_special_tokens,
+    prompts: list[TextGenerationRequest],
+    num_logprobs: int | None,
+) -> Generation:
+    """Tokenize every prompt once and make ``n`` choices of each (index prompt * n + sample)."""
+    constraint = structured_output(request)
+    options = _text_options(request)
+    n = request.num_choices_per_prompt
+    several = len(prompts) * n > 1
+    choices, num_prompt_tokens = [], 0
+    for prompt in prompts:
+        context = await _new_context(state, prompt, num_logprobs, constraint)
+        num_prompt_tokens += context.num_prompt_tokens
+        echo_text = _echo_text(state, prompt, context) if prompt.echo else None
+        for sample in range(n):
+            index = prompt.index * n + sample
+            if several:
+                context_of_choice = choice_context(context, prompt.request_id, index, sample)
+            else:
+                context_of_choice = context
+            stream = GenerationStream(
+                state.engine, context_of_choice, state.tokenizer.backend, options
+            )
+            choices.append(Choice(index, stream, echo_text))
+    return Generation(choices, num_prompt_tokens)
+
+
+def _text_options(request: SamplingFields) -> TextOptions:
+    return TextOptions(
+        stop=tuple(request.stop_strings),
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        discard_output=request.max_new_tokens == 0,
     )
+
+
+async def _new_context(
+    state: ServerState,
+    request: TextGenerationRequest,
+    num_logprobs: int | None,
+    constraint: StructuredOutput | None,
+) -> TextContext:
+    try:
+        return await state.tokenizer.new_context(
+            request,
+            logprobs=num_logprobs,
+            prompt_logprobs=num_logprobs if request.echo else None,
+            structured_output=constraint,
+        )
+    except ValueError as error:
+        param = "messages" if request.messages is not None else "prompt"
+        raise invalid_request(str(error), param=param) from error
+
+
+def _echo_text(state: ServerState, request: TextGenerationRequest, context: TextContext) -> str:
+    """The prompt as text: as given, or its token ids decoded (special tokens kept)."""
+    if isinstance(request.prompt, str):
+        return request.prompt
+    return state.tokenizer.backend.decode(context.prompt_token_ids, skip_special_tokens=False)
+
+
+async def _respond(
+    request: SamplingFields, generation: Generation, response_format: ResponseFormat
+) -> Response:
     if request.stream:
-        return await _stream_response(stream, response_format, request.include_usage)
-    return await _full_response(stream, response_format)
-
-
-def _prompt_param(request: TextGenerationRequest) -> str:
-    return "messages" if request.messages is not None else "prompt"
+        return await _stream_response(generation, response_format, request.include_usage)
+    return await _full_response(generation, response_format)
 
 
 def _as_openai_error(error: Exception) -> OpenAIError:
@@ -116,30 +175,26 @@ def _as_openai_error(error: Exception) -> OpenAIError:
     return server_error(str(error))
 
 
-async def _full_response(stream: GenerationStream, response_format: ResponseFormat) -> JSONResponse:
-    pieces: list[str] = []
-    finish_reason: FinishReason = "abort"
+async def _full_response(generation: Generation, response_format: ResponseFormat) -> JSONResponse:
     try:
-        async for delta in stream.deltas():
-            pieces.append(delta.text)
-            finish_reason = delta.finish_reason or finish_reason
+        choices = await generation.collect()
     except (RequestFailed, SchedulerUnavailable) as error:
         raise _as_openai_error(error) from error
-    body = response_format.response("".join(pieces), finish_reason, stream.usage())
+    body = response_format.response(choices, generation.usage())
     return JSONResponse(body.model_dump(mode="json"))
 
 
 async def _stream_response(
-    stream: GenerationStream, response_format: ResponseFormat, include_usage: bool
+    generation: Generation, response_format: ResponseFormat, include_usage: bool
 ) -> StreamingResponse:
     """Wait for the scheduler's first result before sending headers, so a request that fails
     at once (scheduler down, request refused) gets a real HTTP status instead of an SSE error."""
-    deltas = stream.deltas()
+    deltas = generation.deltas()
     try:
         first = await anext(deltas)
     except (RequestFailed, SchedulerUnavailable) as error:
         raise _as_openai_error(error) from error
-    events = _sse_events(stream, deltas, first, response_format, include_usage)
+    events = _sse_events(generation, deltas, first, response_format, include_usage)
     # Starlette does not close the body iterator when the client goes away mid-send; closing it
     # in the background task aborts the request at once instead of whenever it is collected.
     return StreamingResponse(
@@ -151,20 +206,24 @@ async def _stream_response(
 
 
 async def _sse_events(
-    stream: GenerationStream,
-    deltas: AsyncGenerator[TextDelta, None],
-    first: TextDelta,
+    generation: Generation,
+    deltas: AsyncGenerator[ChoiceDelta, None],
+    first: ChoiceDelta,
     response_format: ResponseFormat,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """SSE lines for one request; closing this generator early (client gone) aborts it."""
+    """SSE lines for one response; closing this generator early (client gone) aborts every
+    choice. Choices interleave; each ends with exactly one chunk carrying its finish reason."""
     try:
-        for chunk in response_format.opening_chunks():
+        for chunk in response_format.opening_chunks([c.index for c in generation.choices]):
             yield _sse(chunk)
-        async for chunk in _delta_chunks(first, deltas, response_format):
-            yield _sse(chunk)
+        delta: ChoiceDelta | None = first
+        while delta is not None:
+            for chunk in _delta_chunks(delta, response_format):
+                yield _sse(chunk)
+            delta = await anext(deltas, None)
         if include_usage:
-            yield _sse(response_format.usage_chunk(stream.usage()))
+            yield _sse(response_format.usage_chunk(generation.usage()))
     except (RequestFailed, SchedulerUnavailable) as error:
         yield _sse(_as_openai_error(error).body())
     finally:
@@ -172,17 +231,12 @@ async def _sse_events(
     yield SSE_DONE
 
 
-async def _delta_chunks(
-    first: TextDelta, deltas: AsyncIterator[TextDelta], response_format: ResponseFormat
-) -> AsyncIterator[BaseModel]:
-    delta: TextDelta | None = first
-    while delta is not None:
-        if delta.text:
-            yield response_format.text_chunk(delta.text)
-        if delta.finish_reason is not None:
-            yield response_format.finish_chunk(delta.finish_reason)
-            return
-        delta = await anext(deltas, None)
+def _delta_chunks(delta: ChoiceDelta, response_format: ResponseFormat) -> list[BaseModel]:
+    chunk = response_format.delta_chunk(delta)
+    chunks = [] if chunk is None else [chunk]
+    if delta.finish_reason is not None:
+        chunks.append(response_format.finish_chunk(delta.index, delta.finish_reason))
+    return chunks
 
 
 def _sse(payload: BaseModel | dict) -> str:

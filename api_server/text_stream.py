@@ -1,8 +1,10 @@
 """One request's result stream turned into text: detokenize, cut at stop strings, count tokens.
 
 The scheduler decides EOS, max tokens and stop token ids; stop *strings* are decided here: the
-text is cut before the first stop string, the request finishes with "stop", and leaving the
-engine's stream early makes ``EngineClient.generate`` abort the request in the scheduler.
+text is cut before the first stop string (after it with ``include_stop_str_in_output``), the
+request finishes with "stop", and leaving the engine's stream early makes
+``EngineClient.generate`` abort the request in the scheduler. Log probabilities ride along with
+the text they belong to.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from tokenizers import Tokenizer
 
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from api_server.engine_client import EngineClient
-from api_server.responses import FinishReason, Usage
+from api_server.logprobs import TokenLogprob, output_logprobs, prompt_logprobs
+from api_server.responses import FinishReason
 from interfaces import GenerationStatus, SchedulerStatus, TextContext, TextGenerationOutput
 
 
@@ -28,18 +31,41 @@ class RequestRejected(RequestFailed):
 
 
 @dataclass(frozen=True)
+class TextOptions:
+    """How one choice's tokens become text (from the request's fields).
+
+    ``include_stop_str_in_output`` keeps a matched stop string, and the text of the stop token
+    (EOS or one of ``stop_token_ids``) that ended generation, as vLLM does.
+    ``discard_output`` reports no generated tokens at all: completions' ``echo`` with
+    ``max_tokens`` 0 generates one token only to get the prompt's log probabilities.
+    """
+
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    discard_output: bool = False
+
+
+@dataclass(frozen=True)
 class TextDelta:
-    """New text from one scheduler result; ``finish_reason`` is set on the last one only."""
+    """New text from one scheduler result; ``finish_reason`` is set on the last one only.
+
+    ``logprobs``: one entry per token this result produced (the token that ended generation
+    included), None when the request did not ask. ``prompt_logprobs``: the whole prompt's
+    entries, on the first delta only, when the request asked for them.
+    """
 
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class GenerationStream:
     """Text deltas for one submitted ``TextContext``.
 
     Iterate ``deltas()`` once. Usage counts every output token the scheduler produced, including
-    an end-of-sequence token and tokens past a stop string.
+    an end-of-sequence token and tokens past a stop string (none with ``discard_output``).
     """
 
     def __init__(
@@ -47,19 +73,18 @@ class GenerationStream:
         engine: EngineClient,
         context: TextContext,
         tokenizer: Tokenizer,
-        stop: list[str],
-        skip_special_tokens: bool = True,
+        options: TextOptions = TextOptions(),
     ) -> None:
         self.context = context
         self.num_output_tokens = 0
         self._engine = engine
-        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self._stop_matcher = StopStringMatcher(stop)
+        self._options = options
+        self._detokenizer = IncrementalDetokenizer(tokenizer, options.skip_special_tokens)
+        self._stop_matcher = StopStringMatcher(
+            list(options.stop), include_stop=options.include_stop_str_in_output
+        )
         params = context.sampling_params
         self._stop_token_ids = {*context.eos_token_ids, *(params.stop_token_ids or [])}
-
-    def usage(self) -> Usage:
-        return Usage.of(self.context.num_prompt_tokens, self.num_output_tokens)
 
     async def deltas(self) -> AsyncGenerator[TextDelta, None]:
         """One delta per scheduler result (its text may be empty), the last with a finish reason.
@@ -87,19 +112,35 @@ class GenerationStream:
         yield TextDelta("", "abort")
 
     def _add_output(self, output: TextGenerationOutput, is_done: bool) -> TextDelta:
+        prompt = self._prompt_logprobs(output)
+        if self._options.discard_output:
+            return TextDelta("", "length" if is_done else None, prompt_logprobs=prompt)
+        self.num_output_tokens += len(output.tokens)
+        logprobs = output_logprobs(output) if self.context.logprobs is not None else None
+        text, finish_reason = self._add_text(output, is_done)
+        return TextDelta(text, finish_reason, logprobs, prompt)
+
+    def _prompt_logprobs(self, output: TextGenerationOutput) -> list[TokenLogprob] | None:
+        if self.context.prompt_logprobs is None or output.prompt_log_probabilities is None:
+            return None
+        return prompt_logprobs(self.context.prompt_token_ids, output.prompt_log_probabilities)
+
+    def _add_text(
+        self, output: TextGenerationOutput, is_done: bool
+    ) -> tuple[str, FinishReason | None]:
         token_ids = output.tokens
-        self.num_output_tokens += len(token_ids)
         ended_by_stop_token = output.final_status is GenerationStatus.END_OF_SEQUENCE
+        keep_stop_token = self._options.include_stop_str_in_output
         if ended_by_stop_token and token_ids and token_ids[-1] in self._stop_token_ids:
-            token_ids = token_ids[:-1]  # the EOS / stop token is not part of the text
+            token_ids = token_ids if keep_stop_token else token_ids[:-1]
         text = self._detokenizer.add(token_ids)
         if is_done:
             text += self._detokenizer.flush()
         text, stopped = self._stop_matcher.add(text)
         if stopped:
-            return TextDelta(text, "stop")
+            return text, "stop"
         if not is_done:
-            return TextDelta(text)
+            return text, None
         text += self._stop_matcher.flush()
         reason = "length" if output.final_status is GenerationStatus.MAXIMUM_LENGTH else "stop"
-        return TextDelta(text, reason)
+        return text, reason

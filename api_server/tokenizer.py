@@ -14,7 +14,12 @@ from tokenizers import Tokenizer
 
 from api_server.chat_template import render_chat_template, render_fallback_prompt
 from api_server.config import generation_eos_token_ids, read_json
-from interfaces import TextContext, TextGenerationRequest, TextGenerationRequestMessage
+from interfaces import (
+    StructuredOutput,
+    TextContext,
+    TextGenerationRequest,
+    TextGenerationRequestMessage,
+)
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -90,15 +95,26 @@ class HuggingFaceTokenizer:
             source = self.chat_templates["tool_use"]
         return render_chat_template(source, messages, self.special_tokens, tools, options)
 
-    async def new_context(self, request: TextGenerationRequest) -> TextContext:
+    async def new_context(
+        self,
+        request: TextGenerationRequest,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        structured_output: StructuredOutput | None = None,
+    ) -> TextContext:
         """Tokenize ``request`` (chat template for messages) and bound its output length.
 
         ``max_length`` is prompt tokens + max_new_tokens, or max_model_len when max_new_tokens is
         not set. Raises ``ValueError`` for an empty prompt, token ids outside the vocabulary, a
         prompt that leaves no room, or prompt + max_new_tokens beyond max_model_len (as OpenAI
         and vLLM refuse it, rather than quietly generating less than asked).
+
+        The keyword arguments go into the context as they are (see ``TextContext``): the
+        request cannot carry them, since its ``logprobs`` has no "off" distinct from 0 and its
+        ``response_format`` cannot say regex or grammar.
         """
-        prompt_token_ids = self._prompt_token_ids(request)
+        prompt_token_ids = self.prompt_token_ids(request)
         num_prompt_tokens = len(prompt_token_ids)
         self._check_prompt_length(num_prompt_tokens)
         max_new_tokens = request.sampling_params.max_new_tokens
@@ -120,13 +136,27 @@ class HuggingFaceTokenizer:
             sampling_params=request.sampling_params,
             timestamp_ns=request.timestamp_ns,
             cache_salt=request.cache_salt,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_output=structured_output,
         )
 
-    def _prompt_token_ids(self, request: TextGenerationRequest) -> list[int]:
+    def render_messages(
+        self,
+        messages: list[TextGenerationRequestMessage],
+        tools: list[dict[str, Any]] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for a conversation; ``ValueError`` if the template refuses it."""
+        dicts = [_message_dict(message) for message in messages]
+        return self.apply_chat_template(dicts, tools, options)
+
+    def prompt_token_ids(self, request: TextGenerationRequest) -> list[int]:
+        """The prompt's token ids (chat template applied); ``ValueError`` if it is empty, has
+        ids outside the vocabulary, or the template refuses the conversation. No length check."""
         if request.messages is not None:
-            messages = [_message_dict(message) for message in request.messages]
             tools = msgspec.to_builtins(request.tools) if request.tools else None
-            prompt = self.apply_chat_template(messages, tools, request.chat_template_options)
+            prompt = self.render_messages(request.messages, tools, request.chat_template_options)
             token_ids = self.encode_now(prompt, add_special_tokens=False)
         elif isinstance(request.prompt, str):
             token_ids = self.encode_now(request.prompt, add_special_tokens=True)
@@ -138,14 +168,19 @@ class HuggingFaceTokenizer:
             raise ValueError("the prompt is empty: it must have at least one token")
         return token_ids
 
-    def _checked_token_ids(self, token_ids: list[int]) -> list[int]:
+    def _checked_token_ids(self, token_ids: list[int], what: str = "prompt") -> list[int]:
         vocab_size = self.vocab_size
         for token_id in token_ids:
             if not 0 <= token_id < vocab_size:
                 raise ValueError(
-                    f"prompt token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                    f"{what} token id {token_id} is outside the vocabulary [0, {vocab_size})"
                 )
         return list(token_ids)
+
+    def decode_checked(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text for ``token_ids``; ``ValueError`` for an id outside the vocabulary."""
+        self._checked_token_ids(token_ids, what="the")
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def _check_prompt_length(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens >= self.max_model_len:

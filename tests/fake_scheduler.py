@@ -5,6 +5,11 @@ A thread owns a ZeroMQ ROUTER bound to an ``ipc://`` address. It answers ``Stats
 ``eos_token_id``) one step at a time, finishing with END_OF_SEQUENCE, or with MAXIMUM_LENGTH when
 the context's ``max_length`` is reached first; it records every submitted context and every
 aborted request id. Behaviour is set through attributes between tests (see ``reset``).
+
+When a context asks for log probabilities the fake reports canned ones, as the worker would:
+``fake_logprob(position)`` for each token and ``fake_top(token_id, position, k)`` for its
+alternatives (output positions count from 0; prompt positions from 1, the first prompt token
+having none), so tests can compute the exact values they expect.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from interfaces import SchedulerResult, TextContext, TextGenerationOutput
+from interfaces import LogProbabilities, SchedulerResult, TextContext, TextGenerationOutput
 from interfaces.api_to_scheduler import (
     AbortRequests,
     ApiToSchedulerMessage,
@@ -27,6 +32,30 @@ from interfaces.api_to_scheduler import (
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.outputs import GenerationStatus
 from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats
+
+VOCAB_SIZE = 49152
+
+
+def fake_logprob(position: int) -> float:
+    """The log probability the fake reports for the token at ``position``."""
+    return -0.5 * (position + 1)
+
+
+def fake_top(token_id: int, position: int, k: int) -> dict[int, float]:
+    """The ``k`` alternatives the fake reports: the ids after ``token_id``, each less likely
+    than the one before and than ``token_id`` (which is not among them)."""
+    value = fake_logprob(position)
+    return {(token_id + 1 + j) % VOCAB_SIZE: value - 1.0 - j for j in range(k)}
+
+
+def fake_logprobs(token_ids: list[int], positions: range, k: int) -> LogProbabilities:
+    return LogProbabilities(
+        token_log_probabilities=[fake_logprob(position) for position in positions],
+        top_log_probabilities=[
+            fake_top(token_id, position, k)
+            for token_id, position in zip(token_ids, positions, strict=True)
+        ],
+    )
 
 
 @dataclass
@@ -175,6 +204,7 @@ class FakeScheduler:
                 tokens.append(self.reply[index % len(self.reply)])
             elif index < len(sequence):
                 tokens.append(sequence[index])
+        first_position = running.num_generated
         running.num_generated += len(tokens)
         status = GenerationStatus.ACTIVE
         if not self.repeat and running.num_generated >= len(sequence):
@@ -182,6 +212,15 @@ class FakeScheduler:
         elif running.num_generated >= context.max_new_tokens:
             status = GenerationStatus.MAXIMUM_LENGTH
         output = TextGenerationOutput(context.request_id, tokens, status)
+        if context.logprobs is not None:
+            positions = range(first_position, running.num_generated)
+            output.log_probabilities = [fake_logprobs(tokens, positions, context.logprobs)]
+        if context.prompt_logprobs is not None and first_position == 0:
+            prompt = context.prompt_token_ids
+            positions = range(1, len(prompt))
+            output.prompt_log_probabilities = fake_logprobs(
+                prompt[1:], positions, context.prompt_logprobs
+            )
         if status is GenerationStatus.ACTIVE:
             return SchedulerResult.active(output)
         return SchedulerResult.complete(output)
@@ -227,13 +266,19 @@ class ApiHarness:
 
     ``scheduler`` is the FakeScheduler (None: nothing listens), ``url`` the server's base URL,
     ``tokenizer`` the server's tokenizer. Engine timeouts are short so failure tests finish in
-    about a second.
+    about a second. ``api_key`` and ``allowed_origins`` go into the server's config.
     """
 
     MODEL_NAME = "smollm2-test"
 
     def __init__(
-        self, model_dir, work_dir, max_model_len: int = 256, with_scheduler: bool = True
+        self,
+        model_dir,
+        work_dir,
+        max_model_len: int = 256,
+        with_scheduler: bool = True,
+        api_key: str | None = None,
+        allowed_origins: tuple[str, ...] = (),
     ) -> None:
         from api_server.app import create_app
         from api_server.config import ApiServerConfig, EngineClientConfig
@@ -247,7 +292,9 @@ class ApiHarness:
             scheduler_timeout_s=1.0,
             heartbeat_interval_s=0.1,
         )
-        config = ApiServerConfig(model_dir, self.MODEL_NAME, max_model_len, engine)
+        config = ApiServerConfig(
+            model_dir, self.MODEL_NAME, max_model_len, engine, api_key, allowed_origins
+        )
         self.app = create_app(config)
         self.server = UvicornThread(self.app).start()
         self.url = self.server.url

@@ -112,7 +112,7 @@ def test_mistyped_or_out_of_range_fields(client: httpx.Client, extra: dict, para
 
 def test_negative_max_tokens_message(client: httpx.Client) -> None:
     error = bad_request(client.post("/v1/completions", json={"prompt": "x", "max_tokens": -3}))
-    assert error["message"] == "max_tokens: Input should be greater than or equal to 1"
+    assert error["message"] == "max_tokens: Input should be greater than or equal to 0"
 
 
 @pytest.mark.parametrize(
@@ -124,27 +124,17 @@ def test_negative_max_tokens_message(client: httpx.Client) -> None:
     ],
 )
 def test_sampling_params_errors(client: httpx.Client, extra: dict, message: str) -> None:
-    assert (
-        bad_request(client.post(CHAT, json={"messages": MESSAGES, **extra}))["message"] == message
-    )
+    error = bad_request(client.post(CHAT, json={"messages": MESSAGES, **extra}))
+    assert (error["message"], error["param"]) == (message, next(iter(extra)))
 
 
 @pytest.mark.parametrize(
     ("extra", "names"),
     [
-        ({"n": 2}, ["n"]),
-        ({"logprobs": True, "top_logprobs": 2}, ["logprobs", "top_logprobs"]),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools"]),
         ({"tool_choice": "required"}, ["tool_choice"]),
-        ({"response_format": {"type": "json_object"}}, ["response_format"]),
-        (
-            {"frequency_penalty": 0.5, "presence_penalty": 0.1},
-            ["frequency_penalty", "presence_penalty"],
-        ),
-        ({"repetition_penalty": 1.2}, ["repetition_penalty"]),
-        ({"logit_bias": {"50256": -100}}, ["logit_bias"]),
-        ({"min_tokens": 3}, ["min_tokens"]),
         ({"echo": True}, ["echo"]),
+        ({"audio": {"voice": "alloy"}, "modalities": ["text", "audio"]}, ["audio", "modalities"]),
     ],
 )
 def test_unsupported_chat_fields_are_named(client: httpx.Client, extra: dict, names: list) -> None:
@@ -153,20 +143,10 @@ def test_unsupported_chat_fields_are_named(client: httpx.Client, extra: dict, na
     assert (error["param"], error["code"]) == (names[0], "unsupported_parameter")
 
 
-@pytest.mark.parametrize(
-    ("extra", "name"),
-    [
-        ({"suffix": "end"}, "suffix"),
-        ({"echo": True}, "echo"),
-        ({"best_of": 3}, "best_of"),
-        ({"logprobs": 1}, "logprobs"),
-    ],
-)
-def test_unsupported_completion_fields_are_named(
-    client: httpx.Client, extra: dict, name: str
-) -> None:
-    error = bad_request(client.post("/v1/completions", json={"prompt": "x", **extra}))
-    assert error["message"].startswith(f"Unsupported parameter(s): {name}.")
+def test_unsupported_completion_fields_are_named(client: httpx.Client) -> None:
+    error = bad_request(client.post("/v1/completions", json={"prompt": "x", "suffix": "end"}))
+    assert error["message"].startswith("Unsupported parameter(s): suffix.")
+    assert error["param"] == "suffix"
 
 
 def test_supported_defaults_are_accepted(client: httpx.Client) -> None:
@@ -239,7 +219,8 @@ def test_prompt_longer_than_the_context(api: ApiHarness, client: httpx.Client) -
 @pytest.mark.parametrize(
     ("prompt", "message"),
     [
-        (["a", "b"], "Several prompts in one request are not supported yet"),
+        ([], "the prompt is empty: it must have at least one token"),
+        (["a", ""], "the prompt is empty: it must have at least one token"),
         ([49152], "prompt token id 49152 is outside the vocabulary [0, 49152)"),
         ("", "the prompt is empty: it must have at least one token"),
     ],

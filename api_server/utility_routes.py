@@ -1,0 +1,112 @@
+"""Routes beside generation, as vLLM has them: POST /tokenize, POST /detokenize, GET /version.
+
+/tokenize takes either a ``prompt`` (special tokens added unless ``add_special_tokens`` is false)
+or chat ``messages`` (rendered with the chat template; ``add_generation_prompt`` defaults to
+true, special tokens are not added again unless asked) and answers the token ids, their count
+and the server's ``max_model_len``. /detokenize turns token ids back into text, special tokens
+included. Neither talks to the scheduler.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from api_server.errors import invalid_request
+from api_server.protocol import ChatMessage, OpenAIBaseModel
+from api_server.request_builder import check_message, check_unicode, generation_message
+from api_server.tokenizer import HuggingFaceTokenizer
+
+router = APIRouter(strict_content_type=False)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """Exactly one of ``prompt`` and ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    """None: True for a prompt, False for messages (the template adds what it needs)."""
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state = request.app.state.server
+    state.check_model(body.model)
+    check_unicode(body)
+    tokenizer: HuggingFaceTokenizer = state.tokenizer
+    token_ids = _token_ids(tokenizer, body)
+    token_strs = None
+    if body.return_token_strs:
+        token_strs = [tokenizer.backend.id_to_token(token_id) or "" for token_id in token_ids]
+    return TokenizeResponse(
+        count=len(token_ids),
+        max_model_len=tokenizer.max_model_len,
+        tokens=token_ids,
+        token_strs=token_strs,
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state = request.app.state.server
+    state.check_model(body.model)
+    try:
+        return DetokenizeResponse(prompt=state.tokenizer.decode_checked(body.tokens))
+    except ValueError as error:
+        raise invalid_request(str(error), param="tokens") from error
+
+
+@router.get("/version")
+async def version() -> VersionResponse:
+    return VersionResponse(version=package_version())
+
+
+def package_version() -> str:
+    """Switchyard's installed version ("unknown" when it runs from a bare checkout)."""
+    try:
+        return metadata.version("switchyard")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _token_ids(tokenizer: HuggingFaceTokenizer, body: TokenizeRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid_request("Give exactly one of prompt and messages", param="prompt")
+    if body.prompt is not None:
+        add_special_tokens = body.add_special_tokens is not False
+        return tokenizer.encode_now(body.prompt, add_special_tokens)
+    messages = body.messages or []
+    for index, message in enumerate(messages):
+        check_message(index, message)
+    options = {"add_generation_prompt": body.add_generation_prompt}
+    try:
+        prompt = tokenizer.render_messages([generation_message(m) for m in messages], None, options)
+    except ValueError as error:
+        raise invalid_request(str(error), param="messages") from error
+    return tokenizer.encode_now(prompt, bool(body.add_special_tokens))

@@ -1,0 +1,174 @@
+"""API key authentication and CORS, and how their flags reach an API server (the key never
+in argv)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from api_server.__main__ import build_config, parse_args
+from switchyard.cli import build_parser
+from switchyard.launcher import Launcher, ServeConfig, child_environment
+from tests.fake_scheduler import ApiHarness
+
+KEY = "sk-switchyard-test"
+ORIGIN = "https://app.example"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+MISSING_KEY = {
+    "message": "You didn't provide an API key. You need to provide your API key in an "
+    "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+    "type": "invalid_request_error",
+    "param": None,
+    "code": None,
+}
+WRONG_KEY = {
+    "message": "Incorrect API key provided.",
+    "type": "invalid_request_error",
+    "param": None,
+    "code": "invalid_api_key",
+}
+
+
+@pytest.fixture(scope="module")
+def secured(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """An API server with an API key and CORS for ORIGIN."""
+    harness = ApiHarness(
+        default_model_dir,
+        tmp_path_factory.mktemp("api-secured"),
+        api_key=KEY,
+        allowed_origins=(ORIGIN,),
+    )
+    harness.scheduler.reply = [19556, 905]
+    harness.scheduler.eos_token_id = 2
+    yield harness
+    harness.close()
+
+
+@pytest.fixture(scope="module")
+def plain(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """An API server with neither an API key nor CORS."""
+    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api-plain"))
+    yield harness
+    harness.close()
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/chat/completions", {"messages": MESSAGES}),
+        ("POST", "/v1/completions", {"prompt": "x"}),
+        ("GET", "/v1/models", None),
+        ("POST", "/tokenize", {"prompt": "x"}),
+        ("POST", "/detokenize", {"tokens": [1]}),
+        ("GET", "/version", None),
+        ("GET", "/openapi.json", None),
+        ("GET", "/no/such/route", None),
+    ],
+)
+def test_every_route_needs_the_key(secured: ApiHarness, method: str, path: str, body) -> None:
+    with httpx.Client(base_url=secured.url, timeout=10) as client:
+        missing = client.request(method, path, json=body)
+        assert (missing.status_code, missing.json()) == (401, {"error": MISSING_KEY})
+        assert missing.headers["www-authenticate"] == "Bearer"
+        wrong = client.request(method, path, json=body, headers=bearer(KEY + "x"))
+        assert (wrong.status_code, wrong.json()) == (401, {"error": WRONG_KEY})
+        not_bearer = client.request(method, path, json=body, headers={"Authorization": KEY})
+        assert not_bearer.status_code == 401
+        right = client.request(method, path, json=body, headers=bearer(KEY))
+        assert right.status_code == (404 if path == "/no/such/route" else 200)
+
+
+def test_health_and_metrics_stay_open(secured: ApiHarness) -> None:
+    with httpx.Client(base_url=secured.url, timeout=10) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        assert client.get("/metrics").status_code == 200
+
+
+def test_openai_client_with_and_without_the_key(secured: ApiHarness) -> None:
+    url = f"{secured.url}/v1"
+    good = openai.OpenAI(base_url=url, api_key=KEY, timeout=10, max_retries=0)
+    reply = good.chat.completions.create(model=secured.MODEL_NAME, messages=MESSAGES)
+    assert reply.choices[0].message.content == "Hello world"
+    bad = openai.OpenAI(base_url=url, api_key="sk-wrong", timeout=10, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as raised:
+        bad.models.list()
+    assert raised.value.code == "invalid_api_key"
+
+
+def test_cors_headers_for_an_allowed_origin(secured: ApiHarness) -> None:
+    with httpx.Client(base_url=secured.url, timeout=10) as client:
+        response = client.get("/v1/models", headers={"Origin": ORIGIN, **bearer(KEY)})
+        assert response.headers["access-control-allow-origin"] == ORIGIN
+        refused = client.get("/v1/models", headers={"Origin": ORIGIN})
+        assert refused.status_code == 401  # a browser can read the 401: it has CORS headers too
+        assert refused.headers["access-control-allow-origin"] == ORIGIN
+        other = client.get("/v1/models", headers={"Origin": "https://evil.example", **bearer(KEY)})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_cors_preflight_needs_no_key(secured: ApiHarness) -> None:
+    headers = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    with httpx.Client(base_url=secured.url, timeout=10) as client:
+        response = client.options("/v1/chat/completions", headers=headers)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in response.headers["access-control-allow-methods"]
+    assert response.headers["access-control-allow-headers"] == "authorization, content-type"
+
+
+def test_no_cors_and_no_key_unless_configured(plain: ApiHarness) -> None:
+    with httpx.Client(base_url=plain.url, timeout=10) as client:
+        response = client.get("/v1/models", headers={"Origin": ORIGIN})
+        assert response.status_code == 200
+        assert "access-control-allow-origin" not in response.headers
+        preflight = client.options(
+            "/v1/models", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "GET"}
+        )
+        assert preflight.status_code == 405
+        assert "access-control-allow-origin" not in preflight.headers
+
+
+def test_api_server_flags(default_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["--model", str(default_model_dir), "--scheduler-addr", "ipc://s"]
+    monkeypatch.delenv("SWITCHYARD_API_KEY", raising=False)
+    config = build_config(parse_args(base))
+    assert (config.api_key, config.allowed_origins) == (None, ())
+    monkeypatch.setenv("SWITCHYARD_API_KEY", KEY)
+    origins = ["--allowed-origins", "https://a.example, https://b.example"]
+    config = build_config(parse_args([*base, *origins, "--allowed-origins", "*"]))
+    assert config.api_key == KEY
+    assert config.allowed_origins == ("https://a.example", "https://b.example", "*")
+    assert KEY not in repr(config)
+    assert build_config(parse_args([*base, "--api-key", "other"])).api_key == "other"
+
+
+def test_serve_passes_the_key_by_environment_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SWITCHYARD_API_KEY", "from-env")
+    args = build_parser().parse_args(
+        ["serve", "--allowed-origins", "a,b", "--allowed-origins", "c"]
+    )
+    assert (args.api_key, args.allowed_origins) == ("from-env", ["a,b", "c"])
+    config = ServeConfig(tmp_path, "m", api_key=KEY, allowed_origins=("a", "b", "c"))
+    assert KEY not in repr(config)
+    launcher = Launcher(config)
+    try:
+        argv = launcher._api_server_argv("ipc://frontend", 3)
+    finally:
+        launcher.shutdown()
+    assert argv[-2:] == ["--allowed-origins", "a,b,c"]
+    assert not any(KEY in arg for arg in argv)
+    assert child_environment(KEY)["SWITCHYARD_API_KEY"] == KEY
+    assert "SWITCHYARD_API_KEY" not in child_environment(None)  # scheduler, worker

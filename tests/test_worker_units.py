@@ -144,13 +144,10 @@ def test_top_k_and_min_p_restrict_choices():
     assert {row[1] for row in picked} == {0, 1, 2}
 
 
-def test_penalties_are_rejected():
-    check_supported(SamplingParams(temperature=0.7, top_p=0.9))
-    for field in ("frequency_penalty", "presence_penalty"):
-        with pytest.raises(ValueError, match=field):
-            check_supported(SamplingParams(**{field: 0.5}))
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        check_supported(SamplingParams(repetition_penalty=1.2))
+def test_logit_bias_must_name_tokens_in_the_vocabulary():
+    check_supported(SamplingParams(frequency_penalty=0.5, logit_bias={VOCAB - 1: 1.0}), VOCAB)
+    with pytest.raises(ValueError, match=r"outside the vocabulary of 50: \[50\]"):
+        check_supported(SamplingParams(logit_bias={VOCAB: 1.0}), VOCAB)
 
 
 # KV cache layout and sizing
@@ -247,8 +244,8 @@ def test_runner_rejects_inconsistent_steps_and_forgets_their_requests(tiny_runne
         tiny_runner.next_token(SchedulerOutput(1, cached_requests=[CachedRequestData("b", [], 0)]))
     with pytest.raises(ValueError, match="block ids outside"):
         tiny_runner.next_token(SchedulerOutput(2, [_new("c", [5], [16])]))
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        tiny_runner.next_token(SchedulerOutput(3, [_new("d", [5], [0], repetition_penalty=1.1)]))
+    with pytest.raises(ValueError, match="request 'd': logit_bias names token ids outside"):
+        tiny_runner.next_token(SchedulerOutput(3, [_new("d", [5], [0], logit_bias={49152: 1.0})]))
     assert tiny_runner.requests == {}
 
 

@@ -2,7 +2,8 @@
 
 The runner decides nothing about scheduling. It caches each request's tokens and block ids,
 computes exactly the tokens the scheduler named, and samples a token for every request whose
-computed tokens thereby reach the end of its known tokens (prompt plus outputs so far).
+computed tokens thereby reach the end of its known tokens (prompt plus outputs so far), along with
+the log probabilities and grammar masks the request asked for.
 """
 
 from __future__ import annotations
@@ -11,15 +12,19 @@ import logging
 
 import torch
 
-from interfaces import RequestID, TextGenerationOutput
-from interfaces.scheduler_to_worker import SchedulerOutput
+from interfaces import LogProbabilities, RequestID, TextGenerationOutput
+from interfaces.scheduler_to_worker import NewRequestData, SchedulerOutput
 from worker.attention import build_batch_layout
 from worker.config import WorkerConfig, default_num_threads
 from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_blocks_for_budget
+from worker.logits_processors import build_logits_processors
+from worker.logprobs import as_log_probabilities, check_logprob_counts, token_logprobs
 from worker.models.config import ModelConfig
 from worker.models.llama import load_model
+from worker.prompt_logprobs import plan_prompt_logprob_rows, record_prompt_logprobs
 from worker.request_state import RequestState
-from worker.sampler import Sampler, SamplingBatch
+from worker.sampler import Sampler, SamplingBatch, check_supported
+from worker.structured_output import GrammarCompiler, allowed_token_mask
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,9 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         _check_kv_capacity(self.kv_cache.num_blocks * self.block_size, self._max_model_len)
         self.sampler = Sampler(self.device, config.seed)
+        self.grammars = GrammarCompiler(
+            config.model_dir, self.model_config.vocab_size, default_num_threads()
+        )
         self.requests: dict[RequestID, RequestState] = {}
         logger.info(
             "loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
@@ -92,8 +100,9 @@ class ModelRunner:
     ) -> dict[RequestID, TextGenerationOutput]:
         """Run one step; return one new token for each request that reached a sampling point.
 
-        If the step raises (``ValueError`` for an inconsistent step), every request it named is
-        released, so no half-applied state outlives the failure.
+        If the step raises (``ValueError`` for an inconsistent step or a new request the worker
+        cannot serve: a bad grammar, logit_bias outside the vocabulary; its message names the
+        request), every request it named is released, so no half-applied state outlives it.
         """
         try:
             self._update_states(scheduler_output)
@@ -111,7 +120,7 @@ class ModelRunner:
         for request_id in scheduler_output.finished_request_ids:
             self.release(request_id)
         for new in scheduler_output.new_requests:
-            state = RequestState.from_new_request(new, self.device)
+            state = self._new_state(new)
             self._check_block_ids(state.request_id, state.block_ids)
             self.requests[state.request_id] = state
         for cached in scheduler_output.cached_requests:
@@ -119,6 +128,19 @@ class ModelRunner:
             self._check_block_ids(cached.request_id, cached.new_block_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _new_state(self, new: NewRequestData) -> RequestState:
+        """State for a request the scheduler sends in full; ``ValueError`` if it cannot run."""
+        context = new.context
+        try:
+            check_supported(context.sampling_params, self.model_config.vocab_size)
+        except ValueError as error:
+            raise ValueError(f"request {context.request_id!r}: {error}") from None
+        check_logprob_counts(context)
+        grammar = None
+        if context.structured_output is not None:
+            grammar = self.grammars.grammar_for(context)
+        return RequestState.from_new_request(new, self.device, grammar)
 
     def _execute(
         self, num_scheduled: dict[RequestID, int]
@@ -139,34 +161,54 @@ class ModelRunner:
         sampling = [
             i for i, (s, n) in enumerate(zip(states, counts, strict=True)) if _reaches_end(s, n)
         ]
+        prompt_rows = plan_prompt_logprob_rows(states, counts)
+        prompt_indices = torch.tensor(prompt_rows.flat_indices, dtype=torch.int64)
         logits = self.model(
             self._input_ids(states, counts),
             layout.positions,
             self.kv_cache,
             layout.metadata,
-            layout.last_token_indices[sampling],
-        )
+            torch.cat([layout.last_token_indices[sampling], prompt_indices.to(self.device)]),
+        )  # (len(sampling) + len(prompt_indices), vocab_size)
         for state, count in zip(states, counts, strict=True):
             state.num_computed_tokens += count
-        return self._sample(logits, [states[i] for i in sampling])
+        record_prompt_logprobs(logits[len(sampling) :], prompt_rows)
+        return self._sample(logits[: len(sampling)], [states[i] for i in sampling])
 
     def _sample(
         self, logits: torch.Tensor, states: list[RequestState]
     ) -> dict[RequestID, TextGenerationOutput]:
+        """Sample one token per state from ``logits`` (len(states), vocab_size), raw from the
+        model; advance each state (tokens, grammar) and build its output."""
         if not states:
             return {}
-        batch = SamplingBatch.from_params(
+        batch = self._sampling_batch(states)
+        tokens = self.sampler(logits, batch)
+        logprobs = _sampled_logprobs(logits, tokens, states)
+        outputs = {}
+        for state, token, log_probabilities in zip(states, tokens.tolist(), logprobs, strict=True):
+            state.append_output(token)
+            outputs[state.request_id] = TextGenerationOutput(
+                state.request_id,
+                [token],
+                log_probabilities=log_probabilities,
+                prompt_log_probabilities=state.take_prompt_logprobs(),
+            )
+        return outputs
+
+    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
+        vocab_size = self.model_config.vocab_size
+        allowed = allowed_token_mask([state.grammar for state in states], vocab_size, self.device)
+        processors = build_logits_processors(
+            [state.sampling_row() for state in states], vocab_size, self.device, allowed
+        )
+        return SamplingBatch.from_params(
             [state.sampling_params for state in states],
             [state.next_token_generator() for state in states],
-            self.model_config.vocab_size,
+            vocab_size,
             self.device,
+            processors,
         )
-        tokens = self.sampler(logits, batch).tolist()
-        outputs = {}
-        for state, token in zip(states, tokens, strict=True):
-            state.token_ids.append(token)
-            outputs[state.request_id] = TextGenerationOutput(state.request_id, [token])
-        return outputs
 
     def _input_ids(self, states: list[RequestState], counts: list[int]) -> torch.Tensor:
         input_ids = []
@@ -200,6 +242,20 @@ class ModelRunner:
             problem = f"{len(state.block_ids)} blocks cannot hold {end} tokens"
         if problem is not None:
             raise ValueError(f"request {state.request_id!r}: {problem}")
+
+
+def _sampled_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, states: list[RequestState]
+) -> list[list[LogProbabilities] | None]:
+    """Each state's ``log_probabilities`` output for its sampled token (None: not asked for)."""
+    rows = [i for i, state in enumerate(states) if state.logprobs is not None]
+    results: list[list[LogProbabilities] | None] = [None] * len(states)
+    if not rows:
+        return results
+    entries = token_logprobs(logits[rows], tokens[rows], [states[i].logprobs for i in rows])
+    for row, entry in zip(rows, entries, strict=True):
+        results[row] = [as_log_probabilities([entry])]
+    return results
 
 
 def _reaches_end(state: RequestState, count: int) -> bool:

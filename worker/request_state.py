@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from interfaces import RequestID, SamplingParams
+from interfaces import LogProbabilities, RequestID, SamplingParams
 from interfaces.scheduler_to_worker import NewRequestData
-from worker.sampler import check_supported, token_seed
+from worker.logits_processors import SamplingRow
+from worker.logprobs import as_log_probabilities
+from worker.sampler import token_seed
+from worker.structured_output import RequestGrammar
+
+
+@dataclass
+class PromptLogprobs:
+    """Prompt log probabilities gathered over a request's prefill chunks, until sent.
+
+    Entry i is for prompt token i + 1 given the tokens before it: (its log probability, the
+    ``num_top`` likeliest tokens there with theirs).
+    """
+
+    num_top: int
+    entries: list[tuple[float, dict[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -19,6 +34,10 @@ class RequestState:
     by each step's diff, dropped on ``finished_request_ids`` or ``ModelRunner.release``.
     ``token_ids`` is the prompt followed by every output token so far, including the ones this
     worker sampled; ``num_computed_tokens`` of them have keys/values in the cache.
+    ``logprobs`` is the context's (None: no log probabilities for sampled tokens).
+    ``prompt_logprobs`` is None unless prompt log probabilities are still to be sent: they go out
+    once, with the first sampled token, so a request resumed with outputs has none.
+    ``grammar`` holds the structured-output matcher, advanced by every output token.
     """
 
     request_id: RequestID
@@ -27,13 +46,25 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    logprobs: int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    grammar: RequestGrammar | None = None
 
     @classmethod
-    def from_new_request(cls, new: NewRequestData, device: torch.device) -> RequestState:
-        """State for a new request; ``ValueError`` for sampling settings the worker lacks."""
+    def from_new_request(
+        cls, new: NewRequestData, device: torch.device, grammar: RequestGrammar | None = None
+    ) -> RequestState:
+        """State for a new (or resumed) request; ``grammar`` is replayed over its outputs.
+
+        Raises ``ValueError`` if prompt log probabilities are due but the scheduler starts the
+        request past its first token (a prefix-cache hit): those positions are never computed.
+        """
         context = new.context
-        check_supported(context.sampling_params)
+        prompt_logprobs = _prompt_logprobs_due(new)
+        if grammar is not None:
+            grammar.replay(new.output_token_ids)
         seeded = context.sampling_params.seed is not None
         return cls(
             request_id=context.request_id,
@@ -42,7 +73,11 @@ class RequestState:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             sampling_params=context.sampling_params,
+            eos_token_ids=list(context.eos_token_ids),
             generator=torch.Generator(device) if seeded else None,
+            logprobs=context.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
 
     @property
@@ -59,3 +94,53 @@ class RequestState:
         if self.generator is None or seed is None:
             return None
         return self.generator.manual_seed(token_seed(seed, self.num_output_tokens))
+
+    def sampling_row(self) -> SamplingRow:
+        """This request as one row of the next sampling batch."""
+        return SamplingRow(
+            self.sampling_params, self.token_ids, self.num_prompt_tokens, self.blocked_token_ids()
+        )
+
+    def blocked_token_ids(self) -> list[int]:
+        """Ids the next token may not be: end-of-sequence (unless ``ignore_eos``) and stop ids
+        while fewer than ``min_new_tokens`` were generated (a grammar that allows nothing else
+        overrides this; see ``LogitsProcessors``)."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_new_tokens:
+            return []
+        blocked = list(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            blocked += self.eos_token_ids
+        return blocked
+
+    def append_output(self, token_id: int) -> None:
+        """Record a sampled token and advance the grammar (``RuntimeError`` if it rejects it)."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+        self.token_ids.append(token_id)
+
+    def take_prompt_logprobs(self) -> LogProbabilities | None:
+        """The prompt log probabilities, once, when all were gathered; None otherwise."""
+        gathered, self.prompt_logprobs = self.prompt_logprobs, None
+        if gathered is None:
+            return None
+        if len(gathered.entries) != self.num_prompt_tokens - 1:
+            raise RuntimeError(
+                f"request {self.request_id!r}: {len(gathered.entries)} prompt log probabilities "
+                f"gathered for {self.num_prompt_tokens} prompt tokens"
+            )
+        return as_log_probabilities(gathered.entries)
+
+
+def _prompt_logprobs_due(new: NewRequestData) -> PromptLogprobs | None:
+    """An empty accumulator when prompt log probabilities are still to be sent, else None."""
+    context = new.context
+    if context.prompt_logprobs is None or new.output_token_ids:
+        return None
+    if new.num_computed_tokens > 0:
+        raise ValueError(
+            f"request {context.request_id!r} asks for prompt_logprobs but starts at token "
+            f"{new.num_computed_tokens}; the scheduler must compute its whole prompt (no "
+            "prefix-cache hits for such requests)"
+        )
+    return PromptLogprobs(context.prompt_logprobs)

@@ -1,5 +1,8 @@
 """Batched token sampling: greedy, temperature, top-k, top-p and min-p in one pass of torch ops.
 
+The logits processors (grammar mask, min-new-tokens, logit bias, penalties; see
+``worker.logits_processors``) run first, on a copy of the logits.
+
 Random choices use the exponential race: ``argmax(probs / noise)`` with ``noise ~ Exp(1)`` picks
 token i with probability ``probs[i]``. A request with a seed draws its noise from its own
 generator, re-seeded from (seed, index of the token being generated), so its tokens do not depend
@@ -14,22 +17,18 @@ from dataclasses import dataclass
 import torch
 
 from interfaces import SamplingParams
+from worker.logits_processors import LogitsProcessors
 
 _SEED_MIX = 0x9E3779B97F4A7C15
-_UNSUPPORTED_DEFAULTS = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-}
 
 
-def check_supported(params: SamplingParams) -> None:
-    """Raise ``ValueError`` for settings this sampler would otherwise silently ignore."""
-    for name, default in _UNSUPPORTED_DEFAULTS.items():
-        if getattr(params, name) != default:
-            raise ValueError(
-                f"{name} is not supported by this worker yet (got {getattr(params, name)})"
-            )
+def check_supported(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ``ValueError`` for settings this sampler cannot apply to a vocabulary this size."""
+    outside = sorted(token for token in params.logit_bias or {} if token >= vocab_size)
+    if outside:
+        raise ValueError(
+            f"logit_bias names token ids outside the vocabulary of {vocab_size}: {outside[:5]}"
+        )
 
 
 def token_seed(seed: int, token_index: int) -> int:
@@ -43,6 +42,7 @@ class SamplingBatch:
 
     ``generators[i]`` is None for rows without a seed; those share the sampler's generator.
     ``top_ks`` holds vocab_size where top-k is off, ``top_ps`` infinity where top-p is off.
+    ``processors`` edit the logits before any of that (None: no row needs them).
     """
 
     temperatures: torch.Tensor
@@ -52,6 +52,7 @@ class SamplingBatch:
     is_greedy: torch.Tensor
     all_greedy: bool
     generators: Sequence[torch.Generator | None]
+    processors: LogitsProcessors | None = None
 
     @classmethod
     def from_params(
@@ -60,6 +61,7 @@ class SamplingBatch:
         generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
+        processors: LogitsProcessors | None = None,
     ) -> SamplingBatch:
         greedy = [p.is_greedy for p in params]
         return cls(
@@ -72,6 +74,7 @@ class SamplingBatch:
             is_greedy=_tensor(greedy, device),
             all_greedy=all(greedy),
             generators=generators,
+            processors=processors,
         )
 
 
@@ -94,7 +97,12 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Token ids (num_rows,) int64 for float32 ``logits`` (num_rows, vocab_size)."""
+        """Token ids (num_rows,) int64 for float32 ``logits`` (num_rows, vocab_size).
+
+        ``logits`` is not modified (the caller may still need the raw values for logprobs).
+        """
+        if batch.processors is not None:
+            logits = batch.processors.apply(logits)
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy_tokens

@@ -1,0 +1,206 @@
+"""Logit edits that change which token is likeliest, batched over every row being sampled.
+
+Applied to a copy of the model's float32 logits before temperature, top-k, top-p and min-p, in
+vLLM V1's order: the grammar mask, min-new-tokens (end-of-sequence and stop ids to -inf), logit
+bias, then the repetition, frequency and presence penalties. Rows that use none of them come out
+bit-for-bit unchanged, which keeps greedy parity with transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from interfaces import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the logits processors need to know about one request being sampled.
+
+    ``token_ids`` is the prompt (its first ``num_prompt_tokens``) followed by the outputs so far;
+    the row does not own it and reads it only while the batch is built.
+    ``blocked_token_ids`` are set to -inf for this token (min-new-tokens not reached yet).
+    """
+
+    params: SamplingParams
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    blocked_token_ids: Sequence[int] = ()
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def has_penalties(self) -> bool:
+        params = self.params
+        return (
+            params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0
+            or params.repetition_penalty != 1.0
+        )
+
+
+@dataclass(frozen=True)
+class TokenEdits:
+    """Sparse edits ``logits[rows[i], token_ids[i]] (+)= values[i]``: three (num_edits,) tensors."""
+
+    rows: torch.Tensor
+    token_ids: torch.Tensor
+    values: torch.Tensor
+
+    def add_to(self, logits: torch.Tensor) -> None:
+        logits.index_put_((self.rows, self.token_ids), self.values, accumulate=True)
+
+    def write_to(self, logits: torch.Tensor) -> None:
+        logits.index_put_((self.rows, self.token_ids), self.values)
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI/vLLM penalties for every row; neutral values (1, 0, 0) leave a row unchanged.
+
+    ``output_counts`` (num_rows, vocab_size) counts each token among the row's outputs so far;
+    ``seen`` (num_rows, vocab_size) marks tokens in its prompt or outputs.
+    """
+
+    output_counts: torch.Tensor
+    seen: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place: repetition (positive logits divided, negative multiplied) over ``seen``,
+        then ``logits -= frequency * count + presence * (count > 0)`` over the outputs."""
+        repetition = self.repetition[:, None].expand_as(logits)
+        scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits.copy_(torch.where(self.seen, scaled, logits))
+        logits -= self.frequency[:, None] * self.output_counts
+        logits -= self.presence[:, None] * (self.output_counts > 0).to(logits.dtype)
+
+
+@dataclass(frozen=True)
+class LogitsProcessors:
+    """Everything applied to a batch's logits before temperature; None fields are skipped.
+
+    ``allowed`` (num_rows, vocab_size) bool is the structured-output mask (True = may be sampled).
+    ``blocked`` (min-new-tokens) yields to it: where blocking would leave a row nothing to sample
+    (the grammar allows only end-of-sequence), the row is left unblocked.
+    """
+
+    allowed: torch.Tensor | None = None
+    blocked: TokenEdits | None = None
+    bias: TokenEdits | None = None
+    penalties: Penalties | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return all(edit is None for edit in (self.allowed, self.blocked, self.bias, self.penalties))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Return processed logits (num_rows, vocab_size); ``logits`` itself is left untouched."""
+        if self.is_empty:
+            return logits
+        logits = logits.clone()
+        if self.allowed is not None:
+            logits.masked_fill_(~self.allowed, float("-inf"))
+        if self.blocked is not None:
+            logits = self._block(logits)
+        if self.bias is not None:
+            self.bias.add_to(logits)
+        if self.penalties is not None:
+            self.penalties.apply(logits)
+        return logits
+
+    def _block(self, logits: torch.Tensor) -> torch.Tensor:
+        unblocked = logits.clone() if self.allowed is not None else None
+        self.blocked.write_to(logits)
+        if unblocked is None:
+            return logits
+        stuck = torch.isneginf(logits).all(dim=-1, keepdim=True)  # (num_rows, 1)
+        return torch.where(stuck, unblocked, logits)
+
+
+def build_logits_processors(
+    rows: Sequence[SamplingRow],
+    vocab_size: int,
+    device: torch.device,
+    allowed: torch.Tensor | None = None,
+) -> LogitsProcessors:
+    """The processors ``rows`` ask for; ``allowed`` is the grammar mask (or None)."""
+    return LogitsProcessors(
+        allowed=allowed,
+        blocked=_blocked_edits(rows, device),
+        bias=_bias_edits(rows, device),
+        penalties=_penalties(rows, vocab_size, device),
+    )
+
+
+def _blocked_edits(rows: Sequence[SamplingRow], device: torch.device) -> TokenEdits | None:
+    edits = [(i, token) for i, row in enumerate(rows) for token in row.blocked_token_ids]
+    if not edits:
+        return None
+    return _token_edits(edits, [float("-inf")] * len(edits), device)
+
+
+def _bias_edits(rows: Sequence[SamplingRow], device: torch.device) -> TokenEdits | None:
+    edits, values = [], []
+    for i, row in enumerate(rows):
+        for token, bias in (row.params.logit_bias or {}).items():
+            edits.append((i, token))
+            values.append(bias)
+    if not edits:
+        return None
+    return _token_edits(edits, values, device)
+
+
+def _token_edits(
+    edits: list[tuple[int, int]], values: list[float], device: torch.device
+) -> TokenEdits:
+    rows_and_ids = torch.tensor(edits, dtype=torch.int64, device=device)  # (num_edits, 2)
+    values_tensor = torch.tensor(values, dtype=torch.float32, device=device)
+    return TokenEdits(rows_and_ids[:, 0], rows_and_ids[:, 1], values_tensor)
+
+
+def _penalties(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> Penalties | None:
+    if not any(row.has_penalties for row in rows):
+        return None
+    outputs = [row.output_token_ids if row.has_penalties else () for row in rows]
+    prompts = [row.prompt_token_ids if row.params.repetition_penalty != 1.0 else () for row in rows]
+    output_counts = token_counts(outputs, vocab_size, device)
+    seen = (output_counts > 0) | (token_counts(prompts, vocab_size, device) > 0)
+    return Penalties(
+        output_counts=output_counts,
+        seen=seen,
+        repetition=_row_values(rows, "repetition_penalty", device),
+        frequency=_row_values(rows, "frequency_penalty", device),
+        presence=_row_values(rows, "presence_penalty", device),
+    )
+
+
+def token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """How often each token id occurs in each row: float32 (num_rows, vocab_size)."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    padded = [[*ids, *[vocab_size] * (width - len(ids))] for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.int64, device=device).view(len(token_ids), width)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)  # last column: padding
+    counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _row_values(rows: Sequence[SamplingRow], name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor(
+        [float(getattr(row.params, name)) for row in rows], dtype=torch.float32, device=device
+    )

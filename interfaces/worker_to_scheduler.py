@@ -18,10 +18,17 @@ class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
 
 
 class ModelOutput(msgspec.Struct, tag="output", array_like=True):
-    """The tokens a step produced, for the requests that reached a sampling point."""
+    """The tokens a step produced, for the requests that reached a sampling point.
+
+    ``refused`` names new requests the worker cannot serve (an invalid structured-output spec,
+    a logit_bias outside the vocabulary), with the reason for the user. Their scheduled tokens
+    were still computed, so blocks they share stay valid; they got no token and the worker has
+    already released them. The rest of the step ran normally.
+    """
 
     step_id: int
     outputs: dict[RequestID, TextGenerationOutput]
+    refused: dict[RequestID, str] = {}
 
 
 class WorkerFailure(msgspec.Struct, tag="failure", array_like=True):

@@ -101,8 +101,18 @@ class Scheduler:
         return step
 
     def update_from_output(self, output: ModelOutput) -> ResultsByClient:
-        """Record the tokens a step produced; finish requests that hit a stop condition."""
+        """Record the tokens a step produced; finish requests that hit a stop condition.
+
+        Requests the worker refused fail alone, as rejected (the client asked for something the
+        worker cannot do); their blocks, computed in the step, stay valid in the prefix cache.
+        """
         results: ResultsByClient = defaultdict(dict)
+        for request_id, reason in output.refused.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                request.worker_has_state = False  # the worker released it already
+                self._finish(request)
+                results[request.client_id][request_id] = SchedulerResult.rejected_request(reason)
         for request_id, produced in output.outputs.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:

@@ -268,3 +268,27 @@ def test_fail_all_cancels_everything_with_the_error():
     assert results[b"api-1"]["b"].error == "the worker died"
     assert scheduler.block_manager.num_used_blocks == 0
     assert not scheduler.has_unfinished_requests()
+
+
+def test_a_request_the_worker_refuses_fails_alone_as_rejected():
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    scheduler.add_request(context("good", [1, 2, 3]), CLIENT)
+    scheduler.add_request(context("bad", [4, 5, 6]), CLIENT)
+    step = scheduler.schedule()
+    outputs = worker.next_token(step)
+    worker.release("bad")
+    del outputs["bad"]
+    results = scheduler.update_from_output(
+        ModelOutput(step.step_id, outputs, refused={"bad": "invalid regex for structured output"})
+    )[CLIENT]
+    assert results["bad"].status is SchedulerStatus.CANCELLED
+    assert (results["bad"].error, results["bad"].rejected) == (
+        "invalid regex for structured output",
+        True,
+    )
+    assert results["good"].status is SchedulerStatus.ACTIVE
+    scheduler.check_integrity()
+    assert scheduler.stats().num_requests_running == 1
+    next_step, _ = run_step(scheduler, worker)
+    assert next_step.num_scheduled_tokens == {"good": 1}
+    assert next_step.finished_request_ids == []

@@ -143,13 +143,17 @@ def test_an_ended_grammar_forces_eos_even_before_min_new_tokens(runner, tokenize
         ),
     ],
 )
-def test_an_invalid_spec_fails_the_step_naming_the_request(runner, structured, message):
+def test_an_invalid_spec_refuses_only_its_request(runner, structured, message):
     good = NewRequestData(context("good", [1, 2, 3], 4), [0], 0)
     bad = NewRequestData(context("bad", [1, 2, 3], 4, structured_output=structured), [1], 0)
     step = SchedulerOutput(0, [good, bad], num_scheduled_tokens={"good": 3, "bad": 3})
-    with pytest.raises(ValueError, match=f"^request 'bad': {message}"):
-        runner.next_token(step)
-    assert runner.requests == {}
+    assert list(runner.next_token(step)) == ["good"]
+    refusals = runner.take_refusals()
+    assert list(refusals) == ["bad"]
+    assert re.match(f"^request 'bad': {message}", refusals["bad"])
+    assert list(runner.requests) == ["good"]
+    assert runner.take_refusals() == {}
+    runner.release("good")
 
 
 def test_compiled_grammars_are_cached_by_kind_and_spec(runner):

@@ -244,9 +244,20 @@ def test_runner_rejects_inconsistent_steps_and_forgets_their_requests(tiny_runne
         tiny_runner.next_token(SchedulerOutput(1, cached_requests=[CachedRequestData("b", [], 0)]))
     with pytest.raises(ValueError, match="block ids outside"):
         tiny_runner.next_token(SchedulerOutput(2, [_new("c", [5], [16])]))
-    with pytest.raises(ValueError, match="request 'd': logit_bias names token ids outside"):
-        tiny_runner.next_token(SchedulerOutput(3, [_new("d", [5], [0], logit_bias={49152: 1.0})]))
     assert tiny_runner.requests == {}
+
+
+def test_runner_refuses_a_request_it_cannot_serve_and_runs_the_rest(tiny_runner):
+    step = SchedulerOutput(
+        3,
+        [_new("d", [5, 6], [0], logit_bias={49152: 1.0}), _new("e", [5, 6], [1])],
+        num_scheduled_tokens={"d": 2, "e": 2},
+    )
+    assert list(tiny_runner.next_token(step)) == ["e"]
+    refusals = tiny_runner.take_refusals()
+    assert list(refusals) == ["d"] and "outside the vocabulary" in refusals["d"]
+    assert list(tiny_runner.requests) == ["e"]
+    tiny_runner.release("e")
 
 
 def test_runner_samples_only_at_the_end_of_known_tokens(tiny_runner):

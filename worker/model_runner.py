@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import torch
 
 from interfaces import LogProbabilities, RequestID, TextGenerationOutput
@@ -51,6 +52,7 @@ class ModelRunner:
             config.model_dir, self.model_config.vocab_size, default_num_threads()
         )
         self.requests: dict[RequestID, RequestState] = {}
+        self._refusals: dict[RequestID, str] = {}
         logger.info(
             "loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
             config.model_dir,
@@ -100,17 +102,29 @@ class ModelRunner:
     ) -> dict[RequestID, TextGenerationOutput]:
         """Run one step; return one new token for each request that reached a sampling point.
 
-        If the step raises (``ValueError`` for an inconsistent step or a new request the worker
-        cannot serve: a bad grammar, logit_bias outside the vocabulary; its message names the
-        request), every request it named is released, so no half-applied state outlives it.
+        A new request the worker cannot serve (a bad grammar, logit_bias outside the vocabulary)
+        is refused alone: see ``take_refusals``. If the step raises (``ValueError`` for an
+        inconsistent step), every request it named is released, so no half-applied state
+        outlives it.
         """
         try:
             self._update_states(scheduler_output)
-            return self._execute(scheduler_output.num_scheduled_tokens)
+            outputs = self._execute(scheduler_output.num_scheduled_tokens)
         except Exception:
             for request_id in _named_request_ids(scheduler_output):
                 self.release(request_id)
             raise
+        for request_id in scheduler_output.num_scheduled_tokens:
+            refusal = self.requests[request_id].refusal
+            if refusal is not None:
+                self._refusals[request_id] = refusal
+                self.release(request_id)
+        return outputs
+
+    def take_refusals(self) -> dict[RequestID, str]:
+        """Requests refused since the last call, with the reason; the caller reports them."""
+        refusals, self._refusals = self._refusals, {}
+        return refusals
 
     def release(self, request_id: RequestID) -> None:
         """Forget ``request_id``; unknown ids are ignored. Its blocks belong to the scheduler."""
@@ -130,16 +144,25 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _new_state(self, new: NewRequestData) -> RequestState:
-        """State for a request the scheduler sends in full; ``ValueError`` if it cannot run."""
+        """State for a request the scheduler sends in full; one the worker cannot serve gets a
+        ``refusal`` (and no grammar or logprobs) instead of failing the step."""
         context = new.context
         try:
             check_supported(context.sampling_params, self.model_config.vocab_size)
+            check_logprob_counts(context)
+            grammar = None
+            if context.structured_output is not None:
+                grammar = self.grammars.grammar_for(context)
         except ValueError as error:
-            raise ValueError(f"request {context.request_id!r}: {error}") from None
-        check_logprob_counts(context)
-        grammar = None
-        if context.structured_output is not None:
-            grammar = self.grammars.grammar_for(context)
+            plain = NewRequestData(
+                msgspec.structs.replace(context, logprobs=None, prompt_logprobs=None),
+                new.block_ids,
+                new.num_computed_tokens,
+                new.output_token_ids,
+            )
+            state = RequestState.from_new_request(plain, self.device)
+            state.refusal = str(error)
+            return state
         return RequestState.from_new_request(new, self.device, grammar)
 
     def _execute(
@@ -159,7 +182,9 @@ class ModelRunner:
             self.device,
         )
         sampling = [
-            i for i, (s, n) in enumerate(zip(states, counts, strict=True)) if _reaches_end(s, n)
+            i
+            for i, (s, n) in enumerate(zip(states, counts, strict=True))
+            if _reaches_end(s, n) and s.refusal is None
         ]
         prompt_rows = plan_prompt_logprob_rows(states, counts)
         prompt_indices = torch.tensor(prompt_rows.flat_indices, dtype=torch.int64)

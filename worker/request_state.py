@@ -38,6 +38,8 @@ class RequestState:
     ``prompt_logprobs`` is None unless prompt log probabilities are still to be sent: they go out
     once, with the first sampled token, so a request resumed with outputs has none.
     ``grammar`` holds the structured-output matcher, advanced by every output token.
+    ``refusal`` is why the worker will not serve the request (set on arrival): its scheduled
+    tokens are computed so shared KV blocks stay valid, but it is never sampled.
     """
 
     request_id: RequestID
@@ -51,6 +53,7 @@ class RequestState:
     logprobs: int | None = None
     prompt_logprobs: PromptLogprobs | None = None
     grammar: RequestGrammar | None = None
+    refusal: str | None = None
 
     @classmethod
     def from_new_request(

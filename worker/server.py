@@ -75,7 +75,8 @@ class WorkerServer:
     def run_step(self, step: SchedulerOutput) -> ModelOutput | WorkerFailure:
         """Run one step; a step that raises becomes a WorkerFailure and the worker serves on."""
         try:
-            return ModelOutput(step.step_id, self.runner.next_token(step))
+            outputs = self.runner.next_token(step)
+            return ModelOutput(step.step_id, outputs, self.runner.take_refusals())
         except Exception as error:
             logger.exception("step %d failed", step.step_id)
             return WorkerFailure(step.step_id, str(error) or type(error).__name__)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -272,6 +274,88 @@ def test_malformed_json_gets_a_400(server):
     )
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_same_seed_gives_the_same_text_even_beside_other_requests(server, client):
+    def sample(seed):
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=chat_messages("Invent a name for a cat."),
+            max_tokens=16,
+            temperature=1.0,
+            seed=seed,
+        )
+        return response.choices[0].message.content
+
+    async def sample_beside_others(seed):
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+        ) as async_client:
+            others = [
+                async_client.completions.create(
+                    model=MODEL, prompt=f"Noise {i}", max_tokens=16, temperature=1.0
+                )
+                for i in range(3)
+            ]
+            await asyncio.gather(*others, asyncio.to_thread(sample, seed))
+            return sample(seed)
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert asyncio.run(sample_beside_others(1234)) == first
+
+
+def test_chat_logprobs_have_the_requested_alternatives(client):
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=chat_messages("Say hello."),
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0.0
+        # Greedy: the chosen token is the most likely one.
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_json_schema_output_parses_and_validates(client):
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=chat_messages("Describe Paris as JSON."),
+        max_tokens=96,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    document = json.loads(response.choices[0].message.content)
+    jsonschema.validate(document, schema)
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_n_choices_share_one_prompt(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=chat_messages("Name a fruit."), max_tokens=8, temperature=0, n=3
+    )
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    assert len({choice.message.content for choice in response.choices}) == 1
+    single = client.chat.completions.create(
+        model=MODEL, messages=chat_messages("Name a fruit."), max_tokens=8, temperature=0
+    )
+    assert response.usage.prompt_tokens == single.usage.prompt_tokens
+    assert response.usage.completion_tokens == 3 * single.usage.completion_tokens
 
 
 def test_models_and_health(server, client):

@@ -23,12 +23,6 @@ def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     harness.close()
 
 
-@pytest.fixture
-def client(api: ApiHarness):
-    with httpx.Client(base_url=api.url, timeout=httpx.Timeout(10.0)) as http:
-        yield http
-
-
 def error_of(response: httpx.Response, status: int) -> dict:
     """The ``error`` object, after checking the status and that the body has exactly its shape."""
     assert response.status_code == status, response.text

@@ -4,7 +4,6 @@ scheduler, /health and /metrics (real HTTP against the fake scheduler)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,24 +13,11 @@ from tests.fake_scheduler import ApiHarness, sse_events
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.fixture(scope="module")
-def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api-health"))
-    yield harness
-    harness.close()
-
-
 @pytest.fixture(autouse=True)
 def fresh_scheduler(api: ApiHarness) -> None:
     api.scheduler.reset()
     api.scheduler.reply = api.tokenizer.encode_now("Hello there, friend", add_special_tokens=False)
     api.scheduler.eos_token_id = 2
-
-
-@pytest.fixture
-def client(api: ApiHarness):
-    with httpx.Client(base_url=api.url, timeout=httpx.Timeout(10.0)) as http:
-        yield http
 
 
 def test_client_disconnect_mid_stream_aborts(api: ApiHarness, client: httpx.Client) -> None:

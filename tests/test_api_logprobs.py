@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import openai
@@ -21,24 +20,11 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api-logprobs"))
-    yield harness
-    harness.close()
-
-
 @pytest.fixture(autouse=True)
 def fresh_scheduler(api: ApiHarness) -> None:
     api.scheduler.reset()
     api.scheduler.reply = list(REPLY_IDS)
     api.scheduler.eos_token_id = EOS
-
-
-@pytest.fixture
-def client(api: ApiHarness):
-    with httpx.Client(base_url=api.url, timeout=httpx.Timeout(10.0)) as http:
-        yield http
 
 
 def test_the_prompt_tokenizes_as_assumed(api: ApiHarness) -> None:

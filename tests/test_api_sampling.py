@@ -4,7 +4,6 @@ in the output (real HTTP and the official openai client against the fake schedul
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import openai
@@ -19,13 +18,6 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api-sampling"))
-    yield harness
-    harness.close()
-
-
 @pytest.fixture(autouse=True)
 def reply(api: ApiHarness) -> list[int]:
     """The fake replies REPLY then EOS; returns REPLY's token ids."""
@@ -33,12 +25,6 @@ def reply(api: ApiHarness) -> list[int]:
     api.scheduler.reply = api.tokenizer.encode_now(REPLY, add_special_tokens=False)
     api.scheduler.eos_token_id = EOS
     return api.scheduler.reply
-
-
-@pytest.fixture
-def client(api: ApiHarness):
-    with httpx.Client(base_url=api.url, timeout=httpx.Timeout(10.0)) as http:
-        yield http
 
 
 def submitted_since(api: ApiHarness, count: int) -> list:

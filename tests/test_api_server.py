@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import openai
@@ -14,14 +13,6 @@ from tests.fake_scheduler import ApiHarness, sse_events
 REPLY = "Hello! How can I help you today? 😊"
 EOS = 2
 MESSAGES = [{"role": "user", "content": "Hi"}]
-TIMEOUT = httpx.Timeout(10.0)
-
-
-@pytest.fixture(scope="module")
-def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api"))
-    yield harness
-    harness.close()
 
 
 @pytest.fixture(autouse=True)
@@ -31,12 +22,6 @@ def fresh_scheduler(api: ApiHarness) -> list[int]:
     api.scheduler.reply = api.tokenizer.encode_now(REPLY, add_special_tokens=False)
     api.scheduler.eos_token_id = EOS
     return api.scheduler.reply
-
-
-@pytest.fixture
-def client(api: ApiHarness):
-    with httpx.Client(base_url=api.url, timeout=TIMEOUT) as http:
-        yield http
 
 
 def chat_prompt_tokens(api: ApiHarness, messages: list[dict]) -> int:

@@ -31,12 +31,6 @@ def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     harness.close()
 
 
-@pytest.fixture
-def client(api: ApiHarness):
-    with httpx.Client(base_url=api.url, timeout=httpx.Timeout(10.0)) as http:
-        yield http
-
-
 def json_schema_format(schema, name: str = "person") -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 

@@ -14,19 +14,6 @@ from tests.fake_scheduler import ApiHarness
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 
 
-@pytest.fixture(scope="module")
-def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api-utility"))
-    yield harness
-    harness.close()
-
-
-@pytest.fixture
-def client(api: ApiHarness):
-    with httpx.Client(base_url=api.url, timeout=httpx.Timeout(10.0)) as http:
-        yield http
-
-
 def test_tokenize_a_prompt_and_back(api: ApiHarness, client: httpx.Client) -> None:
     body = client.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert body == {"count": 2, "max_model_len": 256, "tokens": [19556, 905], "token_strs": None}

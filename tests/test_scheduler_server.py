@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import zmq
@@ -194,3 +197,13 @@ def test_too_long_request_is_rejected_with_an_error(system):
     client.send(encode(SubmitRequest(ctx("huge", [1] * 300))))
     _, finals = collect(client, ["huge"])
     assert "context length is 256" in finals["huge"].error
+
+
+def test_the_scheduler_process_never_imports_torch():
+    code = (
+        "import sys, scheduler.__main__, scheduler.server\n"
+        "heavy = sorted({'torch', 'transformers'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from setproctitle import setproctitle
+
 from interfaces import envs
 from scheduler.config import SchedulerConfig
 from switchyard.launcher import Launcher, ServeConfig
@@ -101,6 +103,8 @@ def _prepare_in_child(model: str | None) -> Path:
 
 
 def serve(args: argparse.Namespace) -> int:
+    # Like every role, the launcher shows its role in ps; this also keeps --api-key out of it.
+    setproctitle("switchyard-launcher")
     model_dir = _prepare_in_child(args.model)
     config = ServeConfig(
         model_dir=model_dir,

@@ -364,6 +364,10 @@ def test_models_and_health(server, client):
 
 
 def test_every_process_shows_its_role(server):
+    launcher = subprocess.run(
+        ["ps", "-o", "args=", "-p", str(server.process.pid)], capture_output=True, text=True
+    )
+    assert launcher.stdout.strip() == "switchyard-launcher"
     titles = sorted(args for _, args in server.children())
     roles = [t for t in titles if t.startswith("switchyard-")]
     assert roles == [

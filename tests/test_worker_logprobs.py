@@ -6,6 +6,8 @@ bias and temperature, so the reference is transformers' log-softmax at the same 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -137,8 +139,10 @@ def test_a_resumed_request_does_not_repeat_prompt_logprobs(tiny_runner):
 
 
 @pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
-def test_logprob_counts_above_twenty_are_rejected(tiny_runner, field):
+def test_logprob_counts_above_twenty_are_refused(tiny_runner, field):
     bad = NewRequestData(context("many", [5, 6], 2, **{field: 21}), [0], 0)
-    with pytest.raises(ValueError, match=rf"request 'many': {field} must be in \[0, 20\], got 21"):
-        tiny_runner.next_token(SchedulerOutput(0, [bad], num_scheduled_tokens={"many": 2}))
+    assert tiny_runner.next_token(SchedulerOutput(0, [bad], num_scheduled_tokens={"many": 2})) == {}
+    refusals = tiny_runner.take_refusals()
+    assert list(refusals) == ["many"]
+    assert re.match(rf"request 'many': {field} must be in \[0, 20\], got 21", refusals["many"])
     assert tiny_runner.requests == {}

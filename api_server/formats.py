@@ -50,8 +50,8 @@ class ResponseFormat(Protocol):
         ...
 
 
-class ChatFormat:
-    """``chat.completion`` and ``chat.completion.chunk`` objects."""
+class _FormatBase:
+    """What every response format needs: ids, the creation time and logprob settings."""
 
     def __init__(
         self, response_id: str, model: str, num_logprobs: int | None, texts: TokenTexts
@@ -61,6 +61,10 @@ class ChatFormat:
         self.created = int(time.time())
         self.num_logprobs = num_logprobs
         self.texts = texts
+
+
+class ChatFormat(_FormatBase):
+    """``chat.completion`` and ``chat.completion.chunk`` objects."""
 
     def opening_chunks(self, indexes: list[int]) -> list[BaseModel]:
         return [self._chunk(index, DeltaMessage(role="assistant", content="")) for index in indexes]
@@ -116,18 +120,14 @@ class ChatFormat:
         )
 
 
-class CompletionFormat:
+class CompletionFormat(_FormatBase):
     """``text_completion`` objects, whole and as stream chunks. In a stream, each choice's
     ``text_offset`` values continue from its previous chunk."""
 
     def __init__(
         self, response_id: str, model: str, num_logprobs: int | None, texts: TokenTexts
     ) -> None:
-        self.response_id = response_id
-        self.model = model
-        self.created = int(time.time())
-        self.num_logprobs = num_logprobs
-        self.texts = texts
+        super().__init__(response_id, model, num_logprobs, texts)
         self._text_offsets: dict[int, int] = {}
 
     def opening_chunks(self, indexes: list[int]) -> list[BaseModel]:

@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -68,6 +68,23 @@ class _GenerationBlock(Extension):
 @lru_cache(maxsize=8)
 def compile_template(source: str) -> jinja2.Template:
     """Compile ``source`` once; ``ChatTemplateError`` if it is not valid Jinja."""
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateError as error:
+        raise ChatTemplateError(f"the model's chat template does not compile: {error}") from error
+
+
+@lru_cache(maxsize=8)
+def template_renders_tools(source: str) -> bool:
+    """Whether the template reads the ``tools`` variable (so it describes tools itself)."""
+    try:
+        return "tools" in meta.find_undeclared_variables(_environment().parse(source))
+    except jinja2.TemplateError:
+        return False
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
     environment = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -76,10 +93,7 @@ def compile_template(source: str) -> jinja2.Template:
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
-    try:
-        return environment.from_string(source)
-    except jinja2.TemplateError as error:
-        raise ChatTemplateError(f"the model's chat template does not compile: {error}") from error
+    return environment
 
 
 def render_chat_template(

@@ -24,10 +24,16 @@ from api_server.responses import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     FinishReason,
+    ResponseFunctionCall,
+    ResponseToolCall,
     Usage,
 )
+from api_server.tools import ToolCalling
+from interfaces import ParsedToolCallDelta, ToolParser
 
 
 class ResponseFormat(Protocol):
@@ -64,19 +70,43 @@ class _FormatBase:
 
 
 class ChatFormat(_FormatBase):
-    """``chat.completion`` and ``chat.completion.chunk`` objects."""
+    """``chat.completion`` and ``chat.completion.chunk`` objects. With ``tools``, each choice's
+    text goes through its own tool parser: tool calls become ``tool_calls``, the rest
+    ``content``, and a choice that called tools finishes with ``tools.finish_reason``."""
+
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        num_logprobs: int | None,
+        texts: TokenTexts,
+        tools: ToolCalling | None = None,
+    ) -> None:
+        super().__init__(response_id, model, num_logprobs, texts)
+        self.tools = tools
+        self._parsers: dict[int, ToolParser] = {}
+        self._called_tools: set[int] = set()
 
     def opening_chunks(self, indexes: list[int]) -> list[BaseModel]:
         return [self._chunk(index, DeltaMessage(role="assistant", content="")) for index in indexes]
 
     def delta_chunk(self, delta: ChoiceDelta) -> BaseModel | None:
-        if not delta.text and not delta.logprobs:
-            return None
         logprobs = self._logprobs(delta.logprobs)
-        return self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs=logprobs)
+        if self.tools is None:
+            if not delta.text and not delta.logprobs:
+                return None
+            return self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs=logprobs)
+        parser = self._parsers.setdefault(delta.index, self.tools.new_parser())
+        parsed = parser.parse_delta(delta.text)
+        if delta.finish_reason is not None:
+            parsed += parser.finish()
+        message = self._delta_message(delta.index, parsed)
+        if message is None and not delta.logprobs:
+            return None
+        return self._chunk(delta.index, message or DeltaMessage(), logprobs=logprobs)
 
     def finish_chunk(self, index: int, finish_reason: FinishReason) -> BaseModel:
-        return self._chunk(index, DeltaMessage(), finish_reason)
+        return self._chunk(index, DeltaMessage(), self._finish_reason(index, finish_reason))
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(
@@ -91,14 +121,52 @@ class ChatFormat(_FormatBase):
             choices=[
                 ChatChoice(
                     index=choice.index,
-                    message=AssistantMessage(content=choice.text),
+                    message=self._message(choice),
                     logprobs=self._logprobs(choice.logprobs),
-                    finish_reason=choice.finish_reason,
+                    finish_reason=self._finish_reason(choice.index, choice.finish_reason),
                 )
                 for choice in choices
             ],
             usage=usage,
         )
+
+    def _message(self, choice: ChoiceOutput) -> AssistantMessage:
+        if self.tools is None:
+            return AssistantMessage(content=choice.text)
+        parsed = self.tools.new_parser().parse_complete(choice.text)
+        if not parsed.tool_calls:
+            return AssistantMessage(content=parsed.content or "")
+        self._called_tools.add(choice.index)
+        tool_calls = [
+            ResponseToolCall(
+                id=call.id, function=ResponseFunctionCall(name=call.name, arguments=call.arguments)
+            )
+            for call in parsed.tool_calls
+        ]
+        return AssistantMessage(content=parsed.content, tool_calls=tool_calls)
+
+    def _delta_message(self, index: int, parsed: list[ParsedToolCallDelta]) -> DeltaMessage | None:
+        content = "".join(delta.content for delta in parsed if delta.content)
+        tool_calls = [
+            DeltaToolCall(
+                index=delta.index,
+                id=delta.id,
+                type="function" if delta.id else None,
+                function=DeltaFunctionCall(name=delta.name, arguments=delta.arguments),
+            )
+            for delta in parsed
+            if delta.content is None
+        ]
+        if tool_calls:
+            self._called_tools.add(index)
+        if not content and not tool_calls:
+            return None
+        return DeltaMessage(content=content or None, tool_calls=tool_calls or None)
+
+    def _finish_reason(self, index: int, finish_reason: FinishReason) -> FinishReason:
+        if self.tools is not None and finish_reason == "stop" and index in self._called_tools:
+            return self.tools.finish_reason
+        return finish_reason
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if entries is None or self.num_logprobs is None:

@@ -18,6 +18,10 @@ MAX_LOGPROBS = 20
 """OpenAI's bound on ``top_logprobs`` (chat) and ``logprobs`` (completions)."""
 MAX_N = 128
 """OpenAI's bound on ``n``."""
+MAX_TOOLS = 128
+"""OpenAI's bound on the functions one request may define."""
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+"""OpenAI's rule for function names."""
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -42,15 +46,53 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    """A call the assistant made earlier in the conversation; ``arguments`` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    """A function the model may call; ``parameters`` is a JSON schema (checked later)."""
+
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """``tool_choice`` that forces a call of one function."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
@@ -146,8 +188,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None

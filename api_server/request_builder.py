@@ -21,7 +21,12 @@ from api_server.protocol import (
     CompletionRequest,
     SamplingFields,
 )
-from interfaces import SamplingParams, TextGenerationRequest, TextGenerationRequestMessage
+from interfaces import (
+    SamplingParams,
+    TextGenerationRequest,
+    TextGenerationRequestMessage,
+    TextGenerationRequestTool,
+)
 
 Check = Callable[[Any], bool]
 Prompt = str | list[int]
@@ -31,8 +36,6 @@ MAX_CHOICES = 2048
 
 _CHAT_UNSUPPORTED: dict[str, Check] = {
     "echo": lambda r: r.echo,
-    "tools": lambda r: bool(r.tools),
-    "tool_choice": lambda r: r.tool_choice not in (None, "none"),
     "functions": lambda r: r.functions is not None,
     "function_call": lambda r: r.function_call not in (None, "none"),
     "audio": lambda r: r.audio is not None,
@@ -90,7 +93,7 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
     if unsupported:
         raise invalid_request(
             f"Unsupported parameter(s): {', '.join(unsupported)}. Switchyard does not support "
-            "them yet (no tools, function calls, audio or suffix).",
+            "them yet (no legacy functions, audio or suffix).",
             param=unsupported[0],
             code="unsupported_parameter",
         )
@@ -125,12 +128,23 @@ def _check_completion(request: CompletionRequest) -> None:
 
 
 def check_message(index: int, message: ChatMessage) -> None:
-    """400 for message fields and content parts that are not supported yet."""
+    """400 for message fields and content parts that are not supported yet, and for tool
+    fields on the wrong role (tool calls belong to assistants, results to tool messages)."""
     for name in ("audio", "function_call"):
         if getattr(message, name) is not None:
             raise invalid_request(
                 f"messages[{index}].{name} is not supported yet", param=f"messages[{index}].{name}"
             )
+    if message.tool_calls is not None and message.role != "assistant":
+        raise invalid_request(
+            f"messages[{index}].tool_calls is only allowed on assistant messages",
+            param=f"messages[{index}].tool_calls",
+        )
+    if message.role == "tool" and not message.tool_call_id:
+        raise invalid_request(
+            f"messages[{index}] has role 'tool' and needs the tool_call_id it answers",
+            param=f"messages[{index}].tool_call_id",
+        )
     parts = message.content if isinstance(message.content, list) else []
     for part_index, part in enumerate(parts):
         param = f"messages[{index}].content[{part_index}]"
@@ -214,14 +228,20 @@ def _stop_token_ids(token_ids: list[int] | None, vocab_size: int) -> list[int] |
 
 
 def chat_generation_request(
-    request: ChatCompletionRequest, request_id: str, model_name: str, vocab_size: int
+    request: ChatCompletionRequest,
+    request_id: str,
+    model_name: str,
+    vocab_size: int,
+    tools: list[TextGenerationRequestTool] | None = None,
 ) -> TextGenerationRequest:
-    """The chat request as MAX's ``TextGenerationRequest`` (call ``check_supported`` first)."""
+    """The chat request as MAX's ``TextGenerationRequest`` (call ``check_supported`` first);
+    ``tools`` are the functions the prompt offers (None: none)."""
     return TextGenerationRequest(
         request_id=request_id,
         index=0,
         model_name=model_name,
         messages=[generation_message(message) for message in request.messages],
+        tools=tools or None,
         timestamp_ns=time.time_ns(),
         request_path="/v1/chat/completions",
         stop=request.stop,
@@ -276,6 +296,10 @@ def generation_message(message: ChatMessage) -> TextGenerationRequestMessage:
         role=message.role,
         content=content,
         name=message.name,
-        tool_calls=message.tool_calls,
+        tool_calls=None if message.tool_calls is None else _dumped(message.tool_calls),
         tool_call_id=message.tool_call_id,
     )
+
+
+def _dumped(models: list[BaseModel]) -> list[dict[str, Any]]:
+    return [model.model_dump() for model in models]

@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
-FinishReason = Literal["stop", "length", "abort"]
-""""abort": the scheduler cancelled the request without an error (vLLM's name)."""
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+""""abort": the scheduler cancelled the request without an error (vLLM's name); "tool_calls":
+the model stopped after calling tools."""
 
 
 def _now() -> int:
@@ -56,9 +57,40 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class _OmitsNone(BaseModel):
+    """Serializes without the fields that are None (OpenAI leaves unset fields out)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """The arguments as JSON text."""
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """``content`` is None when the message holds only tool calls; ``tool_calls`` is left out
+    when there are none."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -77,15 +109,27 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-class DeltaMessage(BaseModel):
+class DeltaFunctionCall(_OmitsNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitsNone):
+    """A streamed piece of tool call ``index``: id, type and name come with its first piece;
+    the ``arguments`` pieces concatenate to the whole JSON text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_OmitsNone):
     """A streamed piece of the assistant's message; unset fields are left out (``"delta": {}``)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

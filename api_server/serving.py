@@ -40,6 +40,7 @@ from api_server.request_builder import (
 from api_server.structured_output import structured_output
 from api_server.text_stream import GenerationStream, RequestFailed, RequestRejected, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
+from api_server.tools import chat_constraint, tool_calling
 from interfaces import StructuredOutput, TextContext, TextGenerationRequest
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -72,12 +73,17 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     """Answer POST /v1/chat/completions (a JSONResponse or a StreamingResponse)."""
     state.check_model(request.model)
     check_supported(request)
+    tools = tool_calling(request)
+    constraint = chat_constraint(request, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     vocab_size = state.tokenizer.vocab_size
-    prompts = [chat_generation_request(request, request_id, state.model_name, vocab_size)]
-    generation = await _generation(state, request, prompts, request.num_logprobs)
+    prompt_tools = None if tools is None else tools.tools
+    prompt = chat_generation_request(
+        request, request_id, state.model_name, vocab_size, prompt_tools
+    )
+    generation = await _generation(state, request, [prompt], request.num_logprobs, constraint)
     response_format = ChatFormat(
-        request_id, state.model_name, request.num_logprobs, state.token_texts
+        request_id, state.model_name, request.num_logprobs, state.token_texts, tools
     )
     return await _respond(request, generation, response_format)
 
@@ -89,7 +95,8 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
     request_id = f"cmpl-{uuid.uuid4().hex}"
     vocab_size = state.tokenizer.vocab_size
     prompts = completion_generation_requests(request, request_id, state.model_name, vocab_size)
-    generation = await _generation(state, request, prompts, request.num_logprobs)
+    constraint = structured_output(request)
+    generation = await _generation(state, request, prompts, request.num_logprobs, constraint)
     response_format = CompletionFormat(
         request_id, state.model_name, request.num_logprobs, state.token_texts
     )
@@ -101,9 +108,9 @@ async def _generation(
     request: SamplingFields,
     prompts: list[TextGenerationRequest],
     num_logprobs: int | None,
+    constraint: StructuredOutput | None,
 ) -> Generation:
     """Tokenize every prompt once and make ``n`` choices of each (index prompt * n + sample)."""
-    constraint = structured_output(request)
     options = _text_options(request)
     n = request.num_choices_per_prompt
     several = len(prompts) * n > 1

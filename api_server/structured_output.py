@@ -2,11 +2,12 @@
 
 Three spellings name a constraint: OpenAI's ``response_format`` (``json_object``, or
 ``json_schema`` with ``json_schema.schema``), vLLM's ``structured_outputs`` (``json``, ``regex``,
-``grammar``, ``json_object``) and vLLM's older ``guided_json`` / ``guided_regex`` /
-``guided_grammar``. A request may use at most one. JSON schemas are checked against the JSON
-Schema 2020-12 meta-schema and regexes with Python's ``re``, so most bad constraints are a 400
-here rather than a failure in the worker; grammars are passed on unchecked (the worker compiles
-them). The worker applies the constraint as token masks.
+``grammar``, ``choice``, ``json_object``) and vLLM's older ``guided_json`` / ``guided_regex`` /
+``guided_grammar`` / ``guided_choice``. A request may use at most one. JSON schemas are checked
+against the JSON Schema 2020-12 meta-schema and regexes with Python's ``re``, so most bad
+constraints are a 400 here rather than a failure in the worker; grammars are passed on unchecked
+(the worker compiles them); a choice becomes a grammar of its alternatives. The worker applies
+the constraint as token masks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator, SchemaError
 
-from api_server.errors import OpenAIError, invalid_request
+from api_server.errors import invalid_request
 from api_server.protocol import ResponseFormat, SamplingFields, StructuredOutputsParams
 from interfaces import StructuredOutput
 
@@ -30,12 +31,11 @@ def structured_output(request: SamplingFields) -> StructuredOutput | None:
     sources = {
         "response_format": _from_response_format(request.response_format),
         "structured_outputs": _from_structured_outputs(request.structured_outputs),
-        "guided_json": _json_schema(request.guided_json, "guided_json"),
+        "guided_json": json_schema_output(request.guided_json, "guided_json"),
         "guided_regex": _regex(request.guided_regex, "guided_regex"),
         "guided_grammar": _grammar(request.guided_grammar, "guided_grammar"),
+        "guided_choice": _choice(request.guided_choice, "guided_choice"),
     }
-    if request.guided_choice is not None:
-        raise _unsupported("guided_choice")
     given = {name: output for name, output in sources.items() if output is not None}
     if len(given) > 1:
         names = ", ".join(given)
@@ -60,30 +60,30 @@ def _from_response_format(response_format: ResponseFormat | None) -> StructuredO
     if json_schema.schema_ is None:
         return StructuredOutput("json_object")
     where = "response_format.json_schema.schema"
-    return _json_schema(json_schema.schema_, "response_format", where)
+    return json_schema_output(json_schema.schema_, "response_format", where)
 
 
 def _from_structured_outputs(params: StructuredOutputsParams | None) -> StructuredOutput | None:
     if params is None:
         return None
-    if params.choice is not None:
-        raise _unsupported("structured_outputs.choice")
     outputs = [
-        _json_schema(params.json_, "structured_outputs.json"),
+        json_schema_output(params.json_, "structured_outputs.json"),
         _regex(params.regex, "structured_outputs.regex"),
         _grammar(params.grammar, "structured_outputs.grammar"),
+        _choice(params.choice, "structured_outputs.choice"),
         StructuredOutput("json_object") if params.json_object else None,
     ]
     given = [output for output in outputs if output is not None]
     if len(given) != 1:
         raise invalid_request(
-            "structured_outputs must set exactly one of json, regex, grammar or json_object",
+            "structured_outputs must set exactly one of json, regex, grammar, choice or "
+            "json_object",
             param="structured_outputs",
         )
     return given[0]
 
 
-def _json_schema(
+def json_schema_output(
     spec: JsonSpec | None, param: str, where: str | None = None
 ) -> StructuredOutput | None:
     """A ``json_schema`` constraint from a schema given as an object or as JSON text."""
@@ -126,10 +126,11 @@ def _grammar(grammar: str | None, param: str) -> StructuredOutput | None:
     return StructuredOutput("grammar", grammar)
 
 
-def _unsupported(param: str) -> OpenAIError:
-    return invalid_request(
-        f"Unsupported parameter(s): {param}. Switchyard does not support choice constraints yet; "
-        "use a regex or a JSON schema with an enum instead.",
-        param=param,
-        code="unsupported_parameter",
-    )
+def _choice(choices: list[str] | None, param: str) -> StructuredOutput | None:
+    """One of ``choices`` exactly, as an EBNF grammar (a JSON string is an EBNF literal)."""
+    if choices is None:
+        return None
+    if not choices or not all(choices):
+        raise invalid_request(f"{param} must be a list of non-empty strings", param=param)
+    alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+    return StructuredOutput("grammar", f"root ::= {alternatives}")

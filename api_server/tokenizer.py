@@ -6,19 +6,26 @@ in tokenizer_config.json or chat_template.jinja, rendered by ``api_server.chat_t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from tokenizers import Tokenizer
 
-from api_server.chat_template import render_chat_template, render_fallback_prompt
+from api_server.chat_template import (
+    render_chat_template,
+    render_fallback_prompt,
+    template_renders_tools,
+)
 from api_server.config import generation_eos_token_ids, read_json
+from api_server.tool_parsers import hermes_messages
 from interfaces import (
     StructuredOutput,
     TextContext,
     TextGenerationRequest,
     TextGenerationRequestMessage,
+    TextGenerationRequestTool,
 )
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -87,13 +94,25 @@ class HuggingFaceTokenizer:
         options: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text for ``messages`` (dicts with role and string content), ending with the
-        assistant's turn. Without a chat template: mlx_lm.server's role-prefix format."""
-        if not self.chat_templates:
+        assistant's turn. Without a chat template: mlx_lm.server's role-prefix format. Tools,
+        earlier tool calls and tool results go through the template when it renders tools,
+        else they are written into the messages in the Hermes format (``hermes_messages``)."""
+        source = self._template_source(tools)
+        renders_tools = source is not None and template_renders_tools(source)
+        if not renders_tools and (tools or any(_is_about_tools(m) for m in messages)):
+            messages, tools = hermes_messages(messages, tools), None
+        if source is None:
             return render_fallback_prompt(messages)
-        source = self.chat_templates.get("default") or next(iter(self.chat_templates.values()))
-        if tools and "tool_use" in self.chat_templates:
-            source = self.chat_templates["tool_use"]
         return render_chat_template(source, messages, self.special_tokens, tools, options)
+
+    def _template_source(self, tools: list[dict[str, Any]] | None) -> str | None:
+        """The template for this conversation: "tool_use" when there are tools and the model
+        has one, else the default; None when the model has no template."""
+        if not self.chat_templates:
+            return None
+        if tools and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        return self.chat_templates.get("default") or next(iter(self.chat_templates.values()))
 
     async def new_context(
         self,
@@ -155,7 +174,7 @@ class HuggingFaceTokenizer:
         """The prompt's token ids (chat template applied); ``ValueError`` if it is empty, has
         ids outside the vocabulary, or the template refuses the conversation. No length check."""
         if request.messages is not None:
-            tools = msgspec.to_builtins(request.tools) if request.tools else None
+            tools = [_template_tool(tool) for tool in request.tools] if request.tools else None
             prompt = self.render_messages(request.messages, tools, request.chat_template_options)
             token_ids = self.encode_now(prompt, add_special_tokens=False)
         elif isinstance(request.prompt, str):
@@ -243,11 +262,37 @@ def _message_dict(message: TextGenerationRequestMessage) -> dict[str, Any]:
         "role": "system" if message.role == "developer" else message.role,
         "content": _flatten_content(message.content),
     }
-    for name in ("name", "tool_calls", "tool_call_id"):
+    for name in ("name", "tool_call_id"):
         value = getattr(message, name)
         if value is not None:
             result[name] = value
+    if message.tool_calls:
+        result["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     return result
+
+
+def _template_tool(tool: TextGenerationRequestTool) -> dict[str, Any]:
+    """OpenAI's shape, ``type`` first (``to_builtins`` alone would omit the default type)."""
+    return {"type": tool.type, "function": msgspec.to_builtins(tool.function)}
+
+
+def _is_about_tools(message: dict[str, Any]) -> bool:
+    return message["role"] == "tool" or bool(message.get("tool_calls"))
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call as chat templates expect it: ``arguments`` as an object when the JSON text
+    holds one (templates write it with ``tojson``), as in transformers and vLLM."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            function["arguments"] = parsed
+    return {**call, "function": function}
 
 
 def _flatten_content(content: str | list[dict[str, Any]] | None) -> str:

@@ -25,10 +25,19 @@ from interfaces.requests import (
 )
 from interfaces.sampling import SamplingParams
 from interfaces.shared_memory import SharedMemoryArray
+from interfaces.tool_parsing import (
+    ParsedToolCall,
+    ParsedToolCallDelta,
+    ParsedToolResponse,
+    ToolParser,
+)
 
 __all__ = [
     "GenerationStatus",
     "LogProbabilities",
+    "ParsedToolCall",
+    "ParsedToolCallDelta",
+    "ParsedToolResponse",
     "PipelineTokenizer",
     "RequestID",
     "SamplingParams",
@@ -44,6 +53,7 @@ __all__ = [
     "TextGenerationRequestTool",
     "TextGenerationResponseFormat",
     "TokenGenerator",
+    "ToolParser",
     "msgpack_numpy_decoder",
     "msgpack_numpy_encoder",
 ]

@@ -125,8 +125,7 @@ def test_sampling_params_errors(client: httpx.Client, extra: dict, message: str)
 @pytest.mark.parametrize(
     ("extra", "names"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools"]),
-        ({"tool_choice": "required"}, ["tool_choice"]),
+        ({"functions": [{"name": "f"}]}, ["functions"]),
         ({"echo": True}, ["echo"]),
         ({"audio": {"voice": "alloy"}, "modalities": ["text", "audio"]}, ["audio", "modalities"]),
     ],

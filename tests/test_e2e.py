@@ -98,7 +98,7 @@ def reference(default_model_dir):
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     model.eval()
 
-    def generate(input_ids: list[int], max_new_tokens: int) -> list[int]:
+    def generate(input_ids: list[int], max_new_tokens: int, **options) -> list[int]:
         # An explicit mask: chat prompts contain <|im_end|>, the pad token, which generate()
         # would otherwise mask out of the prompt.
         with torch.inference_mode():
@@ -108,19 +108,21 @@ def reference(default_model_dir):
                 do_sample=False,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=tokenizer.eos_token_id,
+                **options,
             )
         return output[0, len(input_ids) :].tolist()
 
-    def chat(prompt: str, max_new_tokens: int = 32) -> tuple[str, int]:
+    def chat(prompt: str, max_new_tokens: int = 32, **options) -> tuple[str, int]:
         messages = [{"role": "user", "content": prompt}]
         input_ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        tokens = generate(list(input_ids), max_new_tokens)
+        tokens = generate(list(input_ids), max_new_tokens, **options)
         return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
 
-    def complete(prompt: str, max_new_tokens: int = 32) -> tuple[str, int]:
-        tokens = generate(tokenizer.encode(prompt), max_new_tokens)
+    def complete(prompt: str, max_new_tokens: int = 32, **options) -> tuple[str, int]:
+        """Greedy text and token count; ``options`` go to ``generate`` (penalties, biases)."""
+        tokens = generate(tokenizer.encode(prompt), max_new_tokens, **options)
         return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
 
     return chat, complete
@@ -151,6 +153,67 @@ def test_completion_greedy_matches_transformers(client, reference):
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
     assert response.choices[0].text == expected_text
     assert response.usage.completion_tokens == expected_count
+
+
+REPETITIVE_PROMPT = "List the colors: red, blue, red, blue, red,"
+
+
+def test_repetition_penalty_matches_transformers(client, reference):
+    expected_text, _ = reference[1](REPETITIVE_PROMPT, 24, repetition_penalty=1.5)
+    plain_text, _ = reference[1](REPETITIVE_PROMPT, 24)
+    assert expected_text != plain_text  # the penalty changes this output
+    response = client.completions.create(
+        model=MODEL,
+        prompt=REPETITIVE_PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"repetition_penalty": 1.5},
+    )
+    assert response.choices[0].text == expected_text
+
+
+def test_logit_bias_and_min_tokens_match_transformers(client, reference, default_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    plain_text, _ = reference[1](REPETITIVE_PROMPT, 8)
+    banned = tokenizer.encode(plain_text)[0]
+    expected_text, _ = reference[1](REPETITIVE_PROMPT, 8, sequence_bias={(banned,): -100.0})
+    response = client.completions.create(
+        model=MODEL,
+        prompt=REPETITIVE_PROMPT,
+        max_tokens=8,
+        temperature=0,
+        logit_bias={str(banned): -100},
+    )
+    assert response.choices[0].text == expected_text != plain_text
+    # The chat answer to "Hi" ends early; min_tokens keeps EOS away as min_new_tokens does.
+    _, count = reference[0]("Hi", 48)
+    assert count < 40
+    expected_text, expected_count = reference[0]("Hi", 48, min_new_tokens=40)
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=chat_messages("Hi"),
+        max_tokens=48,
+        temperature=0,
+        extra_body={"min_tokens": 40},
+    )
+    assert response.choices[0].message.content == expected_text
+    assert response.usage.completion_tokens == expected_count >= 40
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(client):
+    prompt = "The capital of France is"
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2
+    )
+    choice = response.choices[0]
+    assert choice.text.startswith(prompt)
+    logprobs = choice.logprobs
+    num_tokens = response.usage.prompt_tokens + response.usage.completion_tokens
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == num_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(value <= 0 for value in logprobs.token_logprobs[1:])
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs[1:])
+    assert "".join(logprobs.tokens) == choice.text
 
 
 def test_streaming_chat_equals_non_streaming(client, reference):
@@ -343,6 +406,81 @@ def test_json_schema_output_parses_and_validates(client):
     document = json.loads(response.choices[0].message.content)
     jsonschema.validate(document, schema)
     assert response.choices[0].finish_reason == "stop"
+
+
+def test_guided_choice_answers_one_of_the_choices(client):
+    choices = ["positive", "negative", "neutral"]
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=chat_messages("Sentiment of 'I love trains'?"),
+        max_tokens=8,
+        temperature=0,
+        extra_body={"guided_choice": choices},
+    )
+    assert response.choices[0].message.content in choices
+    assert response.choices[0].finish_reason == "stop"
+
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]
+
+
+def test_named_tool_choice_calls_that_function_with_valid_arguments(client):
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=chat_messages("What is the weather in Paris?"),
+        max_tokens=48,
+        temperature=0,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = response.choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("stop", None)
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
+
+
+def test_required_tool_choice_streams_calls_of_the_given_tools(client):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=chat_messages("What is the weather in Tokyo?"),
+        max_tokens=96,
+        temperature=0,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        stream=True,
+    )
+    calls, finish_reasons = {}, []
+    for chunk in stream:
+        for call in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"name": call.function.name, "arguments": ""})
+            entry["arguments"] += call.function.arguments or ""
+        finish_reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    assert finish_reasons == ["tool_calls"]
+    [call] = calls.values()
+    assert call["name"] in ("get_weather", "get_time")
+    parameters = WEATHER_PARAMETERS if call["name"] == "get_weather" else {"type": "object"}
+    jsonschema.validate(json.loads(call["arguments"]), parameters)
 
 
 def test_n_choices_share_one_prompt(client):

@@ -1,0 +1,133 @@
+"""A chat request's ``tools`` and ``tool_choice`` → what the prompt, the sampler and the parser do.
+
+- ``none`` (the default without tools): tools are left out of the prompt and nothing is parsed.
+- ``auto`` (the default with tools): tools go into the prompt through the chat template, and
+  ``<tool_call>`` blocks in the output become ``message.tool_calls`` (``HermesToolParser``).
+- ``required`` and a named function: generation is constrained (as structured output) to a
+  JSON array of calls, or to the named function's arguments, so the model must call.
+
+Bad definitions are 400s before anything is queued: a parameters schema that is not a JSON
+schema, a ``tool_choice`` naming a function that is not in ``tools``, forcing a call without
+tools, or a forced call together with a ``response_format`` constraint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from api_server.errors import invalid_request
+from api_server.protocol import ChatCompletionRequest, ChatCompletionTool
+from api_server.responses import FinishReason
+from api_server.structured_output import json_schema_output, structured_output
+from api_server.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
+from interfaces import (
+    StructuredOutput,
+    TextGenerationRequestFunction,
+    TextGenerationRequestTool,
+    ToolParser,
+)
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+"""The arguments schema of a function that declares no parameters."""
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """How one chat request uses tools.
+
+    ``tools`` go into the prompt; ``constraint`` (None for "auto") forces the call; ``new_parser``
+    makes one parser per choice; a choice that made tool calls and stopped on its own finishes
+    with ``finish_reason`` ("tool_calls", or "stop" for a named function, as OpenAI answers).
+    """
+
+    tools: list[TextGenerationRequestTool]
+    constraint: StructuredOutput | None
+    new_parser: Callable[[], ToolParser]
+    finish_reason: FinishReason
+
+
+def tool_calling(request: ChatCompletionRequest) -> ToolCalling | None:
+    """None when the request makes no tool calls (no tools, or ``tool_choice`` "none")."""
+    tools = request.tools or []
+    for index, tool in enumerate(tools):
+        if tool.function.parameters is not None:
+            json_schema_output(tool.function.parameters, f"tools[{index}].function.parameters")
+    choice = request.tool_choice or ("auto" if tools else "none")
+    name = choice if isinstance(choice, str) else choice.function.name
+    if name == "none":
+        return None
+    if not tools:
+        raise invalid_request(
+            f"tool_choice {name!r} needs tools: the request defines none", param="tool_choice"
+        )
+    prompt_tools = [_generation_tool(tool) for tool in tools]
+    if name == "auto":
+        max_calls = 1 if request.parallel_tool_calls is False else None
+        return ToolCalling(prompt_tools, None, lambda: HermesToolParser(max_calls), "tool_calls")
+    if name == "required":
+        constraint = _calls_constraint(tools, request.parallel_tool_calls is not False)
+        return ToolCalling(prompt_tools, constraint, RequiredToolParser, "tool_calls")
+    tool = next((tool for tool in tools if tool.function.name == name), None)
+    if tool is None:
+        raise invalid_request(
+            f"tool_choice names the function {name!r}, which is not among the tools",
+            param="tool_choice",
+        )
+    constraint = StructuredOutput("json_schema", json.dumps(_parameters(tool)))
+    return ToolCalling(prompt_tools, constraint, lambda: NamedToolParser(name), "stop")
+
+
+def chat_constraint(
+    request: ChatCompletionRequest, tools: ToolCalling | None
+) -> StructuredOutput | None:
+    """The constraint on generated text: ``response_format`` (or vLLM's spellings), or the
+    forced tool call; 400 if both are given."""
+    constraint = structured_output(request)
+    forced = None if tools is None else tools.constraint
+    if constraint is not None and forced is not None:
+        raise invalid_request(
+            "tool_choice 'required' or a named function cannot be combined with a "
+            "structured-output constraint such as response_format",
+            param="tool_choice",
+        )
+    return forced or constraint
+
+
+def _calls_constraint(tools: list[ChatCompletionTool], parallel: bool) -> StructuredOutput:
+    """A JSON array of one or more calls (at most one unless ``parallel``)."""
+    calls: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"anyOf": [_call_schema(tool) for tool in tools]},
+    }
+    if not parallel:
+        calls["maxItems"] = 1
+    return StructuredOutput("json_schema", json.dumps(calls))
+
+
+def _call_schema(tool: ChatCompletionTool) -> dict[str, Any]:
+    """One element of the array "required" generates: ``{"name": ..., "parameters": {...}}``."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": [tool.function.name]},
+            "parameters": _parameters(tool),
+        },
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
+
+
+def _parameters(tool: ChatCompletionTool) -> dict[str, Any]:
+    parameters = tool.function.parameters
+    return ANY_OBJECT if parameters is None else parameters
+
+
+def _generation_tool(tool: ChatCompletionTool) -> TextGenerationRequestTool:
+    function = tool.function
+    return TextGenerationRequestTool(
+        TextGenerationRequestFunction(function.name, function.description, function.parameters)
+    )

@@ -117,7 +117,7 @@ def render_chat_template(
         return compile_template(source).render(**variables)
     except ChatTemplateError:
         raise
-    except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as error:
+    except (jinja2.TemplateError, TypeError, KeyError, AttributeError, RecursionError) as error:
         raise ChatTemplateError(f"the chat template failed to render: {error}") from error
 
 

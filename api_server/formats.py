@@ -96,7 +96,9 @@ class ChatFormat(_FormatBase):
             if not delta.text and not delta.logprobs:
                 return None
             return self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs=logprobs)
-        parser = self._parsers.setdefault(delta.index, self.tools.new_parser())
+        if delta.index not in self._parsers:
+            self._parsers[delta.index] = self.tools.new_parser()
+        parser = self._parsers[delta.index]
         parsed = parser.parse_delta(delta.text)
         if delta.finish_reason is not None:
             parsed += parser.finish()
@@ -118,16 +120,17 @@ class ChatFormat(_FormatBase):
             id=self.response_id,
             created=self.created,
             model=self.model,
-            choices=[
-                ChatChoice(
-                    index=choice.index,
-                    message=self._message(choice),
-                    logprobs=self._logprobs(choice.logprobs),
-                    finish_reason=self._finish_reason(choice.index, choice.finish_reason),
-                )
-                for choice in choices
-            ],
+            choices=[self._choice(choice) for choice in choices],
             usage=usage,
+        )
+
+    def _choice(self, choice: ChoiceOutput) -> ChatChoice:
+        message = self._message(choice)  # first: it records whether the choice called tools
+        return ChatChoice(
+            index=choice.index,
+            message=message,
+            logprobs=self._logprobs(choice.logprobs),
+            finish_reason=self._finish_reason(choice.index, choice.finish_reason),
         )
 
     def _message(self, choice: ChoiceOutput) -> AssistantMessage:

@@ -54,9 +54,13 @@ class FunctionCall(OpenAIBaseModel):
 
 
 class ToolCall(OpenAIBaseModel):
+    """A call in an earlier assistant message. ``index`` is accepted (and ignored) because
+    clients that assemble streamed calls keep it when they send the message back."""
+
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None
 
 
 class ChatMessage(OpenAIBaseModel):

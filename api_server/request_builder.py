@@ -296,10 +296,12 @@ def generation_message(message: ChatMessage) -> TextGenerationRequestMessage:
         role=message.role,
         content=content,
         name=message.name,
-        tool_calls=None if message.tool_calls is None else _dumped(message.tool_calls),
+        tool_calls=_wire_tool_calls(message),
         tool_call_id=message.tool_call_id,
     )
 
 
-def _dumped(models: list[BaseModel]) -> list[dict[str, Any]]:
-    return [model.model_dump() for model in models]
+def _wire_tool_calls(message: ChatMessage) -> list[dict[str, Any]] | None:
+    if message.tool_calls is None:
+        return None
+    return [call.model_dump(exclude={"index"}) for call in message.tool_calls]

@@ -9,6 +9,7 @@ each out into ``n`` choices, submit them all, and answer either one JSON body or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -81,7 +82,13 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     prompt = chat_generation_request(
         request, request_id, state.model_name, vocab_size, prompt_tools
     )
-    generation = await _generation(state, request, [prompt], request.num_logprobs, constraint)
+    options = _text_options(request)
+    if tools is not None and state.tokenizer.special_token_texts & set(tools.markers):
+        # The parser must see tool-call tags that are special tokens (vLLM does the same).
+        options = dataclasses.replace(options, skip_special_tokens=False)
+    generation = await _generation(
+        state, request, [prompt], request.num_logprobs, constraint, options
+    )
     response_format = ChatFormat(
         request_id, state.model_name, request.num_logprobs, state.token_texts, tools
     )
@@ -96,7 +103,10 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
     vocab_size = state.tokenizer.vocab_size
     prompts = completion_generation_requests(request, request_id, state.model_name, vocab_size)
     constraint = structured_output(request)
-    generation = await _generation(state, request, prompts, request.num_logprobs, constraint)
+    options = _text_options(request)
+    generation = await _generation(
+        state, request, prompts, request.num_logprobs, constraint, options
+    )
     response_format = CompletionFormat(
         request_id, state.model_name, request.num_logprobs, state.token_texts
     )
@@ -109,9 +119,9 @@ async def _generation(
     prompts: list[TextGenerationRequest],
     num_logprobs: int | None,
     constraint: StructuredOutput | None,
+    options: TextOptions,
 ) -> Generation:
     """Tokenize every prompt once and make ``n`` choices of each (index prompt * n + sample)."""
-    options = _text_options(request)
     n = request.num_choices_per_prompt
     several = len(prompts) * n > 1
     choices, num_prompt_tokens = [], 0

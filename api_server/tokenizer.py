@@ -6,13 +6,12 @@ in tokenizer_config.json or chat_template.jinja, rendered by ``api_server.chat_t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from tokenizers import Tokenizer
 
+from api_server.chat_messages import is_about_tools, template_message, template_tool
 from api_server.chat_template import (
     render_chat_template,
     render_fallback_prompt,
@@ -25,7 +24,6 @@ from interfaces import (
     TextContext,
     TextGenerationRequest,
     TextGenerationRequestMessage,
-    TextGenerationRequestTool,
 )
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -47,6 +45,8 @@ class HuggingFaceTokenizer:
         self.special_tokens = _special_tokens(config)
         self.chat_templates = _chat_templates(self.model_dir, config)
         self.eos_token_ids = self._find_eos_token_ids()
+        added_tokens = self.backend.get_added_tokens_decoder().values()
+        self._special_token_texts = frozenset(t.content for t in added_tokens if t.special)
 
     @property
     def eos(self) -> int:
@@ -62,6 +62,11 @@ class HuggingFaceTokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        """The text of every special token (what ``skip_special_tokens`` drops from output)."""
+        return self._special_token_texts
 
     @property
     def has_chat_template(self) -> bool:
@@ -99,7 +104,7 @@ class HuggingFaceTokenizer:
         else they are written into the messages in the Hermes format (``hermes_messages``)."""
         source = self._template_source(tools)
         renders_tools = source is not None and template_renders_tools(source)
-        if not renders_tools and (tools or any(_is_about_tools(m) for m in messages)):
+        if not renders_tools and (tools or any(is_about_tools(m) for m in messages)):
             messages, tools = hermes_messages(messages, tools), None
         if source is None:
             return render_fallback_prompt(messages)
@@ -167,14 +172,14 @@ class HuggingFaceTokenizer:
         options: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text for a conversation; ``ValueError`` if the template refuses it."""
-        dicts = [_message_dict(message) for message in messages]
+        dicts = [template_message(message) for message in messages]
         return self.apply_chat_template(dicts, tools, options)
 
     def prompt_token_ids(self, request: TextGenerationRequest) -> list[int]:
         """The prompt's token ids (chat template applied); ``ValueError`` if it is empty, has
         ids outside the vocabulary, or the template refuses the conversation. No length check."""
         if request.messages is not None:
-            tools = [_template_tool(tool) for tool in request.tools] if request.tools else None
+            tools = [template_tool(tool) for tool in request.tools] if request.tools else None
             prompt = self.render_messages(request.messages, tools, request.chat_template_options)
             token_ids = self.encode_now(prompt, add_special_tokens=False)
         elif isinstance(request.prompt, str):
@@ -254,54 +259,3 @@ def _chat_templates(model_dir: Path, config: dict[str, Any]) -> dict[str, str]:
     if isinstance(template, list):
         return {item["name"]: item["template"] for item in template if isinstance(item, dict)}
     return {}
-
-
-def _message_dict(message: TextGenerationRequestMessage) -> dict[str, Any]:
-    """The template's view of a message: string content; "developer" is OpenAI's new "system"."""
-    result: dict[str, Any] = {
-        "role": "system" if message.role == "developer" else message.role,
-        "content": _flatten_content(message.content),
-    }
-    for name in ("name", "tool_call_id"):
-        value = getattr(message, name)
-        if value is not None:
-            result[name] = value
-    if message.tool_calls:
-        result["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
-    return result
-
-
-def _template_tool(tool: TextGenerationRequestTool) -> dict[str, Any]:
-    """OpenAI's shape, ``type`` first (``to_builtins`` alone would omit the default type)."""
-    return {"type": tool.type, "function": msgspec.to_builtins(tool.function)}
-
-
-def _is_about_tools(message: dict[str, Any]) -> bool:
-    return message["role"] == "tool" or bool(message.get("tool_calls"))
-
-
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    """A tool call as chat templates expect it: ``arguments`` as an object when the JSON text
-    holds one (templates write it with ``tojson``), as in transformers and vLLM."""
-    function = dict(call.get("function") or {})
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, dict):
-            function["arguments"] = parsed
-    return {**call, "function": function}
-
-
-def _flatten_content(content: str | list[dict[str, Any]] | None) -> str:
-    """Join text parts with newlines (vLLM's "string" content format)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for part in content:
-        if part.get("type") != "text":
-            raise ValueError(f"content parts of type {part.get('type')!r} are not supported")
-        texts.append(part.get("text", part.get("content", "")))
-    return "\n".join(texts)

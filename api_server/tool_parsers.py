@@ -23,6 +23,7 @@ from typing import Any
 from interfaces.tool_parsing import ParsedToolCallDelta, ParsedToolResponse, merge_deltas
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+HERMES_TAGS = (TOOL_CALL_START, TOOL_CALL_END)
 _SEPARATORS = "[, \t\r\n"
 """What may come before an element of the JSON array of calls."""
 
@@ -58,6 +59,8 @@ class HermesToolParser(_StreamParser):
         self._buffer = ""
         self._in_call = False
         self._num_calls = 0
+        self._space_before_call = ""
+        """Whitespace cut from before the open call: given back if the call is not one."""
 
     def parse_delta(self, delta: str) -> list[ParsedToolCallDelta]:
         self._buffer += delta
@@ -71,7 +74,9 @@ class HermesToolParser(_StreamParser):
             if self._in_call:
                 deltas += self._call_or_content(before, closed=True)
             else:
-                deltas += self._content(before.rstrip())
+                text = before.rstrip()
+                self._space_before_call = before[len(text) :]
+                deltas += self._content(text)
             self._in_call = not self._in_call
         if not self._in_call:
             # Send what can no longer become a tool call: not a partial tag at the end, and
@@ -91,8 +96,9 @@ class HermesToolParser(_StreamParser):
 
     def _call_or_content(self, body: str, closed: bool) -> list[ParsedToolCallDelta]:
         call = _parse_call(body, arguments_key="arguments")
+        space, self._space_before_call = self._space_before_call, ""
         if call is None:
-            raw = TOOL_CALL_START + body + (TOOL_CALL_END if closed else "")
+            raw = space + TOOL_CALL_START + body + (TOOL_CALL_END if closed else "")
             return self._content(raw)
         if self.max_calls is not None and self._num_calls >= self.max_calls:
             return []
@@ -160,7 +166,7 @@ class RequiredToolParser(_StreamParser):
             start += 1
         try:
             _, end = self._decoder.raw_decode(self._text, start)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = _parse_call(self._text[start:end], arguments_key="parameters")
         if call is not None:
@@ -169,17 +175,32 @@ class RequiredToolParser(_StreamParser):
 
 
 def _parse_call(text: str, arguments_key: str) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) from ``{"name": str, <arguments_key>: object}``."""
+    """(name, arguments as JSON text) from ``{"name": str, <arguments_key>: object}``; None
+    when ``text`` is not that (or is nested too deeply to parse)."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(arguments_key, {})
     if not isinstance(arguments, dict):
         return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
+    try:
+        return value["name"], _json_text(arguments)
+    except ValueError:  # NaN or Infinity: not JSON a client can read
+        return None
+
+
+def _json_text(value: Any) -> str:
+    """``value`` as JSON text that is valid UTF-8: non-ASCII kept as is, unless the model
+    wrote a lone surrogate escape (half an emoji), which only an ASCII escape can carry."""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value, allow_nan=False)
+    return text
 
 
 def _held_back_length(text: str, tag: str) -> int:

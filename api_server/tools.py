@@ -16,13 +16,19 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from api_server.errors import invalid_request
-from api_server.protocol import ChatCompletionRequest, ChatCompletionTool
+from api_server.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice
 from api_server.responses import FinishReason
 from api_server.structured_output import json_schema_output, structured_output
-from api_server.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
+from api_server.tool_parsers import (
+    HERMES_TAGS,
+    HermesToolParser,
+    NamedToolParser,
+    RequiredToolParser,
+)
 from interfaces import (
     StructuredOutput,
     TextGenerationRequestFunction,
@@ -47,29 +53,32 @@ class ToolCalling:
     constraint: StructuredOutput | None
     new_parser: Callable[[], ToolParser]
     finish_reason: FinishReason
+    markers: tuple[str, ...] = ()
+    """Tags the parser looks for in the text (they must not be skipped as special tokens)."""
 
 
 def tool_calling(request: ChatCompletionRequest) -> ToolCalling | None:
     """None when the request makes no tool calls (no tools, or ``tool_choice`` "none")."""
     tools = request.tools or []
-    for index, tool in enumerate(tools):
-        if tool.function.parameters is not None:
-            json_schema_output(tool.function.parameters, f"tools[{index}].function.parameters")
+    _check_tools(tools)
     choice = request.tool_choice or ("auto" if tools else "none")
-    name = choice if isinstance(choice, str) else choice.function.name
-    if name == "none":
+    if choice == "none":
         return None
     if not tools:
+        name = choice if isinstance(choice, str) else choice.function.name
         raise invalid_request(
             f"tool_choice {name!r} needs tools: the request defines none", param="tool_choice"
         )
     prompt_tools = [_generation_tool(tool) for tool in tools]
-    if name == "auto":
+    if choice == "auto":
         max_calls = 1 if request.parallel_tool_calls is False else None
-        return ToolCalling(prompt_tools, None, lambda: HermesToolParser(max_calls), "tool_calls")
-    if name == "required":
+        new_parser = partial(HermesToolParser, max_calls)
+        return ToolCalling(prompt_tools, None, new_parser, "tool_calls", HERMES_TAGS)
+    if choice == "required":
         constraint = _calls_constraint(tools, request.parallel_tool_calls is not False)
         return ToolCalling(prompt_tools, constraint, RequiredToolParser, "tool_calls")
+    assert isinstance(choice, NamedToolChoice)  # the protocol allows nothing else
+    name = choice.function.name
     tool = next((tool for tool in tools if tool.function.name == name), None)
     if tool is None:
         raise invalid_request(
@@ -77,7 +86,30 @@ def tool_calling(request: ChatCompletionRequest) -> ToolCalling | None:
             param="tool_choice",
         )
     constraint = StructuredOutput("json_schema", json.dumps(_parameters(tool)))
-    return ToolCalling(prompt_tools, constraint, lambda: NamedToolParser(name), "stop")
+    return ToolCalling(prompt_tools, constraint, partial(NamedToolParser, name), "stop")
+
+
+def _check_tools(tools: list[ChatCompletionTool]) -> None:
+    """400 for duplicate function names and parameters that are not a JSON schema of an
+    object."""
+    names: set[str] = set()
+    for index, tool in enumerate(tools):
+        function = tool.function
+        if function.name in names:
+            raise invalid_request(
+                f"tools[{index}].function.name {function.name!r} is defined twice",
+                param=f"tools[{index}].function.name",
+            )
+        names.add(function.name)
+        if function.parameters is None:
+            continue
+        param = f"tools[{index}].function.parameters"
+        json_schema_output(function.parameters, param)
+        if function.parameters.get("type", "object") != "object":
+            raise invalid_request(
+                f"{param} must describe an object (type 'object'): arguments are named",
+                param=param,
+            )
 
 
 def chat_constraint(
@@ -122,8 +154,8 @@ def _call_schema(tool: ChatCompletionTool) -> dict[str, Any]:
 
 
 def _parameters(tool: ChatCompletionTool) -> dict[str, Any]:
-    parameters = tool.function.parameters
-    return ANY_OBJECT if parameters is None else parameters
+    """The arguments' schema, always of an object (``{}`` would accept any JSON value)."""
+    return {**ANY_OBJECT, **(tool.function.parameters or {})}
 
 
 def _generation_tool(tool: ChatCompletionTool) -> TextGenerationRequestTool:

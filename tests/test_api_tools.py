@@ -5,6 +5,7 @@ constraints, and every bad definition is a 400 naming its field."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import httpx
@@ -195,6 +196,73 @@ def test_a_conversation_with_tool_results_is_rendered(api, reply, openai_client)
     assert "<|im_start|>user\n<tool_response>\n18C\n</tool_response><|im_end|>" in prompt
 
 
+def test_a_function_named_like_a_mode_is_still_forced(api, reply, openai_client) -> None:
+    reply("{}")
+    tool = {"type": "function", "function": {"name": "none", "parameters": {}}}
+    completion = openai_client.chat.completions.create(
+        model=api.MODEL_NAME,
+        messages=MESSAGES,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "none"}},
+    )
+    # An empty schema would accept any JSON value: the arguments must still be an object.
+    assert api.scheduler.submitted[-1].structured_output == StructuredOutput(
+        "json_schema", '{"type": "object"}'
+    )
+    [call] = completion.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("none", "{}")
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"a": ' + "[" * 1500 + "]" * 1500 + "}",  # too deep to parse: rendered as text
+        '{"x": "\\ud800"}',  # decodes to a lone surrogate: rendered as text
+        "not json",
+    ],
+)
+def test_odd_arguments_in_the_history_are_rendered_as_text(
+    api, reply, client: httpx.Client, arguments: str
+) -> None:
+    reply("ok")
+    call = {"id": "c1", "type": "function", "index": 0}
+    call["function"] = {"name": "get_weather", "arguments": arguments}
+    messages = [*MESSAGES, {"role": "assistant", "tool_calls": [call]}]
+    messages.append({"role": "tool", "tool_call_id": "c1", "content": "18C"})
+    response = client.post(CHAT, json={"messages": messages, "tools": [WEATHER]})
+    assert response.status_code == 200, response.text
+    assert json.dumps(arguments)[:200] in submitted_prompt(api)
+
+
+def test_special_tool_call_tokens_reach_the_parser(default_model_dir: Path, tmp_path: Path) -> None:
+    """Models whose <tool_call> tags are special tokens: the tags are not skipped."""
+    from tokenizers import AddedToken, Tokenizer
+
+    model_dir = tmp_path / "special-tags"
+    shutil.copytree(default_model_dir, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken("<tool_call>", special=True)])
+    tokenizer.add_special_tokens([AddedToken("</tool_call>", special=True)])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    harness = ApiHarness(model_dir, tmp_path, 2048)
+    try:
+        harness.scheduler.reply = harness.tokenizer.encode_now(CALL_TEXT, add_special_tokens=False)
+        harness.scheduler.eos_token_id = 2
+        assert tokenizer.token_to_id("<tool_call>") in harness.scheduler.reply
+        client = openai.OpenAI(base_url=f"{harness.url}/v1", api_key="x", max_retries=0)
+        completion = client.chat.completions.create(
+            model=harness.MODEL_NAME, messages=MESSAGES, tools=[WEATHER]
+        )
+        [call] = completion.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        plain = client.chat.completions.create(model=harness.MODEL_NAME, messages=MESSAGES)
+        assert plain.choices[0].message.content == CALL_TEXT.replace("<tool_call>", "").replace(
+            "</tool_call>", ""
+        )
+    finally:
+        harness.close()
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "message"),
     [
@@ -231,6 +299,23 @@ def test_a_conversation_with_tool_results_is_rendered(api, reply, openai_client)
             {"tools": [{"type": "retrieval", "function": {"name": "f"}}]},
             "tools[0].type",
             "tools[0].type: Input should be 'function'",
+        ),
+        (
+            {"tools": [WEATHER, WEATHER]},
+            "tools[1].function.name",
+            "tools[1].function.name 'get_weather' is defined twice",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+            "tools[0].function.parameters must describe an object (type 'object')",
         ),
         (
             {"tool_choice": "sometimes"},

@@ -24,6 +24,7 @@ TIME = '{"name": "get_time", "arguments": {}}'
 TWO_CALLS = (
     f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>\n"
 )
+DEEP = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
 TOOL = {
     "type": "function",
     "function": {
@@ -63,9 +64,17 @@ def streamed(parser, text: str, piece_length: int) -> list[ParsedToolCallDelta]:
         ("<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
         ('<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', []),
         (f"<tool_call>{TIME}</tool_call> Done.", " Done.", [("get_time", {})]),
+        # Whitespace before a block that turns out not to be a call is kept too.
+        ('Sure! <tool_call>{"name": "f", "argu', 'Sure! <tool_call>{"name": "f", "argu', []),
+        ("a\n\n<tool_call>not json</tool_call> b", "a\n\n<tool_call>not json</tool_call> b", []),
+        # Arguments JSON cannot carry: NaN, or nesting too deep to parse.
+        ('<tool_call>{"name": "f", "arguments": {"x": NaN}}', None, []),
+        (DEEP, DEEP, []),
     ],
 )
 def test_hermes_whole_and_streamed_agree(text: str, content: str | None, calls: list) -> None:
+    if content is None and not calls:
+        content = text
     assert summary(HermesToolParser().parse_complete(text)) == (content, calls)
     for piece_length in (1, 3, 7):
         deltas = streamed(HermesToolParser(), text, piece_length)
@@ -82,6 +91,13 @@ def test_hermes_streams_content_at_once_and_each_call_whole() -> None:
     assert call.id.startswith("call_") and len(call.id) == 29
     assert json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
     assert parser.finish() == []
+
+
+def test_a_lone_surrogate_escape_in_arguments_stays_escaped() -> None:
+    text = '<tool_call>{"name": "f", "arguments": {"x": "\\ud83d", "y": "é"}}</tool_call>'
+    [call] = HermesToolParser().parse_complete(text).tool_calls
+    assert call.arguments == '{"x": "\\ud83d", "y": "\\u00e9"}'
+    call.arguments.encode("utf-8")
 
 
 def test_hermes_keeps_only_the_first_call_without_parallel_calls() -> None:

@@ -161,6 +161,13 @@ def paged_attention(
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """Each request's blocks, contiguous: (num_requests, num_kv_heads, max_context, head_dim)."""
-    blocks = cache[block_tables]  # (num_requests, max_num_blocks, block_size, kv_heads, head_dim)
-    return blocks.flatten(1, 2).transpose(1, 2)  # (num_requests, kv_heads, max_context, head_dim)
+    """Each request's blocks, contiguous: (num_requests, num_kv_heads, max_context, head_dim).
+
+    ``index_select`` on the flattened table rather than ``cache[block_tables]``: the same copy,
+    several times faster on the CPU."""
+    num_requests, max_num_blocks = block_tables.shape
+    blocks = cache.index_select(0, block_tables.flatten())
+    # (num_requests * max_num_blocks, block_size, kv_heads, head_dim)
+    blocks = blocks.view(num_requests, max_num_blocks * cache.shape[1], *cache.shape[2:])
+    # (num_requests, max_context, kv_heads, head_dim)
+    return blocks.transpose(1, 2)  # (num_requests, kv_heads, max_context, head_dim)

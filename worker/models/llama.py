@@ -7,6 +7,8 @@ finds each token's request and cache blocks in ``AttentionMetadata``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 from worker.attention import AttentionMetadata, paged_attention, write_kv
 from worker.kv_cache import KVCache
 from worker.models.config import ModelConfig
+from worker.models.linear import Linear, prepack_linears
 from worker.models.rotary import RotaryEmbedding
 
 
@@ -45,10 +48,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+        self.qkv_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(hidden, self.qkv_sizes, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, hidden, bias=config.o_proj_bias)
 
     def forward(
         self,
@@ -58,9 +60,10 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(-1, num_heads, head_dim)  # (num_tokens, num_heads, head_dim)
-        k = self.k_proj(x).view(-1, num_kv_heads, head_dim)  # (num_tokens, num_kv_heads, head_dim)
-        v = self.v_proj(x).view(-1, num_kv_heads, head_dim)  # (num_tokens, num_kv_heads, head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(-1, num_heads, head_dim)  # (num_tokens, num_heads, head_dim)
+        k = k.view(-1, num_kv_heads, head_dim)  # (num_tokens, num_kv_heads, head_dim)
+        v = v.view(-1, num_kv_heads, head_dim)  # (num_tokens, num_kv_heads, head_dim)
         q = RotaryEmbedding.rotate(q, *cos_sin)
         k = RotaryEmbedding.rotate(k, *cos_sin)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
@@ -71,17 +74,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one product."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(hidden, [inner, inner], bias=config.mlp_bias)
+        self.down_proj = Linear(inner, hidden, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (num_tokens, intermediate_size) each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -125,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.rotary_emb = RotaryEmbedding(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -148,8 +151,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x).float()  # (num_sampled, vocab_size)
 
 
+STACKED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+"""Stacked layers and the checkpoint projections they hold, in row order."""
+
+
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Build the model described by ``model_dir/config.json`` and load its safetensors weights.
+    """Build the model described by ``model_dir/config.json`` and load its safetensors weights;
+    on the CPU, linear layers then switch to packed weights (``worker.models.linear``).
 
     Raises ``ValueError`` for an unsupported architecture, missing files, or missing weights.
     """
@@ -160,6 +171,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Lla
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, Path(model_dir))
+    prepack_linears(model)
     return model.eval()
 
 
@@ -167,19 +179,35 @@ def _load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {model_dir} has no *.safetensors files")
-    parameters = dict(model.named_parameters())
-    missing = set(parameters)
+    loaders = _checkpoint_loaders(model)
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as weights:
             for name in weights.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name not in parameters:
-                    continue
-                _copy_weight(parameters[name], weights.get_tensor(name), name)
-                missing.discard(name)
+                load = loaders.pop(name, None)
+                if load is not None:
+                    load(weights.get_tensor(name))
+    if loaders:
+        raise ValueError(f"weights missing from {model_dir}: {sorted(loaders)[:5]}")
+
+
+def _checkpoint_loaders(model: LlamaForCausalLM) -> dict[str, Callable[[torch.Tensor], None]]:
+    """For each checkpoint tensor name the model needs, what copies it into place."""
+    loaders: dict[str, Callable[[torch.Tensor], None]] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        parent, _, local_name = prefix.rpartition(".")
+        names = STACKED_PROJECTIONS.get(local_name, (local_name,))
+        for shard, checkpoint_name in enumerate(names):
+            base = f"{parent}.{checkpoint_name}" if parent else checkpoint_name
+            for kind in ("weight", "bias") if module.bias is not None else ("weight",):
+                loaders[f"{base}.{kind}"] = partial(module.load_shard, shard, kind)
+    for name, parameter in model.named_parameters():
+        if not isinstance(model.get_submodule(name.rpartition(".")[0]), Linear):
+            loaders[name] = partial(_copy_weight, parameter, name=name)
     if model.config.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-    if missing:
-        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+        loaders.pop("lm_head.weight")
+    return loaders
 
 
 @torch.no_grad()

@@ -158,14 +158,29 @@ def test_slot_mapping_follows_block_ids():
 
 
 def test_batch_layout_for_mixed_prefill_and_decode():
-    layout = build_batch_layout([0, 5], [3, 1], [[4], [1, 3]], 4, CPU)
-    assert layout.positions.tolist() == [0, 1, 2, 5]
-    assert layout.metadata.slot_mapping.tolist() == [16, 17, 18, 13]
-    assert layout.metadata.block_tables.tolist() == [[4, 0], [1, 3]]
-    assert layout.last_token_indices.tolist() == [2, 3]
-    mask = layout.metadata.attention_mask[:, 0].int().tolist()
-    assert mask[0] == [[1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
-    assert mask[1][0] == [1, 1, 1, 1, 1, 1, 0, 0]
+    # Request 0 prefills 3 tokens, 1 decodes at position 5, 2 prefills positions 2-3.
+    layout = build_batch_layout([0, 5, 2], [3, 1, 2], [[4], [1, 3], [6]], 4, CPU)
+    assert layout.positions.tolist() == [0, 1, 2, 5, 2, 3]
+    assert layout.metadata.slot_mapping.tolist() == [16, 17, 18, 13, 26, 27]
+    assert layout.last_token_indices.tolist() == [2, 3, 5]
+    decodes, prefills = layout.metadata.groups
+    assert decodes.token_indices.tolist() == [3]
+    assert decodes.block_tables.tolist() == [[1, 3]]
+    assert decodes.attention_mask[:, 0].int().tolist() == [[[1, 1, 1, 1, 1, 1, 0, 0]]]
+    assert prefills.token_indices.tolist() == [0, 1, 2, 4, 5]
+    assert prefills.block_tables.tolist() == [[4], [6]]
+    assert prefills.token_request_indices.tolist() == [0, 0, 0, 1, 1]
+    assert prefills.token_query_indices.tolist() == [0, 1, 2, 0, 1]
+    mask = prefills.attention_mask[:, 0].int().tolist()
+    assert mask[0] == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
+    assert mask[1] == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]  # the last row is padding
+
+
+def test_a_batch_of_decodes_is_one_group():
+    layout = build_batch_layout([5, 9], [1, 1], [[1, 3], [2, 7, 8]], 4, CPU)
+    [decodes] = layout.metadata.groups
+    assert decodes.token_indices.tolist() == [0, 1]
+    assert decodes.block_tables.tolist() == [[1, 3, 0], [2, 7, 8]]
 
 
 def test_block_count_from_bytes():

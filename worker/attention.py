@@ -4,8 +4,11 @@ A step's tokens are all requests' scheduled tokens concatenated (varlen). A requ
 many tokens (a whole prompt, or a chunk starting after tokens already cached) while another
 decodes one. Every layer writes the new keys/values into their cache slots, then each request's
 queries attend to its cached keys through its block table: the blocks are gathered into a padded
-batch and one ``scaled_dot_product_attention`` call serves all requests, with a causal mask on
-absolute positions hiding both future tokens and padding.
+batch and one ``scaled_dot_product_attention`` call serves a whole group of requests, with a
+causal mask on absolute positions hiding both future tokens and padding.
+
+Requests are grouped by kind, decodes (one query token) apart from prefills, so a step that
+mixes 64 decodes with one 448-token prefill chunk does not pad every decode to 448 queries.
 """
 
 from __future__ import annotations
@@ -21,23 +24,35 @@ from worker.kv_cache import slot_mapping
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
-    """Where a step's tokens sit, shared by every layer. Built once per step on the device.
+class AttentionGroup:
+    """Requests whose queries are padded together (all decodes, or all prefills).
 
-    ``slot_mapping`` (num_tokens,): cache slot each new token's key/value is written to.
+    ``token_indices`` (num_group_tokens,): the group's tokens in the flat batch, request by request.
     ``block_tables`` (num_requests, max_num_blocks): each request's blocks, padded with block 0
     (padding is masked out, so any valid block id would do).
-    ``token_request_indices`` / ``token_query_indices`` (num_tokens,): the request each token
-    belongs to and its index among that request's scheduled tokens.
+    ``token_request_indices`` / ``token_query_indices`` (num_group_tokens,): the request (within
+    the group) each token belongs to, and its index among that request's scheduled tokens.
     ``attention_mask`` (num_requests, 1, max_query_len, max_num_blocks * block_size): True where
     a query may attend to a key: the key's position is at most the query's position.
     """
 
-    slot_mapping: torch.Tensor
+    token_indices: torch.Tensor
     block_tables: torch.Tensor
     token_request_indices: torch.Tensor
     token_query_indices: torch.Tensor
     attention_mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a step's tokens sit, shared by every layer. Built once per step on the device.
+
+    ``slot_mapping`` (num_tokens,): cache slot each new token's key/value is written to.
+    ``groups``: one or two ``AttentionGroup``s that together hold every token once.
+    """
+
+    slot_mapping: torch.Tensor
+    groups: tuple[AttentionGroup, ...]
 
 
 @dataclass(frozen=True)
@@ -73,22 +88,47 @@ def build_batch_layout(
         slot_mapping(ids, start, end, block_size)
         for ids, start, end in zip(block_ids, starts, ends, strict=True)
     ]
-    block_tables = _block_tables(block_ids, -(-ends // block_size))
-    query_positions = np.zeros((len(starts), int(query_lens.max())), dtype=np.int64)
-    query_positions[token_requests, token_queries] = positions
-    mask = _causal_mask(query_positions, block_tables.shape[1] * block_size)
-
-    def tensor(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device)
-
-    metadata = AttentionMetadata(
-        slot_mapping=tensor(np.concatenate(slots)),
-        block_tables=tensor(block_tables),
-        token_request_indices=tensor(token_requests),
-        token_query_indices=tensor(token_queries),
-        attention_mask=tensor(mask),
+    query_starts = np.cumsum(query_lens) - query_lens
+    is_decode = query_lens == 1
+    groups = tuple(
+        _group(members, starts, query_lens, query_starts, block_ids, block_size, device)
+        for members in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode))
+        if len(members)
     )
-    return BatchLayout(tensor(positions), metadata, tensor(np.cumsum(query_lens) - 1))
+    metadata = AttentionMetadata(_tensor(np.concatenate(slots), device), groups)
+    last_token_indices = _tensor(query_starts + query_lens - 1, device)
+    return BatchLayout(_tensor(positions, device), metadata, last_token_indices)
+
+
+def _group(
+    members: np.ndarray,
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    query_starts: np.ndarray,
+    block_ids: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    """The padded attention layout of requests ``members`` (indices into the step's requests)."""
+    starts, query_lens = starts[members], query_lens[members]
+    token_requests, token_queries = _token_indices(query_lens)
+    token_indices = query_starts[members][token_requests] + token_queries
+    ends = starts + query_lens
+    block_tables = _block_tables([block_ids[i] for i in members], -(-ends // block_size))
+    query_positions = np.zeros((len(members), int(query_lens.max())), dtype=np.int64)
+    query_positions[token_requests, token_queries] = starts[token_requests] + token_queries
+    mask = _causal_mask(query_positions, block_tables.shape[1] * block_size)
+    return AttentionGroup(
+        token_indices=_tensor(token_indices, device),
+        block_tables=_tensor(block_tables, device),
+        token_request_indices=_tensor(token_requests, device),
+        token_query_indices=_tensor(token_queries, device),
+        attention_mask=_tensor(mask, device),
+    )
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
 def _token_indices(query_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -143,21 +183,44 @@ def paged_attention(
 
     The step's own keys/values must already be written (``write_kv``).
     """
-    num_requests, _, max_query_len, _ = metadata.attention_mask.shape
-    requests, queries = metadata.token_request_indices, metadata.token_query_indices
-    padded = query.new_zeros(num_requests, max_query_len, *query.shape[1:])
-    padded[requests, queries] = query  # (num_requests, max_query_len, num_heads, head_dim)
-    keys = _gather(key_cache, metadata.block_tables)
-    values = _gather(value_cache, metadata.block_tables)
+    if len(metadata.groups) == 1:
+        return _group_attention(query, key_cache, value_cache, metadata.groups[0], scale)
+    output = torch.empty_like(query)
+    for group in metadata.groups:
+        group_query = query.index_select(0, group.token_indices)
+        group_output = _group_attention(group_query, key_cache, value_cache, group, scale)
+        output.index_copy_(0, group.token_indices, group_output)
+    return output
+
+
+def _group_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for one group's tokens ``query`` (num_group_tokens, num_heads, head_dim)."""
+    num_requests, _, max_query_len, _ = group.attention_mask.shape
+    requests, queries = group.token_request_indices, group.token_query_indices
+    if max_query_len == 1:
+        padded = query[:, None]  # (num_requests, 1, num_heads, head_dim): one token each
+    else:
+        padded = query.new_zeros(num_requests, max_query_len, *query.shape[1:])
+        padded[requests, queries] = query  # (num_requests, max_query_len, num_heads, head_dim)
+    keys = _gather(key_cache, group.block_tables)
+    values = _gather(value_cache, group.block_tables)
     output = F.scaled_dot_product_attention(
         padded.transpose(1, 2),  # (num_requests, num_heads, max_query_len, head_dim)
         keys,
         values,
-        attn_mask=metadata.attention_mask,
+        attn_mask=group.attention_mask,
         scale=scale,
         enable_gqa=True,
     )  # (num_requests, num_heads, max_query_len, head_dim)
-    return output.transpose(1, 2)[requests, queries]  # (num_tokens, num_heads, head_dim)
+    if max_query_len == 1:
+        return output[:, :, 0]  # (num_requests, num_heads, head_dim)
+    return output.transpose(1, 2)[requests, queries]  # (num_group_tokens, num_heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,13 @@ def _parent_and_ticks(pid: str) -> tuple[int, int] | None:
     return int(fields[1]), sum(int(ticks) for ticks in fields[11:15])
 
 
+def process_core_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads, reaped children too) ``pid`` has used so far;
+    None if it has exited or /proc is missing. Take two readings and subtract for a run."""
+    info = _parent_and_ticks(str(pid))
+    return None if info is None else info[1] / _clock_ticks()
+
+
 def _tree_ticks(root_pid: int) -> int:
     """User + system ticks of ``root_pid`` and every live descendant."""
     parents: dict[int, int] = {}

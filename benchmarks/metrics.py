@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import TYPE_CHECKING
 
-from load_generator import RequestResult
+if TYPE_CHECKING:  # for annotations only: scheduler_bench.py's process stays free of httpx
+    from load_generator import RequestResult
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -71,6 +71,7 @@ def format_report(result: dict) -> str:
     if cpu:
         lines += _rows(("Load generator's CPU (core-s)", cpu["load_generator_core_s"]))
     lines += _other_cpu_rows(cpu)
+    lines += _process_cpu_lines(result.get("cpu_by_process"))
     for key, name in (
         ("ttft_ms", "TTFT"),
         ("tpot_ms", "TPOT"),
@@ -132,6 +133,16 @@ def _other_cpu_rows(cpu: dict | None) -> list[str]:
         ("Other processes' CPU (core-s)", cpu["other_processes_core_s"]),
         ("  share of the machine", _percent(cpu["other_processes_share"])),
     )
+
+
+def _process_cpu_lines(by_process: dict | None) -> list[str]:
+    """CPU seconds and busy share of one core for each process of the run, when measured."""
+    if not by_process:
+        return []
+    lines = _section("CPU per process (core-s, % of a core)")
+    for name, cpu in by_process.items():
+        lines += _rows((name, f"{cpu['core_s']:.2f} s {_percent(cpu['share_of_one_core']):>6}"))
+    return lines
 
 
 def _section(title: str) -> list[str]:

@@ -97,7 +97,10 @@ class BlockManager:
         num_prefix_tokens = len(cached_prefix) * self.block_size
         total_tokens = request.num_computed_tokens + num_prefix_tokens + num_new_tokens
         held = len(request.block_ids) + len(cached_prefix)
-        num_needed = max(self.num_blocks_for(total_tokens) - held, 0)
+        num_needed = self.num_blocks_for(total_tokens) - held
+        if num_needed <= 0 and not cached_prefix:
+            return []  # the blocks held have room (most decode steps)
+        num_needed = max(num_needed, 0)
         num_revived = sum(1 for block in cached_prefix if block.ref_count == 0)
         if num_needed > len(self._free_queue) - num_revived:
             return None
@@ -115,6 +118,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if num_full <= request.num_cached_blocks:
+            return  # no block filled up since the last call (most decode steps)
         block_hashes = self._block_hashes(request)
         for index in range(request.num_cached_blocks, num_full):
             block = self.blocks[request.block_ids[index]]

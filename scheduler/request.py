@@ -32,6 +32,9 @@ class Request:
     client_id: bytes
     max_model_len: int
     all_token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    max_new_tokens: int = field(init=False)
+    """The most tokens this request may generate, bounded by the model's context."""
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -43,14 +46,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.context.prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        max_length = min(self.context.max_length, self.max_model_len)
+        self.max_new_tokens = max_length - self.num_prompt_tokens
 
     @property
     def request_id(self) -> RequestID:
         return self.context.request_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.context.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -64,11 +66,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
-
-    @property
-    def max_new_tokens(self) -> int:
-        """The most tokens this request may generate, bounded by the model's context."""
-        return min(self.context.max_length, self.max_model_len) - self.num_prompt_tokens
 
     def append_token(self, token_id: int) -> GenerationStatus:
         """Record a sampled token and decide whether the request is done."""

@@ -7,6 +7,7 @@ that owns each request, identified by its ZeroMQ identity.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 
@@ -164,7 +165,7 @@ class SchedulerServer:
             ready.block_size,
             ready.max_model_len,
         )
-        self.scheduler = Scheduler(self.config, kv_cache)
+        self.scheduler = new_scheduler(self.config, kv_cache)
         self._worker_id = worker_id
         self._in_flight = None
         pending, self._pending = self._pending, []
@@ -190,3 +191,13 @@ class SchedulerServer:
         self._frontend.close()
         self._backend.close()
         self._context.term()
+
+
+def new_scheduler(config: SchedulerConfig, kv_cache: KVCacheConfig) -> Scheduler:
+    """A ``Scheduler`` whose long-lived objects (one per KV block: tens of thousands) are moved
+    out of the garbage collector's reach with ``gc.freeze()``, so full collections stay short
+    and do not stall steps (they took 14-34 ms each with 16k blocks)."""
+    scheduler = Scheduler(config, kv_cache)
+    gc.collect()
+    gc.freeze()
+    return scheduler

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -23,7 +24,9 @@ from interfaces.worker_to_scheduler import (
     WorkerReady,
     WorkerToSchedulerMessage,
 )
-from worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

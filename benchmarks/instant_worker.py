@@ -1,0 +1,140 @@
+"""A worker without a model: answers every step at once, for benchmarks of the front end.
+
+``InstantTokenGenerator`` stands in for ``ModelRunner`` behind the real ``WorkerServer``: it
+keeps only token counts per request and returns one fixed token (``INSTANT_TOKEN_ID``, never an
+end-of-sequence token) for every request a step brings to the end of its known tokens. What it
+leaves out is the model and the checks of tests/fake_worker.py's ``FakeTokenGenerator``, so the
+processes in front of it (scheduler, API server, clients) are all that a benchmark measures.
+
+    python -m benchmarks.instant_worker --scheduler-addr ipc:///tmp/sy/backend --model DIR
+
+Run it from the repository root (or with the root on PYTHONPATH), as ``-m`` needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import setproctitle
+
+from interfaces import RequestID, TextGenerationOutput, envs
+from interfaces.scheduler_to_worker import SchedulerOutput
+
+INSTANT_TOKEN_ID = 1000
+"""``()`` in SmolLM2's vocabulary: one visible character pair per token, and not a special token."""
+
+DEFAULT_NUM_KV_BLOCKS = 16384
+"""Block ids cost the instant worker nothing; 16384 blocks of 16 tokens hold 64 requests of 4096."""
+
+PROCESS_TITLE = "switchyard-instant-worker"
+
+logger = logging.getLogger("instant_worker")
+
+
+@dataclass(slots=True)
+class InstantRequestState:
+    num_tokens: int
+    """Prompt plus output tokens the worker knows of."""
+    num_computed_tokens: int
+
+
+class InstantTokenGenerator:
+    """``TokenGenerator[SchedulerOutput]`` plus what ``WorkerServer`` reads from its runner.
+
+    Follows the SchedulerOutput contract as a real worker does: a new request arrives in full
+    (its state replaces any earlier one), a cached one as a diff whose ``num_computed_tokens`` it
+    takes as given, and ids in ``finished_request_ids`` are forgotten before the step runs. Block
+    ids are ignored, since nothing is stored in them. Trusts the scheduler: a step naming a
+    request it does not hold raises ``KeyError`` (``WorkerServer`` turns it into WorkerFailure).
+    Called from one thread.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        num_kv_blocks: int = DEFAULT_NUM_KV_BLOCKS,
+        block_size: int = 16,
+    ) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.states: dict[RequestID, InstantRequestState] = {}
+
+    def next_token(self, step: SchedulerOutput) -> dict[RequestID, TextGenerationOutput]:
+        """Apply the step's diffs; return ``[INSTANT_TOKEN_ID]`` for each request that reaches
+        the end of its known tokens."""
+        for request_id in step.finished_request_ids:
+            self.release(request_id)
+        for new in step.new_requests:
+            num_tokens = len(new.context.prompt_token_ids) + len(new.output_token_ids)
+            self.states[new.context.request_id] = InstantRequestState(
+                num_tokens, new.num_computed_tokens
+            )
+        for cached in step.cached_requests:
+            self.states[cached.request_id].num_computed_tokens = cached.num_computed_tokens
+        outputs = {}
+        for request_id, num_scheduled in step.num_scheduled_tokens.items():
+            state = self.states[request_id]
+            state.num_computed_tokens += num_scheduled
+            if state.num_computed_tokens == state.num_tokens:
+                state.num_tokens += 1
+                outputs[request_id] = TextGenerationOutput(request_id, [INSTANT_TOKEN_ID])
+        return outputs
+
+    def take_refusals(self) -> dict[RequestID, str]:
+        """Requests refused in the last step: never any, since nothing is checked."""
+        return {}
+
+    def release(self, request_id: RequestID) -> None:
+        self.states.pop(request_id, None)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.instant_worker", description=__doc__
+    )
+    parser.add_argument("--scheduler-addr", required=True, help="the scheduler's backend address")
+    parser.add_argument(
+        "--model", required=True, help="model directory: its name and config.json's context"
+    )
+    parser.add_argument("--num-kv-blocks", type=int, default=DEFAULT_NUM_KV_BLOCKS)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, help="default: the model's context length")
+    return parser.parse_args(argv)
+
+
+def model_context_length(model_dir: Path) -> int:
+    """``max_position_embeddings`` from the model's config.json (what the API server enforces)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config["max_position_embeddings"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setproctitle.setproctitle(PROCESS_TITLE)
+    logging.basicConfig(
+        level=envs.log_level(), format="%(asctime)s %(levelname)s instant-worker: %(message)s"
+    )
+    model_dir = Path(args.model)
+    generator = InstantTokenGenerator(
+        model_name=model_dir.resolve().name,
+        max_model_len=args.max_model_len or model_context_length(model_dir),
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+    )
+    # worker.server imports torch (through ModelRunner); importing it here, not at the top,
+    # keeps InstantTokenGenerator usable where torch is not wanted (scheduler_bench, tests).
+    from worker.server import WorkerServer
+
+    return WorkerServer(generator, args.scheduler_addr).serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,13 +29,16 @@ class LogProbabilities(msgspec.Struct, frozen=True, array_like=True):
     top_log_probabilities: list[dict[int, float]]
 
 
-class TextGenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+class TextGenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Tokens generated for one request in one step (MAX's ``TextGenerationOutput``).
 
     ``tokens`` holds only the tokens new since the previous output for this request;
     ``log_probabilities``, when asked for, one entry per step covering those tokens.
     ``prompt_log_probabilities`` comes once, with the first output, when the request asked for
     prompt log probabilities: one value per prompt token after the first.
+
+    Made for every request every step, so not tracked by the garbage collector (``gc=False``:
+    it holds lists of numbers and log probabilities, never a cycle).
     """
 
     request_id: RequestID
@@ -60,8 +63,11 @@ class SchedulerStatus(str, enum.Enum):
 OutputT = TypeVar("OutputT")
 
 
-class SchedulerResult(msgspec.Struct, Generic[OutputT], array_like=True, omit_defaults=True):
-    """One item of a request's result stream (MAX's ``SchedulerResult``).
+class SchedulerResult(
+    msgspec.Struct, Generic[OutputT], array_like=True, omit_defaults=True, gc=False
+):
+    """One item of a request's result stream (MAX's ``SchedulerResult``); like its output, not
+    tracked by the garbage collector.
 
     ``error`` is set only on a CANCELLED result that the system (not the client) caused, with a
     message for the user. ``rejected`` marks a request refused before it was queued because it

@@ -21,8 +21,12 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     output_token_ids: list[int] = []
 
 
-class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A request the worker already holds: blocks added since its last step."""
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the worker already holds: blocks added since its last step.
+
+    One per running request per step, so instances are not tracked by the garbage collector
+    (``gc=False``: they hold only strings, ints and a list, never a cycle).
+    """
 
     request_id: RequestID
     new_block_ids: list[int]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 from pathlib import Path
 
@@ -249,3 +250,14 @@ def test_shared_memory_array_round_trip_and_unlink():
 
 def test_fake_worker_satisfies_the_token_generator_protocol():
     assert isinstance(FakeTokenGenerator(block_size=4), TokenGenerator)
+
+
+def test_per_step_wire_types_are_not_tracked_by_the_garbage_collector():
+    """One of each is made per request per step; untracked, they never slow a collection."""
+    output = TextGenerationOutput("r", [5], GenerationStatus.ACTIVE)
+    untracked = [
+        CachedRequestData("r", [1, 2], 16),
+        output,
+        SchedulerResult.active(output),
+    ]
+    assert [gc.is_tracked(item) for item in untracked] == [False, False, False]

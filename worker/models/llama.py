@@ -60,12 +60,12 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = q.view(-1, num_heads, head_dim)  # (num_tokens, num_heads, head_dim)
-        k = k.view(-1, num_kv_heads, head_dim)  # (num_tokens, num_kv_heads, head_dim)
-        v = v.view(-1, num_kv_heads, head_dim)  # (num_tokens, num_kv_heads, head_dim)
-        q = RotaryEmbedding.rotate(q, *cos_sin)
-        k = RotaryEmbedding.rotate(k, *cos_sin)
+        qkv = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+        qk = qkv[:, : -self.qkv_sizes[2]].view(-1, num_heads + num_kv_heads, head_dim)
+        # (num_tokens, num_heads + num_kv_heads, head_dim): queries and keys rotate together
+        q, k = RotaryEmbedding.rotate(qk, *cos_sin).split([num_heads, num_kv_heads], dim=1)
+        v = qkv[:, -self.qkv_sizes[2] :].view(-1, num_kv_heads, head_dim)
+        # (num_tokens, num_kv_heads, head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
         write_kv(key_cache, value_cache, k, v, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, scale=head_dim**-0.5)

@@ -22,6 +22,7 @@ from worker.kv_cache import (
 from worker.model_files import DEFAULT_MODEL_NAME, model_name_for, resolve_model
 from worker.model_runner import ModelRunner
 from worker.models.config import ModelConfig
+from worker.models.linear import Linear, can_prepack
 from worker.sampler import Sampler, SamplingBatch, check_supported
 
 VOCAB = 50
@@ -322,3 +323,33 @@ def test_seeded_request_is_reproducible_alone_batched_and_resumed(tiny_runner):
     )
     assert _decode(tiny_runner, [resumed], 3, 20)["s"] == alone[3:]
     assert len(set(alone)) > 1
+
+
+# Linear layers
+
+
+def test_stacked_linear_loads_each_projection_into_its_rows():
+    linear = Linear(3, [2, 1], bias=True)
+    linear.load_shard(0, "weight", torch.ones(2, 3))
+    linear.load_shard(1, "weight", torch.full((1, 3), 2.0))
+    linear.load_shard(0, "bias", torch.zeros(2))
+    linear.load_shard(1, "bias", torch.tensor([5.0]))
+    assert linear(torch.tensor([[1.0, 2.0, 3.0]])).tolist() == [[6.0, 6.0, 17.0]]
+    with pytest.raises(ValueError, match=r"weight has shape \(2, 3\), expected"):
+        linear.load_shard(1, "weight", torch.ones(2, 3))
+    with pytest.raises(ValueError, match="this layer has no bias"):
+        Linear(3, 2, bias=False).load_shard(0, "bias", torch.zeros(2))
+
+
+def test_packed_linear_matches_the_plain_one():
+    torch.manual_seed(0)
+    linear = Linear(64, [96, 32], bias=True)
+    torch.nn.init.normal_(linear.weight)
+    torch.nn.init.normal_(linear.bias)
+    x = torch.randn(5, 64)
+    expected = linear(x)
+    assert linear.prepack() is can_prepack(torch.empty(1))
+    if linear.packed_weight is not None:
+        assert linear.weight is None
+        torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(linear(x[:1]), expected[:1], rtol=1e-5, atol=1e-4)

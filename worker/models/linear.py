@@ -57,7 +57,7 @@ class Linear(nn.Module):
 
     @torch.no_grad()
     def prepack(self) -> bool:
-        """Switch to oneDNN's packed weight (CPU, float32 or bfloat16) and drop the plain one;
+        """Switch to oneDNN's packed weight (CPU, float32) and drop the plain one;
         False (and no change) where oneDNN cannot take it."""
         weight = self.weight
         if weight is None or not can_prepack(weight):
@@ -71,7 +71,7 @@ def can_prepack(weight: torch.Tensor) -> bool:
     """Whether oneDNN's packed linear kernel is available for ``weight``."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == torch.float32  # the dtype it was measured faster for
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )

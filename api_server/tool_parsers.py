@@ -20,7 +20,7 @@ import json
 import uuid
 from typing import Any
 
-from interfaces.tool_parsing import ParsedToolCallDelta, ParsedToolResponse, merge_deltas
+from interfaces import ParsedToolCall, ParsedToolCallDelta, ParsedToolResponse
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 HERMES_TAGS = (TOOL_CALL_START, TOOL_CALL_END)
@@ -31,6 +31,21 @@ _SEPARATORS = "[, \t\r\n"
 def new_tool_call_id() -> str:
     """An id in OpenAI's shape (``call_`` and 24 alphanumerics)."""
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def merge_deltas(deltas: list[ParsedToolCallDelta]) -> ParsedToolResponse:
+    """One response from a stream's deltas: contents joined, tool calls assembled by index."""
+    content = "".join(delta.content for delta in deltas if delta.content)
+    calls: dict[int, dict[str, str]] = {}
+    for delta in deltas:
+        if delta.content is not None:
+            continue
+        call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+        call["id"] = delta.id or call["id"]
+        call["name"] = delta.name or call["name"]
+        call["arguments"] += delta.arguments or ""
+    tool_calls = [ParsedToolCall(**calls[index]) for index in sorted(calls)]
+    return ParsedToolResponse(content or None, tool_calls)
 
 
 class _StreamParser:

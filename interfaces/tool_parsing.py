@@ -56,18 +56,3 @@ class ToolParser(Protocol):
     def parse_complete(self, response: str) -> ParsedToolResponse:
         """The content and tool calls of a whole text (a fresh parser's whole stream)."""
         ...
-
-
-def merge_deltas(deltas: list[ParsedToolCallDelta]) -> ParsedToolResponse:
-    """One response from a stream's deltas: contents joined, tool calls assembled by index."""
-    content = "".join(delta.content for delta in deltas if delta.content)
-    calls: dict[int, dict[str, str]] = {}
-    for delta in deltas:
-        if delta.content is not None:
-            continue
-        call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
-        call["id"] = delta.id or call["id"]
-        call["name"] = delta.name or call["name"]
-        call["arguments"] += delta.arguments or ""
-    tool_calls = [ParsedToolCall(**calls[index]) for index in sorted(calls)]
-    return ParsedToolResponse(content or None, tool_calls)

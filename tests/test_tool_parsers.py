@@ -14,9 +14,9 @@ from api_server.tool_parsers import (
     NamedToolParser,
     RequiredToolParser,
     hermes_messages,
+    merge_deltas,
 )
 from interfaces import ParsedToolCallDelta, ParsedToolResponse
-from interfaces.tool_parsing import merge_deltas
 from tests.test_tokenizer import chat_request, make_model_dir
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from interfaces import SamplingParams, TextContext, TokenGenerator
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
@@ -21,8 +22,9 @@ from worker.kv_cache import (
 )
 from worker.model_files import DEFAULT_MODEL_NAME, model_name_for, resolve_model
 from worker.model_runner import ModelRunner
+from worker.models import panel_gemm
 from worker.models.config import ModelConfig
-from worker.models.linear import Linear, can_prepack
+from worker.models.linear import Linear, prepacking
 from worker.sampler import Sampler, SamplingBatch, check_supported
 
 VOCAB = 50
@@ -341,15 +343,69 @@ def test_stacked_linear_loads_each_projection_into_its_rows():
         Linear(3, 2, bias=False).load_shard(0, "bias", torch.zeros(2))
 
 
-def test_packed_linear_matches_the_plain_one():
+@pytest.mark.parametrize("packing", ["panels", "onednn"])
+def test_packed_linear_matches_the_plain_one(packing, monkeypatch):
+    if packing == "onednn":  # what machines without a C compiler get
+        monkeypatch.setattr(panel_gemm, "library", lambda: None)
+    elif panel_gemm.library() is None:
+        pytest.skip("no C compiler for the panel kernel")
     torch.manual_seed(0)
     linear = Linear(64, [96, 32], bias=True)
     torch.nn.init.normal_(linear.weight)
     torch.nn.init.normal_(linear.bias)
     x = torch.randn(5, 64)
     expected = linear(x)
-    assert linear.prepack() is can_prepack(torch.empty(1))
-    if linear.packed_weight is not None:
-        assert linear.weight is None
-        torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(linear(x[:1]), expected[:1], rtol=1e-5, atol=1e-4)
+    expected_packing = prepacking(linear.weight)
+    assert linear.prepack() == expected_packing
+    if expected_packing is None:
+        pytest.skip("oneDNN is not available in this torch build")
+    assert expected_packing == packing
+    assert linear.weight is None
+    for num_rows in range(6):
+        torch.testing.assert_close(linear(x[:num_rows]), expected[:num_rows], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_kernel_matches_f_linear_for_awkward_shapes(bias):
+    """Row counts around the 8-row register block and 64-row task, output counts that are not
+    multiples of the 32-wide panel, odd input sizes, and a strided input."""
+    if panel_gemm.library() is None:
+        pytest.skip("no C compiler for the panel kernel")
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features in [(1, 1), (31, 7), (33, 64), (96, 129), (577, 40)]:
+        weight = torch.randn(out_features, in_features, generator=generator)
+        b = torch.randn(out_features, generator=generator) if bias else None
+        panels = panel_gemm.pack(weight)
+        assert panels.shape == (-(-out_features // panel_gemm.PANEL), in_features, 32)
+        for rows in [0, 1, 7, 8, 9, 63, 64, 65, 200]:
+            x = torch.randn(in_features, rows, generator=generator).t()  # not contiguous
+            torch.testing.assert_close(
+                panel_gemm.linear(x, panels, b, out_features),
+                F.linear(x, weight, b),
+                rtol=1e-4,
+                atol=1e-4,
+            )
+
+
+def test_panel_kernel_refuses_mismatched_inputs():
+    if panel_gemm.library() is None:
+        pytest.skip("no C compiler for the panel kernel")
+    panels = panel_gemm.pack(torch.randn(32, 16))
+    with pytest.raises(ValueError, match="16"):
+        panel_gemm.linear(torch.randn(2, 15), panels, None, 32)
+    with pytest.raises(TypeError, match="float32"):
+        panel_gemm.linear(torch.randn(2, 16, dtype=torch.float64), panels, None, 32)
+
+
+def test_panel_kernel_shares_torchs_openmp_threads():
+    """One OpenMP runtime in the worker: the kernel's threads follow torch.set_num_threads."""
+    lib = panel_gemm.library()
+    if lib is None:
+        pytest.skip("no C compiler for the panel kernel")
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert lib.omp_get_max_threads() == threads
+    finally:
+        torch.set_num_threads(before)

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from workload import num_cores
 
 NUM_LAYERS = 30

@@ -409,3 +409,18 @@ def test_panel_kernel_shares_torchs_openmp_threads():
             assert lib.omp_get_max_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("packing", [None, "panels"])
+def test_linear_rows_read_the_weight_by_row(packing):
+    """A tied LM head serves the embedding lookups from whatever layout it holds."""
+    if packing == "panels" and panel_gemm.library() is None:
+        pytest.skip("no C compiler for the panel kernel")
+    torch.manual_seed(0)
+    linear = Linear(16, 70, bias=False)  # 70: the last panel is partial
+    torch.nn.init.normal_(linear.weight)
+    weight = linear.weight.detach().clone()
+    if packing is not None:
+        assert linear.prepack() == packing
+    indices = torch.tensor([0, 31, 32, 69, 5, 5])
+    torch.testing.assert_close(linear.rows(indices), weight[indices], rtol=0, atol=0)

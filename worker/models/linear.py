@@ -67,6 +67,15 @@ class Linear(nn.Module):
             )
         return F.linear(x, self.weight, self.bias)
 
+    def rows(self, indices: torch.Tensor) -> torch.Tensor:
+        """Rows ``indices`` (num,) of W: (num, in_features). An LM head tied to the input
+        embedding serves the embedding lookups this way, with no second copy of the matrix."""
+        if self.packing == "panels":
+            return panel_gemm.rows(self.packed_weight, indices)
+        if self.packing is None:
+            return F.embedding(indices, self.weight)
+        raise ValueError(f"{self.packing}-packed weights cannot be read by row")
+
     @torch.no_grad()
     def prepack(self) -> str | None:
         """Switch to the best packed weight available (module docstring) and drop the plain

@@ -113,7 +113,8 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # None once a tied LM head's packed weight serves the lookups (``load_model``).
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
@@ -143,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
         Returns float32 logits (len(logits_indices), vocab_size) for the flat-batch rows in
         ``logits_indices`` only: the tokens that are followed by a sampled token.
         """
-        x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        embed = self.model.embed_tokens or self.lm_head.rows
+        x = embed(input_ids)  # (num_tokens, hidden_size)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos_sin, kv_cache, metadata)
@@ -160,7 +162,8 @@ STACKED_PROJECTIONS = {
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     """Build the model described by ``model_dir/config.json`` and load its safetensors weights;
-    on the CPU, linear layers then switch to packed weights (``worker.models.linear``).
+    on the CPU, linear layers then switch to packed weights (``worker.models.linear``), and a
+    tied LM head's panels replace the embedding matrix.
 
     Raises ``ValueError`` for an unsupported architecture, missing files, or missing weights.
     """
@@ -172,6 +175,8 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Lla
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, Path(model_dir))
     prepack_linears(model)
+    if config.tie_word_embeddings and model.lm_head.packing == "panels":
+        model.model.embed_tokens = None  # lookups read the LM head's panels: one copy, not two
     return model.eval()
 
 

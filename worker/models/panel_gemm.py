@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from interfaces import envs
 
@@ -33,10 +32,22 @@ BUILD_TIMEOUT_S = 120
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` (n, k) as column panels (ceil(n / 32), k, 32), zero past row n."""
+    """``weight`` (n, k) as column panels (ceil(n / 32), k, 32), zero past row n.
+
+    One allocation and one copy: no padded temporary the heap would keep after loading."""
     n, k = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -n % PANEL))
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    full, rest = divmod(n, PANEL)
+    panels = torch.empty(full + (rest > 0), k, PANEL, dtype=weight.dtype)
+    panels[:full].copy_(weight[: full * PANEL].view(full, PANEL, k).transpose(1, 2))
+    if rest:
+        panels[full, :, rest:].zero_()
+        panels[full, :, :rest].copy_(weight[full * PANEL :].t())
+    return panels
+
+
+def rows(panels: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Rows ``indices`` (num,) of the weight packed into ``panels``: (num, k)."""
+    return panels[indices // PANEL, :, indices % PANEL]
 
 
 def linear(

@@ -424,3 +424,14 @@ def test_linear_rows_read_the_weight_by_row(packing):
         assert linear.prepack() == packing
     indices = torch.tensor([0, 31, 32, 69, 5, 5])
     torch.testing.assert_close(linear.rows(indices), weight[indices], rtol=0, atol=0)
+
+
+def test_panel_kernel_build_failure_falls_back_with_a_log(tmp_path, monkeypatch, caplog):
+    """A compiler that fails (or none at all) leaves the worker on torch's kernels."""
+    monkeypatch.setenv("SWITCHYARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exits 1, like a compiler that cannot build the source
+    with caplog.at_level("WARNING", logger="worker.models.panel_gemm"):
+        assert panel_gemm.library.__wrapped__() is None
+    assert "CPU matrix kernel unavailable" in caplog.text
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert panel_gemm.library.__wrapped__() is None

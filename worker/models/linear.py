@@ -9,7 +9,7 @@ kernel than ``F.linear``'s, and drops the plain copy:
 
 - ``"panels"``: column panels for Switchyard's own kernel (``worker.models.panel_gemm``),
   where a C compiler is available. On this project's machines it streams weights ~1.5 times
-  as fast as oneDNN for decode-sized products and computes ~1.2 times as fast for prefills.
+  as fast as oneDNN for one to four rows, ~1.2 times for 16, and matches it for prefills.
 - ``"onednn"``: oneDNN's blocked layout and packed kernel (what torch.compile's CPU backend
   uses for frozen weights) otherwise: 1.5 to 2 times ``F.linear``'s speed for a few rows.
 

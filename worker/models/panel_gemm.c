@@ -7,10 +7,10 @@
  *
  *     for i in 0..k:  acc[r][0..32] += x[r][i] * panel[i][0..32]    for the block's rows r
  *
- * On the 2-core AVX-512 machine this project is benchmarked on, this reads weights at the
- * speed of a plain sum() for one row (~31 GB/s, where oneDNN's and MKL's one-row kernels
- * reach 19-21 and 11) and reaches 205-215 GFLOP/s for 64-512 rows (oneDNN: 170-185); see
- * benchmarks/gemv_bench.py and docs/performance.md.
+ * On the 2-core AVX-512 machine this project is benchmarked on, this streams weights at
+ * ~30 GB/s for one to four rows (oneDNN's kernels: 19-23, MKL's: 8-12) and reaches 194-215
+ * GFLOP/s for 64-512 rows, about what oneDNN reaches; see benchmarks/gemv_bench.py and
+ * docs/performance.md.
  *
  * Plain C with GCC/Clang vector extensions (16 x float, lowered to whatever -march=native
  * offers) and OpenMP; worker/models/panel_gemm.py compiles it on first use. The OpenMP runtime

@@ -72,12 +72,11 @@ def linear(
 def library() -> ctypes.CDLL | None:
     """The built kernel library, or None (logged once) where it cannot be built here."""
     try:
-        path = _build()
+        # torch is imported (above), so the library's libgomp.so.1 resolves to torch's copy.
+        lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.SubprocessError) as error:
         logger.warning("CPU matrix kernel unavailable (%s); using torch's kernels", error)
         return None
-    # torch is imported (above), so the library's libgomp.so.1 resolves to torch's copy.
-    lib = ctypes.CDLL(str(path))
     lib.sy_panel_linear.argtypes = [
         ctypes.c_void_p,  # x
         ctypes.c_int64,  # m

@@ -395,6 +395,10 @@ def test_panel_kernel_refuses_mismatched_inputs():
         panel_gemm.linear(torch.randn(2, 15), panels, None, 32)
     with pytest.raises(TypeError, match="float32"):
         panel_gemm.linear(torch.randn(2, 16, dtype=torch.float64), panels, None, 32)
+    with pytest.raises(ValueError, match="33 outputs"):
+        panel_gemm.linear(torch.randn(2, 16), panels, None, 33)
+    with pytest.raises(ValueError, match="bias"):
+        panel_gemm.linear(torch.randn(2, 16), panels, torch.zeros(31), 32)
 
 
 def test_panel_kernel_shares_torchs_openmp_threads():

@@ -62,6 +62,11 @@ def linear(
     m, k = x.shape
     if panels.shape[1] != k:
         raise ValueError(f"input has {k} features, the weight expects {panels.shape[1]}")
+    # The kernel trusts these sizes: check them here rather than read out of bounds there.
+    if not (panels.shape[0] - 1) * PANEL < out_features <= panels.shape[0] * PANEL:
+        raise ValueError(f"{out_features} outputs do not fit {panels.shape[0]} panels")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features):
+        raise ValueError(f"bias must be {out_features} float32 values")
     y = torch.empty(m, out_features, dtype=torch.float32)
     bias_ptr = None if bias is None else bias.data_ptr()
     lib.sy_panel_linear(x.data_ptr(), m, k, panels.data_ptr(), out_features, bias_ptr, y.data_ptr())

@@ -46,6 +46,12 @@ class FakeWorkerThread(threading.Thread):
         self.steps: list[SchedulerOutput] = []
 
     def run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.socket.close()  # by its own thread, before the fixture destroys the context
+
+    def _serve(self) -> None:
         self.socket.send(encode(WorkerReady("fake", 64, 4, 256)))
         while self.socket.poll(TIMEOUT_MS):
             message = decode_worker(self.socket.recv())
@@ -69,9 +75,12 @@ def system(tmp_path):
     thread.start()
     context = zmq.Context()
     yield server, context, frontend, backend
-    server.stop()
+    server.stop()  # sends the fake worker Shutdown
     thread.join(timeout=5)
     assert not thread.is_alive()
+    for worker in threading.enumerate():
+        if isinstance(worker, FakeWorkerThread):
+            worker.join(timeout=5)
     context.destroy(linger=0)
 
 

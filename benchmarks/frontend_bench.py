@@ -40,7 +40,7 @@ from workload import (
     random_prompts,
     read_model_config,
     resolve_model_dir,
-    write_json,
+    run_benchmark,
 )
 
 from scheduler.config import SchedulerConfig
@@ -230,23 +230,13 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-    try:
-        result = run(args)
-    except BenchmarkError as error:
-        print(f"frontend_bench: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # the launcher has stopped its children on the way out
-        print("frontend_bench: interrupted", file=sys.stderr)
-        return 130
-    print(format_report(result))
+    return run_benchmark("frontend_bench", argv, build_parser, check_args, run, report)
+
+
+def report(result: dict) -> tuple[str, bool]:
     verdict = "met" if result["target"]["met"] else "not met"
-    print(f"target >= {TARGET_OUTPUT_THROUGHPUT:.0f} output tok/s: {verdict}")
-    if args.output_json:
-        write_json(args.output_json, result)
-    return 0 if result["serving"]["failed"] == 0 else 1
+    target = f"target >= {TARGET_OUTPUT_THROUGHPUT:.0f} output tok/s: {verdict}"
+    return f"{format_report(result)}\n{target}", result["serving"]["failed"] == 0
 
 
 if __name__ == "__main__":

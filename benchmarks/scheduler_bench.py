@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from instant_worker import DEFAULT_NUM_KV_BLOCKS, InstantTokenGenerator
 from metrics import distribution_ms
-from workload import DEFAULT_VOCAB_SIZE, BenchmarkError, random_prompts, write_json
+from workload import DEFAULT_VOCAB_SIZE, BenchmarkError, random_prompts, run_benchmark
 
 from interfaces import SamplingParams, TextContext, msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.scheduler_to_api import SchedulerResults
@@ -237,18 +237,11 @@ def format_report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-    try:
-        result = run(args)
-    except BenchmarkError as error:
-        print(f"scheduler_bench: error: {error}", file=sys.stderr)
-        return 1
-    print(format_report(result))
-    if args.output_json:
-        write_json(args.output_json, result)
-    return 0
+    return run_benchmark("scheduler_bench", argv, build_parser, check_args, run, report)
+
+
+def report(result: dict) -> tuple[str, bool]:
+    return format_report(result), True
 
 
 if __name__ == "__main__":

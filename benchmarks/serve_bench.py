@@ -44,7 +44,7 @@ from workload import (
     random_prompts,
     read_model_config,
     resolve_model_dir,
-    write_json,
+    run_benchmark,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -287,21 +287,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-    try:
-        result = run(args)
-    except BenchmarkError as error:
-        print(f"serve_bench: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # the launched server has been stopped on the way out
-        print("serve_bench: interrupted", file=sys.stderr)
-        return 130
-    print(format_report(result))
-    if args.output_json:
-        write_json(args.output_json, result)
-    return 0 if result["serving"]["failed"] == 0 else 1
+    return run_benchmark("serve_bench", argv, build_parser, check_args, run, report)
+
+
+def report(result: dict) -> tuple[str, bool]:
+    return format_report(result), result["serving"]["failed"] == 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 FIRST_ORDINARY_TOKEN_ID = 100
@@ -78,3 +79,32 @@ def write_json(path: str, payload: dict) -> None:
         sys.stdout.write(text)
     else:
         Path(path).write_text(text)
+
+
+def run_benchmark(
+    name: str,
+    argv: list[str] | None,
+    build_parser: Callable[[], object],
+    check_args: Callable[[object, object], None],
+    run: Callable[[object], dict],
+    report: Callable[[dict], tuple[str, bool]],
+) -> int:
+    """The benchmarks' shared ``main``: parse and check arguments, run, print the report, write
+    ``--output-json``. ``report`` returns the text and whether the run succeeded. Exit codes: 0,
+    1 (an error, or a run that did not succeed), 130 (interrupted)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    try:
+        result = run(args)
+    except BenchmarkError as error:
+        print(f"{name}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # child processes are stopped on the way out
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    text, succeeded = report(result)
+    print(text)
+    if args.output_json:
+        write_json(args.output_json, result)
+    return 0 if succeeded else 1

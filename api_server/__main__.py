@@ -2,10 +2,13 @@
 
     python -m api_server --model DIR --scheduler-addr ADDR [--served-model-name NAME]
         [--host 127.0.0.1] [--port 8000] [--fd N] [--max-model-len N] [--log-level LEVEL]
-        [--api-key KEY] [--allowed-origins ORIGIN[,ORIGIN...]]...
+        [--api-key KEY] [--allowed-origins ORIGIN[,ORIGIN...]]... [--curve-keys-dir DIR]
+        [--max-request-body-bytes N] [--max-header-count N] [--max-header-bytes N]
+        [--shutdown-timeout SECONDS]
 
 ``--fd N`` serves on an already-listening socket inherited as file descriptor N, so that the
-launcher can bind one port and start several API servers on it. The API key defaults to
+launcher can bind one port and start several API servers on it. SIGTERM drains before exiting
+(``api_server.shutdown``). The API key defaults to
 $SWITCHYARD_API_KEY, which is how the launcher passes it (a flag would show in ``ps``).
 """
 
@@ -21,10 +24,22 @@ import setproctitle
 import uvicorn
 
 from api_server.app import create_app
-from api_server.config import ApiServerConfig, EngineClientConfig, resolve_max_model_len
+from api_server.config import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    ApiServerConfig,
+    EngineClientConfig,
+    HttpLimits,
+    add_limit_flags,
+    resolve_max_model_len,
+)
+from api_server.limits import uvicorn_options
+from api_server.shutdown import DrainingServer
 from interfaces import envs
+from interfaces.transport import add_transport_flags, transport_from_args
 
 PROCESS_TITLE = "switchyard-api-server"
+CONNECTION_CLOSE_TIMEOUT_S = 5
+"""After draining, how long uvicorn waits for responses to finish writing."""
 logger = logging.getLogger("api_server")
 
 
@@ -51,12 +66,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="CORS origins, comma-separated or repeated ('*': any); default: CORS off",
     )
+    add_limit_flags(parser)
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_seconds,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM, seconds to let requests in flight finish before aborting them "
+        "(default: %(default)s; 0 aborts at once)",
+    )
     parser.add_argument(
         "--log-level",
         default=envs.log_level(),
         type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
     )
+    add_transport_flags(parser, binds=False)
     return parser.parse_args(argv)
 
 
@@ -75,10 +99,23 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
         model_dir=model_dir,
         served_model_name=args.served_model_name or model_dir.resolve().name,
         max_model_len=resolve_max_model_len(model_dir, args.max_model_len),
-        engine=EngineClientConfig(scheduler_addr=args.scheduler_addr),
+        engine=EngineClientConfig(args.scheduler_addr, transport_from_args(args)),
         api_key=args.api_key or None,
         allowed_origins=split_origins(args.allowed_origins),
+        limits=HttpLimits(
+            max_request_body_bytes=args.max_request_body_bytes,
+            max_header_count=args.max_header_count,
+            max_header_bytes=args.max_header_bytes,
+        ),
     )
+
+
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a number of seconds, 0 or more."""
+    seconds = float(text)
+    if not seconds >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return seconds
 
 
 def split_origins(values: list[str]) -> tuple[str, ...]:
@@ -94,23 +131,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     setproctitle.setproctitle(PROCESS_TITLE)
     try:
-        app = create_app(build_config(args))
+        config = build_config(args)
+        app = create_app(config)
     except ValueError as error:
         logger.error("%s", error)
         return 2
     where = {"fd": args.fd} if args.fd is not None else {"host": args.host, "port": args.port}
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores the handlers it found and then
-    # re-raises the signal. With these no-op handlers found, the re-raise ends nothing, so a
-    # graceful shutdown exits 0 as orchestrators expect.
+    # After a second signal uvicorn restores the handlers it found and re-raises the signal.
+    # With these no-op handlers found, the re-raise ends nothing, so even that exits 0.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: None)
-    uvicorn.run(
+    server_config = uvicorn.Config(
         app,
         log_level=args.log_level.lower(),
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S,
+        **uvicorn_options(config.limits),
         **where,
     )
+    DrainingServer(server_config, app, args.shutdown_timeout).run()
     return 0
 
 

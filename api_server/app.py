@@ -19,6 +19,7 @@ from api_server import utility_routes
 from api_server.config import ApiServerConfig
 from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.errors import install_error_handlers, service_unavailable
+from api_server.limits import RequestLimitsMiddleware
 from api_server.metrics import METRICS_CONTENT_TYPE, SchedulerMetrics
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
 from api_server.responses import ModelCard, ModelList
@@ -37,7 +38,8 @@ router = APIRouter(strict_content_type=False)
 
 def create_app(config: ApiServerConfig) -> FastAPI:
     """A FastAPI app serving the OpenAI routes, /tokenize, /detokenize, /version, /health and
-    /metrics for ``config``, behind its API key and CORS settings (api_server.security)."""
+    /metrics for ``config``, behind its API key and CORS settings (api_server.security) and
+    its request limits (api_server.limits)."""
     tokenizer = HuggingFaceTokenizer(config.model_dir, config.max_model_len)
 
     @contextlib.asynccontextmanager
@@ -54,6 +56,9 @@ def create_app(config: ApiServerConfig) -> FastAPI:
     app = FastAPI(title="Switchyard", version=package_version(), lifespan=lifespan)
     app.state.tokenizer = tokenizer
     install_error_handlers(app)
+    # Inside the API key check and CORS (added after it, so outer): a 413 or 431 carries CORS
+    # headers, and a client without the key gets its 401 first.
+    app.add_middleware(RequestLimitsMiddleware, limits=config.limits)
     install_security(app, config.api_key, config.allowed_origins)
     app.include_router(router)
     app.include_router(utility_routes.router)
@@ -87,9 +92,15 @@ async def models(request: Request) -> JSONResponse:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 when the scheduler answers within ``stats_timeout_s`` and its workers are ready."""
+    """200 when the scheduler answers within ``stats_timeout_s`` and its workers are ready;
+    503 at once while this server drains for shutdown or has lost the scheduler."""
+    state = _state(request)
+    if state.draining:
+        return service_unavailable("the server is shutting down").response()
+    if state.engine.lost_connection is not None:
+        return service_unavailable(state.engine.lost_connection).response()
     try:
-        stats = await _state(request).engine.stats()
+        stats = await state.engine.stats()
     except SchedulerUnavailable as error:
         return service_unavailable(str(error)).response()
     if not stats.workers_ready:

@@ -6,11 +6,16 @@ generation_config.json (``eos_token_id``), tokenizer.json and tokenizer_config.j
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from interfaces.transport import TransportSecurity
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+"""On SIGTERM, how long requests in flight may run before they are aborted (api_server.shutdown)."""
 _CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
@@ -25,10 +30,32 @@ class EngineClientConfig:
     """
 
     scheduler_addr: str
+    security: TransportSecurity = field(default_factory=TransportSecurity)
+    """CURVE keys for the connection (``interfaces.transport``)."""
     submit_timeout_s: float = 5.0
     stats_timeout_s: float = 1.0
     scheduler_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Bounds on one HTTP request, enforced by ``api_server.limits`` before any route runs.
+
+    A body above ``max_request_body_bytes`` is a 413; more header fields than
+    ``max_header_count``, or more than ``max_header_bytes`` of names plus values, a 431.
+    The body default leaves room for images sent as base64 data URLs.
+    """
+
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    max_header_count: int = 100
+    max_header_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_bytes", "max_header_count", "max_header_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +71,8 @@ class ApiServerConfig:
     """Clients must send ``Authorization: Bearer <api_key>``; None: no authentication."""
     allowed_origins: tuple[str, ...] = ()
     """Origins allowed by CORS ("*" for any); empty: CORS off."""
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    """Request body and header limits (api_server.limits)."""
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -98,3 +127,35 @@ def generation_eos_token_ids(model_dir: Path) -> list[int]:
         if isinstance(value, list):
             return [token for token in value if isinstance(token, int)]
     return []
+
+
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """The ``HttpLimits`` flags (a request above them is a 413 or 431), with its defaults."""
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=HttpLimits.max_request_body_bytes,
+        help="larger request bodies get 413 (default: %(default)s, 32 MiB)",
+    )
+    parser.add_argument(
+        "--max-header-count",
+        type=int,
+        default=HttpLimits.max_header_count,
+        help="requests with more header fields get 431 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=HttpLimits.max_header_bytes,
+        help="requests whose header names and values take more bytes get 431 "
+        "(default: %(default)s)",
+    )
+
+
+def limit_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ``add_limit_flags`` flags as parsed in ``args``, to hand on to an API server."""
+    return (
+        *("--max-request-body-bytes", str(args.max_request_body_bytes)),
+        *("--max-header-count", str(args.max_header_count)),
+        *("--max-header-bytes", str(args.max_header_bytes)),
+    )

@@ -6,6 +6,9 @@ bounded: a submit the socket does not take within ``submit_timeout_s`` fails, a 
 fails after ``stats_timeout_s``, and while requests are in flight the scheduler is pinged; when it
 stays silent for ``scheduler_timeout_s`` every in-flight request fails with
 ``SchedulerUnavailable`` instead of hanging.
+
+A scheduler that dies is noticed sooner: the socket's monitor reports the dropped connection,
+every request in flight fails at once, and new ones fail at once until the connection is back.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from api_server.config import EngineClientConfig
 from api_server.stats_tickets import StatsTickets, StatsWaiter
-from interfaces import SchedulerResult, TextContext, TextGenerationOutput
+from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
 from interfaces.api_to_scheduler import AbortRequests, StatsRequest, SubmitRequest
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats, SchedulerToApiMessage
@@ -56,10 +60,18 @@ class EngineClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = time.monotonic()
         self._pending_ping: asyncio.Future[Any] | None = None
+        self._lost_connection: str | None = None
+        """Why the scheduler is unreachable, from the moment its connection drops until it is
+        back; None while connected (and before the first connection, which IMMEDIATE covers)."""
 
     @property
     def num_requests_in_flight(self) -> int:
         return len(self._queues)
+
+    @property
+    def lost_connection(self) -> str | None:
+        """Why the scheduler cannot be reached, or None when the connection is up."""
+        return self._lost_connection
 
     async def start(self) -> None:
         """Connect to the scheduler and start the reader and heartbeat tasks."""
@@ -69,11 +81,17 @@ class EngineClient:
         # Queue messages only on a live connection, so a missing scheduler shows up as a send
         # that does not complete (and times out) rather than a request that never answers.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
-        self._socket.connect(self.config.scheduler_addr)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)  # a result is never dropped for being queued
+        monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+        self.config.security.connect(self._socket, self.config.scheduler_addr)
         self._last_heard = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._read_loop()),
             asyncio.create_task(self._heartbeat_loop()),
+            asyncio.create_task(self._watch_connection(monitor)),
         ]
 
     async def close(self) -> None:
@@ -97,6 +115,8 @@ class EngineClient:
         request_id = context.request_id
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if self._lost_connection is not None:
+            raise SchedulerUnavailable(self._lost_connection)
         queue: asyncio.Queue[Result | SchedulerUnavailable] = asyncio.Queue()
         self._queues[request_id] = queue
         submitted = finished = False
@@ -114,7 +134,17 @@ class EngineClient:
             if submitted and not finished:
                 self.abort([request_id])
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort_all(self) -> int:
+        """End every request in flight now, as aborted (finish reason "abort"), and tell the
+        scheduler to stop them. Returns how many there were."""
+        request_ids = list(self._queues)
+        for queue in self._queues.values():
+            queue.put_nowait(SchedulerResult.cancelled())
+        self._queues = {}
+        self.abort(request_ids)
+        return len(request_ids)
+
+    def abort(self, request_ids: list[RequestID]) -> None:
         """Ask the scheduler to stop ``request_ids``. Never waits, so it is safe in a ``finally``
         of a cancelled task; the frame leaves as soon as the socket can take it."""
         if request_ids and self._socket is not None:
@@ -214,6 +244,24 @@ class EngineClient:
                 )
             elif silence >= interval and (self._pending_ping is None or self._pending_ping.done()):
                 _, self._pending_ping = self._send_stats_request()
+
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        """Track the connection to the scheduler; when it drops, fail everything in flight."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if self._lost_connection is not None:
+                        logger.info("connected to the scheduler again")
+                    self._lost_connection = None
+                    self._last_heard = time.monotonic()
+                elif self._lost_connection is None:
+                    self._lost_connection = (
+                        f"lost the connection to the scheduler at {self.config.scheduler_addr}"
+                    )
+                    self._fail_all(SchedulerUnavailable(self._lost_connection))
+        finally:
+            monitor.close(linger=0)
 
     def _fail_all(self, error: SchedulerUnavailable) -> None:
         queues, self._queues = self._queues, {}

@@ -31,6 +31,7 @@ class OpenAIError(Exception):
         error_type: str,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -38,12 +39,13 @@ class OpenAIError(Exception):
         self.error_type = error_type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 def error_body(
@@ -77,9 +79,30 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
+RETRY_AFTER_S = 1
+"""What a 429 or 503 tells the client to wait before retrying (``Retry-After``, seconds)."""
+
+
 def service_unavailable(message: str) -> OpenAIError:
-    """503: the scheduler cannot be reached or is not ready; retrying later may work."""
-    return OpenAIError(503, message, "service_unavailable_error", code="service_unavailable")
+    """503: the scheduler cannot be reached, is not ready, or this server is shutting down."""
+    return OpenAIError(
+        503,
+        message,
+        "service_unavailable_error",
+        code="service_unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def overloaded(message: str) -> OpenAIError:
+    """429: the scheduler's queue is full; the same request may succeed after Retry-After."""
+    return OpenAIError(
+        429,
+        message,
+        "rate_limit_error",
+        code="server_overloaded",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 def server_error(message: str) -> OpenAIError:

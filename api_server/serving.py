@@ -27,6 +27,7 @@ from api_server.errors import (
     OpenAIError,
     invalid_request,
     model_not_found,
+    overloaded,
     server_error,
     service_unavailable,
 )
@@ -39,10 +40,10 @@ from api_server.request_builder import (
     completion_generation_requests,
 )
 from api_server.structured_output import structured_output
-from api_server.text_stream import GenerationStream, RequestFailed, RequestRejected, TextOptions
+from api_server.text_stream import GenerationStream, RequestFailed, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
 from api_server.tools import chat_constraint, tool_calling
-from interfaces import StructuredOutput, TextContext, TextGenerationRequest
+from interfaces import ErrorKind, StructuredOutput, TextContext, TextGenerationRequest
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -56,6 +57,8 @@ class ServerState:
     tokenizer: HuggingFaceTokenizer
     engine: EngineClient
     token_texts: TokenTexts = field(init=False)
+    draining: bool = field(default=False, init=False)
+    """Set on SIGTERM: new generations get 503 while those in flight finish."""
 
     def __post_init__(self) -> None:
         self.token_texts = TokenTexts(self.tokenizer.backend)
@@ -63,6 +66,11 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.config.served_model_name
+
+    def check_accepting(self) -> None:
+        """503 while the server drains for shutdown (a load balancer should send elsewhere)."""
+        if self.draining:
+            raise service_unavailable("the server is shutting down")
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is None (the served model, as vLLM allows) or its name."""
@@ -72,6 +80,7 @@ class ServerState:
 
 async def create_chat_completion(request: ChatCompletionRequest, state: ServerState) -> Response:
     """Answer POST /v1/chat/completions (a JSONResponse or a StreamingResponse)."""
+    state.check_accepting()
     state.check_model(request.model)
     check_supported(request)
     tools = tool_calling(request)
@@ -97,6 +106,7 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
 
 async def create_completion(request: CompletionRequest, state: ServerState) -> Response:
     """Answer POST /v1/completions (a JSONResponse or a StreamingResponse)."""
+    state.check_accepting()
     state.check_model(request.model)
     check_supported(request)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -184,11 +194,15 @@ async def _respond(
     return await _full_response(generation, response_format)
 
 
-def _as_openai_error(error: Exception) -> OpenAIError:
+def _as_openai_error(error: RequestFailed | SchedulerUnavailable) -> OpenAIError:
     if isinstance(error, SchedulerUnavailable):
         return service_unavailable(str(error))
-    if isinstance(error, RequestRejected):
+    if error.kind is ErrorKind.INVALID_REQUEST:
         return invalid_request(str(error))
+    if error.kind is ErrorKind.OVERLOADED:
+        return overloaded(str(error))
+    if error.kind is ErrorKind.UNAVAILABLE:
+        return service_unavailable(str(error))
     return server_error(str(error))
 
 

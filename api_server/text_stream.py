@@ -19,15 +19,22 @@ from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from api_server.engine_client import EngineClient
 from api_server.logprobs import TokenLogprob, output_logprobs, prompt_logprobs
 from api_server.responses import FinishReason
-from interfaces import GenerationStatus, SchedulerStatus, TextContext, TextGenerationOutput
+from interfaces import (
+    ErrorKind,
+    GenerationStatus,
+    SchedulerStatus,
+    TextContext,
+    TextGenerationOutput,
+)
 
 
 class RequestFailed(Exception):
-    """The system (not the client) cancelled the request; the message is for the user."""
+    """The system (not the client) ended the request; the message is for the user and ``kind``
+    says why (a request that can never run, a full queue, no worker, a failure)."""
 
-
-class RequestRejected(RequestFailed):
-    """The scheduler refused the request before queuing it: it can never run as asked."""
+    def __init__(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -96,10 +103,8 @@ class GenerationStream:
         async with contextlib.aclosing(results):
             async for result in results:
                 if result.status is SchedulerStatus.CANCELLED:
-                    if result.rejected:
-                        raise RequestRejected(result.error)
                     if result.error:
-                        raise RequestFailed(result.error)
+                        raise RequestFailed(result.error, result.error_kind or ErrorKind.INTERNAL)
                     yield TextDelta(self._stop_matcher.flush(), "abort")
                     return
                 if result.result is None:

@@ -6,6 +6,7 @@ codec and the Protocols; no logic that needs torch.
 
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.outputs import (
+    ErrorKind,
     GenerationStatus,
     LogProbabilities,
     SchedulerResult,
@@ -33,6 +34,7 @@ from interfaces.tool_parsing import (
 )
 
 __all__ = [
+    "ErrorKind",
     "GenerationStatus",
     "LogProbabilities",
     "ParsedToolCall",

@@ -3,10 +3,15 @@
 There is deliberately no pickle path: a decoder only builds the Struct type it was made for, so a
 frame that is garbage, the wrong type, or a pickle payload raises ``msgspec.DecodeError`` /
 ``msgspec.ValidationError`` and executes nothing.
+
+Arrays are encoded by msgpack-numpy but decoded here: its ``decode`` unpickles any array marked
+as an object array (``kind: "O"``), which would let one crafted frame run code. Only plain
+numeric arrays whose byte count matches their shape are accepted.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,12 +30,43 @@ def _encode_hook(obj: Any) -> Any:
     raise NotImplementedError(f"cannot encode objects of type {type(obj).__name__}")
 
 
+NUMERIC_DTYPE_KINDS = frozenset("biuf")
+"""dtype kinds allowed on the wire: bool, signed and unsigned integers, floats."""
+
+
 def _decode_hook(expected: type, obj: Any) -> Any:
     if expected is np.ndarray:
-        if not isinstance(obj, dict) or b"nd" not in obj:
-            raise msgspec.ValidationError("expected a msgpack-numpy array")
-        return msgpack_numpy.decode(obj)
+        return decode_array(obj)
     raise NotImplementedError(f"cannot decode objects of type {expected!r}")
+
+
+def decode_array(obj: Any) -> np.ndarray:
+    """The array in a msgpack-numpy map ``{nd: True, type, kind, shape, data}``, read-only.
+
+    Raises ``msgspec.ValidationError`` for anything but a numeric array whose data is exactly
+    as long as its shape and dtype say.
+    """
+    if not isinstance(obj, dict) or obj.get(b"nd") is not True:
+        raise msgspec.ValidationError("expected a msgpack-numpy array")
+    data, shape, descr = obj.get(b"data"), obj.get(b"shape"), obj.get(b"type")
+    if not isinstance(data, bytes) or not isinstance(descr, str):
+        raise msgspec.ValidationError("a msgpack-numpy array needs bytes data and a dtype string")
+    if not isinstance(shape, (list, tuple)) or not all(
+        type(size) is int and size >= 0 for size in shape
+    ):
+        raise msgspec.ValidationError("a msgpack-numpy array's shape must be non-negative ints")
+    try:
+        dtype = np.dtype(descr)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise msgspec.ValidationError(f"not a dtype: {descr!r}") from error
+    if dtype.kind not in NUMERIC_DTYPE_KINDS:
+        raise msgspec.ValidationError(f"arrays of dtype {dtype} are not accepted on the wire")
+    if math.prod(shape) * dtype.itemsize != len(data):
+        raise msgspec.ValidationError(
+            f"array data has {len(data)} bytes; shape {list(shape)} of {dtype} needs "
+            f"{math.prod(shape) * dtype.itemsize}"
+        )
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def msgpack_numpy_encoder() -> Callable[[Any], bytes]:

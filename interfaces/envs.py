@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 API_KEY_VARIABLE = "SWITCHYARD_API_KEY"
+CURVE_KEYS_DIR_VARIABLE = "SWITCHYARD_CURVE_KEYS_DIR"
 
 
 def cache_dir() -> Path:
@@ -26,3 +27,13 @@ def api_key() -> str | None:
     this way rather than on their command lines, where ``ps`` would show it.
     """
     return os.environ.get(API_KEY_VARIABLE) or None
+
+
+def curve_keys_dir() -> Path | None:
+    """SWITCHYARD_CURVE_KEYS_DIR: the CURVE key directory for the internal ZeroMQ sockets.
+
+    None when unset or empty (no CURVE: plaintext, unauthenticated ZeroMQ traffic). The
+    directory is made by ``generate_curve_keys`` in ``interfaces.transport``.
+    """
+    value = os.environ.get(CURVE_KEYS_DIR_VARIABLE)
+    return Path(value).expanduser() if value else None

@@ -52,6 +52,20 @@ class TextGenerationOutput(msgspec.Struct, array_like=True, omit_defaults=True, 
         return self.final_status.is_done
 
 
+class ErrorKind(str, enum.Enum):
+    """Why the system ended a request with an error; the API server picks the HTTP status by it."""
+
+    INVALID_REQUEST = "invalid_request"
+    """The request can never run as asked (it would not fit in the context or the KV cache, or
+    the worker refused its options): a client error, 400."""
+    OVERLOADED = "overloaded"
+    """The scheduler's queue is full; the same request may succeed later: 429."""
+    UNAVAILABLE = "unavailable"
+    """No worker can serve it (none ready yet, or the one serving it died): 503."""
+    INTERNAL = "internal"
+    """It failed while running (the worker raised): 500."""
+
+
 class SchedulerStatus(str, enum.Enum):
     """The scheduler's view of one request's stream (MAX's ``SchedulerStatus``)."""
 
@@ -70,15 +84,14 @@ class SchedulerResult(
     tracked by the garbage collector.
 
     ``error`` is set only on a CANCELLED result that the system (not the client) caused, with a
-    message for the user. ``rejected`` marks a request refused before it was queued because it
-    can never run as asked (it would not fit in the context or the KV cache): a client error,
-    where other errors (a worker died) are server errors.
+    message for the user, and ``error_kind`` says which kind of failure it was. A CANCELLED
+    result without an error is an abort the client asked for.
     """
 
     status: SchedulerStatus
     result: OutputT | None = None
     error: str | None = None
-    rejected: bool = False
+    error_kind: ErrorKind | None = None
 
     @classmethod
     def active(cls, result: OutputT) -> SchedulerResult[OutputT]:
@@ -89,13 +102,18 @@ class SchedulerResult(
         return cls(status=SchedulerStatus.COMPLETE, result=result)
 
     @classmethod
-    def cancelled(cls, error: str | None = None) -> SchedulerResult[OutputT]:
-        return cls(status=SchedulerStatus.CANCELLED, error=error)
+    def cancelled(
+        cls, error: str | None = None, kind: ErrorKind = ErrorKind.INTERNAL
+    ) -> SchedulerResult[OutputT]:
+        """Aborted (no ``error``) or failed by the system with ``error`` of ``kind``."""
+        if error is None:
+            return cls(status=SchedulerStatus.CANCELLED)
+        return cls(status=SchedulerStatus.CANCELLED, error=error, error_kind=kind)
 
     @classmethod
     def rejected_request(cls, error: str) -> SchedulerResult[OutputT]:
         """A request refused before queuing: it can never run as asked."""
-        return cls(status=SchedulerStatus.CANCELLED, error=error, rejected=True)
+        return cls.cancelled(error, ErrorKind.INVALID_REQUEST)
 
     @property
     def stop_stream(self) -> bool:

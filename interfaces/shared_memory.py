@@ -12,6 +12,8 @@ from multiprocessing import shared_memory
 import msgspec
 import numpy as np
 
+from interfaces.codec import NUMERIC_DTYPE_KINDS
+
 
 class SharedMemoryArray(msgspec.Struct, frozen=True, array_like=True):
     """Name, shape and dtype of an array held in a shared-memory segment."""
@@ -19,6 +21,18 @@ class SharedMemoryArray(msgspec.Struct, frozen=True, array_like=True):
     name: str
     shape: tuple[int, ...]
     dtype: str
+
+    def __post_init__(self) -> None:
+        """Refuse (``msgspec.ValidationError`` when decoding) a reference that could map memory
+        as anything but a plain numeric array: no object dtypes, no negative sizes."""
+        if any(size < 0 for size in self.shape):
+            raise ValueError(f"negative size in shape {self.shape}")
+        try:
+            dtype = np.dtype(self.dtype)
+        except (TypeError, ValueError, OverflowError) as error:
+            raise ValueError(f"not a dtype: {self.dtype!r}") from error
+        if dtype.kind not in NUMERIC_DTYPE_KINDS:
+            raise ValueError(f"shared arrays of dtype {dtype} are not accepted")
 
     @classmethod
     def create(cls, array: np.ndarray) -> SharedMemoryArray:

@@ -6,10 +6,12 @@ import argparse
 import logging
 import signal
 
+import zmq
 from setproctitle import setproctitle
 
 from interfaces import envs
-from scheduler.config import SchedulerConfig
+from interfaces.transport import add_transport_flags, transport_from_args
+from scheduler.config import SchedulerConfig, add_queue_flags
 from scheduler.server import SchedulerServer
 
 
@@ -35,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="do not reuse the KV blocks of identical prompt prefixes",
     )
+    add_queue_flags(parser)
+    add_transport_flags(parser, binds=True)
     return parser.parse_args(argv)
 
 
@@ -46,11 +50,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         config = SchedulerConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, args.enable_prefix_caching
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
+            max_queued_requests=args.max_queued_requests,
+            max_queued_tokens=args.max_queued_tokens,
         )
-    except ValueError as error:
+        security = transport_from_args(args)
+        server = SchedulerServer(config, args.frontend_addr, args.backend_addr, security)
+    except (ValueError, zmq.ZMQError) as error:
         raise SystemExit(f"switchyard-scheduler: {error}") from None
-    server = SchedulerServer(config, args.frontend_addr, args.backend_addr)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())
     server.run()

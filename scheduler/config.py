@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 
@@ -12,6 +13,12 @@ class SchedulerConfig:
     ``max_num_batched_tokens`` is the single per-step token budget shared by decodes and prefill
     chunks; ``max_num_seqs`` caps how many requests run at once. With ``enable_prefix_caching``,
     requests reuse the KV blocks of identical prompt prefixes.
+
+    The queue of requests waiting to run is bounded, so that overload turns into quick "try
+    again later" answers instead of unbounded memory and latency: a new request is refused
+    while ``max_queued_requests`` wait beyond the free sequence slots, or when its prompt would
+    take the waiting tokens (prompts plus outputs so far) above ``max_queued_tokens``. An empty
+    queue takes any request.
     """
 
     max_num_seqs: int = 256
@@ -19,6 +26,8 @@ class SchedulerConfig:
     # would hold back every request's first token (docs/performance.md); GPUs want 2048-8192.
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    max_queued_requests: int = 2048
+    max_queued_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -27,6 +36,12 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
+        if self.max_queued_requests < 1:
+            raise ValueError(
+                f"max_queued_requests must be at least 1, got {self.max_queued_requests}"
+            )
+        if self.max_queued_tokens < 1:
+            raise ValueError(f"max_queued_tokens must be at least 1, got {self.max_queued_tokens}")
 
 
 @dataclass(frozen=True)
@@ -40,3 +55,19 @@ class KVCacheConfig:
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_model_len < 1:
             raise ValueError(f"invalid KV cache configuration: {self}")
+
+
+def add_queue_flags(parser: argparse.ArgumentParser) -> None:
+    """The waiting-queue bounds; ``switchyard serve`` takes the same flags."""
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=SchedulerConfig.max_queued_requests,
+        help="requests allowed to wait beyond those running; more get 429 Too Many Requests",
+    )
+    parser.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=SchedulerConfig.max_queued_tokens,
+        help="prompt tokens allowed to wait; more get 429 Too Many Requests",
+    )

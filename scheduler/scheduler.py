@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict, deque
 
-from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
+from interfaces import ErrorKind, RequestID, SchedulerResult, TextContext, TextGenerationOutput
 from interfaces.scheduler_to_api import SchedulerStats
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
 from interfaces.worker_to_scheduler import ModelOutput
@@ -38,6 +38,8 @@ class Scheduler:
             kv_cache.num_blocks, kv_cache.block_size, config.enable_prefix_caching
         )
         self.waiting: deque[Request] = deque()
+        self.num_waiting_tokens = 0
+        """Tokens (prompt plus output so far) of the requests in ``waiting``."""
         self.running: list[Request] = []
         self.requests: dict[RequestID, Request] = {}
         self.num_preemptions = 0
@@ -49,19 +51,33 @@ class Scheduler:
     # -- requests in and out -------------------------------------------------------------------
 
     def add_request(self, context: TextContext, client_id: bytes) -> TextResult | None:
-        """Queue a request. Returns a CANCELLED result with an error if it can never run."""
+        """Queue a request. Returns a CANCELLED result with an error if it can never run
+        (INVALID_REQUEST) or the queue is full (OVERLOADED)."""
         problem = self._admission_problem(context)
         if problem is not None:
             logger.warning("rejected request %s: %s", context.request_id, problem)
             return SchedulerResult.rejected_request(problem)
+        overload = self._overload(len(context.prompt_token_ids))
+        if overload is not None:
+            logger.warning("refused request %s: %s", context.request_id, overload)
+            return SchedulerResult.cancelled(overload, ErrorKind.OVERLOADED)
         request = Request(context, client_id, self.kv_cache.max_model_len)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
         return None
 
     def abort_requests(self, request_ids: list[RequestID]) -> ResultsByClient:
         """Drop requests wherever they are and free their blocks; unknown ids are ignored."""
         return self._cancel(request_ids, error=None)
+
+    def abort_client(self, client_id: bytes) -> int:
+        """Drop every request of the API server ``client_id`` (it went away); returns how many.
+
+        No results are produced: there is nobody left to send them to.
+        """
+        request_ids = [r.request_id for r in self.requests.values() if r.client_id == client_id]
+        self._cancel(request_ids, error=None)
+        return len(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -79,8 +95,13 @@ class Scheduler:
         )
 
     def check_integrity(self) -> None:
-        """Raise ``RuntimeError`` if the KV block bookkeeping is inconsistent (for tests)."""
+        """Raise ``RuntimeError`` if the KV block or queue bookkeeping is inconsistent (tests)."""
         self.block_manager.check_integrity(holders=self.running)
+        num_waiting_tokens = sum(request.num_tokens for request in self.waiting)
+        if num_waiting_tokens != self.num_waiting_tokens:
+            raise RuntimeError(
+                f"{self.num_waiting_tokens} waiting tokens counted, {num_waiting_tokens} waiting"
+            )
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -145,13 +166,18 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request)
         return results
 
-    def fail_all(self, error: str) -> ResultsByClient:
+    def fail_all(self, error: str, kind: ErrorKind = ErrorKind.UNAVAILABLE) -> ResultsByClient:
         """Fail every unfinished request (the worker group went away)."""
-        return self._cancel(list(self.requests), error)
+        return self._cancel(list(self.requests), error, kind)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _cancel(self, request_ids: list[RequestID], error: str | None) -> ResultsByClient:
+    def _cancel(
+        self,
+        request_ids: list[RequestID],
+        error: str | None,
+        kind: ErrorKind = ErrorKind.INTERNAL,
+    ) -> ResultsByClient:
         results: ResultsByClient = defaultdict(dict)
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -159,9 +185,33 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.WAITING:
                 self.waiting.remove(request)
+                self.num_waiting_tokens -= request.num_tokens
             self._finish(request)
-            results[request.client_id][request_id] = SchedulerResult.cancelled(error=error)
+            results[request.client_id][request_id] = SchedulerResult.cancelled(error, kind)
         return results
+
+    def _overload(self, num_prompt_tokens: int) -> str | None:
+        """Why the queue cannot take a request of ``num_prompt_tokens`` now, or None."""
+        if not self.waiting:
+            return None
+        # Requests that will start at the next step, into free sequence slots, are not queued.
+        free_slots = self.config.max_num_seqs - len(self.running)
+        num_queued = len(self.waiting) - max(free_slots, 0)
+        if num_queued >= self.config.max_queued_requests:
+            return f"{num_queued} requests are already waiting; try again later"
+        if self.num_waiting_tokens + num_prompt_tokens > self.config.max_queued_tokens:
+            return (
+                f"{self.num_waiting_tokens} tokens are already waiting, and the queue holds at "
+                f"most {self.config.max_queued_tokens}; try again later"
+            )
+        return None
+
+    def _enqueue(self, request: Request, at_front: bool = False) -> None:
+        if at_front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+        self.num_waiting_tokens += request.num_tokens
 
     def _admission_problem(self, context: TextContext) -> str | None:
         if context.request_id in self.requests:
@@ -216,6 +266,7 @@ class Scheduler:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
             self.waiting.popleft()
+            self.num_waiting_tokens -= request.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.new_requests.append(
@@ -249,7 +300,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._release_on_worker(request)
-        self.waiting.appendleft(request)
+        self._enqueue(request, at_front=True)
         logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens)
 
     def _commit(self, step: SchedulerOutput, request: Request, num_new: int) -> None:

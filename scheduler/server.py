@@ -3,6 +3,12 @@
 One thread, one loop: drain API-server messages, collect worker outputs, and whenever the worker
 is idle and there is work, schedule the next step and send it. Results go back to the API server
 that owns each request, identified by its ZeroMQ identity.
+
+Peers that go away are noticed at once (``scheduler.peers.PeerTracker``). A worker that
+disconnects fails every request with an UNAVAILABLE error, and new requests are refused the same
+way until a worker registers; an API server that disconnects has its requests aborted and their
+blocks freed. Nothing is dropped for being queued: the high-water marks are off, so results
+wait for a busy API server instead of vanishing; a peer that dies takes its queue with it.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import threading
 import msgspec
 import zmq
 
-from interfaces import msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces import ErrorKind, SchedulerResult, msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.api_to_scheduler import (
     AbortRequests,
     ApiToSchedulerMessage,
@@ -23,6 +29,7 @@ from interfaces.api_to_scheduler import (
 )
 from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats
 from interfaces.scheduler_to_worker import SchedulerOutput, Shutdown
+from interfaces.transport import TransportSecurity
 from interfaces.worker_to_scheduler import (
     ModelOutput,
     WorkerFailure,
@@ -30,34 +37,53 @@ from interfaces.worker_to_scheduler import (
     WorkerToSchedulerMessage,
 )
 from scheduler.config import KVCacheConfig, SchedulerConfig
+from scheduler.peers import PeerTracker
 from scheduler.scheduler import ResultsByClient, Scheduler
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100
+MAX_API_MESSAGE_BYTES = 64 << 20
+"""A bigger inbound frame from an API server drops its connection (a prompt of a million tokens
+is about 5 MB; images travel by shared memory)."""
+MAX_WORKER_MESSAGE_BYTES = 256 << 20
+NO_WORKER = "no worker is ready to serve requests"
 
 
 class SchedulerServer:
     """Owns the sockets and the ``Scheduler``; ``run()`` loops until ``stop()`` is called."""
 
-    def __init__(self, config: SchedulerConfig, frontend_addr: str, backend_addr: str) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        frontend_addr: str,
+        backend_addr: str,
+        security: TransportSecurity | None = None,
+    ) -> None:
+        """Binds both sockets; ``ValueError`` for an address ``security`` does not allow."""
         self.config = config
         self._context = zmq.Context()
-        self._frontend = self._bind(zmq.ROUTER, frontend_addr)
-        self._backend = self._bind(zmq.ROUTER, backend_addr)
+        self._binder = (security or TransportSecurity()).binder(self._context)
+        self._frontend = self._bind(frontend_addr, MAX_API_MESSAGE_BYTES)
+        self._backend = self._bind(backend_addr, MAX_WORKER_MESSAGE_BYTES)
+        self._api_peers = PeerTracker(self._frontend)
+        self._worker_peers = PeerTracker(self._backend)
         self._encode = msgpack_numpy_encoder()
         self._decode_api = msgpack_numpy_decoder(ApiToSchedulerMessage)
         self._decode_worker = msgpack_numpy_decoder(WorkerToSchedulerMessage)
         self.scheduler: Scheduler | None = None
-        self._pending: list[tuple[bytes, SubmitRequest]] = []
+        """None until a worker registers, and again after it disconnects."""
         self._worker_id: bytes | None = None
         self._in_flight: SchedulerOutput | None = None
         self._stopping = threading.Event()
 
-    def _bind(self, socket_type: int, address: str) -> zmq.Socket:
-        socket = self._context.socket(socket_type)
+    def _bind(self, address: str, max_message_bytes: int) -> zmq.Socket:
+        socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.bind(address)
+        socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        self._binder.bind(socket, address)
         logger.info("listening on %s", address)
         return socket
 
@@ -67,33 +93,44 @@ class SchedulerServer:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._frontend, zmq.POLLIN)
-        poller.register(self._backend, zmq.POLLIN)
+        for socket in (self._frontend, self._backend, *self._monitors()):
+            poller.register(socket, zmq.POLLIN)
         try:
             while not self._stopping.is_set():
                 events = dict(poller.poll(POLL_INTERVAL_MS))
+                # Departures first (see scheduler.peers), then messages.
+                for worker_id in self._worker_peers.disconnected():
+                    self._on_worker_disconnect(worker_id)
+                for client_id in self._api_peers.disconnected():
+                    self._on_api_disconnect(client_id)
                 if self._frontend in events:
-                    self._drain(self._frontend, self._on_api_message)
+                    self._drain(self._frontend, self._api_peers, self._on_api_message)
                 if self._backend in events:
-                    self._drain(self._backend, self._on_worker_message)
+                    self._drain(self._backend, self._worker_peers, self._on_worker_message)
                 self._maybe_send_step()
         finally:
             self._shutdown()
 
-    def _drain(self, socket: zmq.Socket, handle) -> None:
+    def _monitors(self) -> tuple[zmq.Socket, zmq.Socket]:
+        return self._api_peers.monitor, self._worker_peers.monitor
+
+    def _drain(self, socket: zmq.Socket, peers: PeerTracker, handle) -> None:
+        """Handle every message waiting on ``socket`` with ``handle(identity, payload)``."""
         while True:
             try:
-                identity, payload = socket.recv_multipart(zmq.NOBLOCK)
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            except ValueError:
-                logger.warning("dropped a message with an unexpected number of frames")
+            if len(frames) != 2:
+                logger.warning("dropped a message of %d frames; expected 2", len(frames))
                 continue
-            handle(identity, payload)
+            identity = frames[0].bytes
+            peers.saw(identity, frames[1])
+            handle(identity, frames[1].buffer)
 
     # -- API servers ---------------------------------------------------------------------------
 
-    def _on_api_message(self, client_id: bytes, payload: bytes) -> None:
+    def _on_api_message(self, client_id: bytes, payload: memoryview) -> None:
         try:
             message = self._decode_api(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
@@ -104,23 +141,28 @@ class SchedulerServer:
         elif isinstance(message, AbortRequests):
             if self.scheduler is not None:
                 self._send_results(self.scheduler.abort_requests(message.request_ids))
-            else:
-                aborted = set(message.request_ids)
-                self._pending = [p for p in self._pending if p[1].context.request_id not in aborted]
         elif isinstance(message, StatsRequest):
             self._frontend.send_multipart([client_id, self._encode(self._stats())])
 
     def _on_submit(self, client_id: bytes, message: SubmitRequest) -> None:
+        request_id = message.context.request_id
         if self.scheduler is None:
-            self._pending.append((client_id, message))
+            refusal = SchedulerResult.cancelled(NO_WORKER, ErrorKind.UNAVAILABLE)
+        else:
+            refusal = self.scheduler.add_request(message.context, client_id)
+        if refusal is not None:
+            self._send_results({client_id: {request_id: refusal}})
+
+    def _on_api_disconnect(self, client_id: bytes) -> None:
+        if self.scheduler is None:
             return
-        rejection = self.scheduler.add_request(message.context, client_id)
-        if rejection is not None:
-            self._send_results({client_id: {message.context.request_id: rejection}})
+        num_aborted = self.scheduler.abort_client(client_id)
+        if num_aborted:
+            logger.warning("an API server went away; aborted its %d requests", num_aborted)
 
     def _stats(self) -> SchedulerStats:
         if self.scheduler is None:
-            return SchedulerStats(0, len(self._pending), 0, 0, workers_ready=False)
+            return SchedulerStats(0, 0, 0, 0, workers_ready=False)
         return self.scheduler.stats()
 
     def _send_results(self, results: ResultsByClient) -> None:
@@ -131,7 +173,7 @@ class SchedulerServer:
 
     # -- the worker ----------------------------------------------------------------------------
 
-    def _on_worker_message(self, worker_id: bytes, payload: bytes) -> None:
+    def _on_worker_message(self, worker_id: bytes, payload: memoryview) -> None:
         try:
             message = self._decode_worker(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
@@ -153,6 +195,13 @@ class SchedulerServer:
             step, self._in_flight = self._in_flight, None
             self._send_results(self.scheduler.fail_step(step, f"worker error: {message.error}"))
 
+    def _on_worker_disconnect(self, worker_id: bytes) -> None:
+        if worker_id != self._worker_id or self.scheduler is None:
+            return
+        logger.error("the worker disconnected; failing every request until a worker registers")
+        self._send_results(self.scheduler.fail_all("the worker serving this request died"))
+        self.scheduler = self._worker_id = self._in_flight = None
+
     def _on_worker_ready(self, worker_id: bytes, ready: WorkerReady) -> None:
         if self.scheduler is not None:
             logger.error("a worker registered again; failing the requests of the old one")
@@ -168,9 +217,6 @@ class SchedulerServer:
         self.scheduler = new_scheduler(self.config, kv_cache)
         self._worker_id = worker_id
         self._in_flight = None
-        pending, self._pending = self._pending, []
-        for client_id, message in pending:
-            self._on_submit(client_id, message)
 
     def _maybe_send_step(self) -> None:
         if self.scheduler is None or self._in_flight is not None:
@@ -188,8 +234,11 @@ class SchedulerServer:
             self._send_results(self.scheduler.fail_all("the scheduler is shutting down"))
         if self._worker_id is not None:
             self._backend.send_multipart([self._worker_id, self._encode(Shutdown())])
+        self._api_peers.close()
+        self._worker_peers.close()
         self._frontend.close()
         self._backend.close()
+        self._binder.close()
         self._context.term()
 
 

@@ -12,8 +12,10 @@ from pathlib import Path
 
 from setproctitle import setproctitle
 
+from api_server.config import add_limit_flags, limit_flags
 from interfaces import envs
-from scheduler.config import SchedulerConfig
+from interfaces.transport import generate_curve_keys
+from scheduler.config import SchedulerConfig, add_queue_flags
 from switchyard.launcher import Launcher, ServeConfig
 from worker.model_files import model_name_for
 
@@ -68,6 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=ServeConfig.shutdown_timeout_s,
+        help="on SIGTERM, seconds to let requests in flight finish before aborting them "
+        "(default: %(default)s; 0 aborts at once)",
+    )
+    add_queue_flags(serve)
+    add_limit_flags(serve)
+
+    keygen = commands.add_parser(
+        "keygen", help="create CURVE keys for ZeroMQ traffic between hosts (--curve-keys-dir)"
+    )
+    keygen.add_argument("--output", required=True, help="new directory for the key files")
 
     prepare = commands.add_parser(
         "prepare-model", help="convert a model (e.g. GGUF) once and print its directory"
@@ -122,6 +138,10 @@ def serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         api_key=args.api_key or None,
         allowed_origins=_split_origins(args.allowed_origins),
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        api_server_flags=limit_flags(args),
     )
     launcher = Launcher(config)
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -149,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(message)s")
     try:
+        if args.command == "keygen":
+            generate_curve_keys(Path(args.output))
+            print(f"switchyard: CURVE keys written to {args.output}", flush=True)
+            return 0
         if args.command == "prepare-model":
             model_dir = prepare_model(args.model)
             if args.output:

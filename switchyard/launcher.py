@@ -2,9 +2,17 @@
 
 The launcher binds the HTTP socket itself and hands it to each API server process (so several
 share one port), starts the scheduler and the worker on ``ipc://`` sockets in a private temporary
-directory, and waits until ``/health`` answers. If any child exits, it stops the rest and exits
-non-zero so an orchestrator restarts the whole unit. Children get ``PR_SET_PDEATHSIG`` so that
-even a ``kill -9`` of the launcher leaves no orphan.
+directory, and waits until ``/health`` answers. Children get ``PR_SET_PDEATHSIG`` so that even a
+``kill -9`` of the launcher leaves no orphan.
+
+When a child dies: an API server is started again on the same socket (the others serve on
+meanwhile; the scheduler has already aborted the dead one's requests). The scheduler or the
+worker cannot be replaced without losing every request's state, so the launcher gives the
+survivors ``FAILURE_GRACE_S`` to fail their requests with clear errors and report 503 on
+/health, then stops everything and exits non-zero for the orchestrator to restart the unit.
+
+SIGTERM stops the API servers first (each drains for up to ``shutdown_timeout_s``), then the
+scheduler and the worker, and exits 0.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from api_server.config import DEFAULT_SHUTDOWN_TIMEOUT_S
 from interfaces import envs
 from scheduler.config import SchedulerConfig
 
@@ -31,6 +40,13 @@ logger = logging.getLogger("switchyard")
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
+"""How long the scheduler and worker get to exit after SIGTERM, and API servers beyond their
+drain, before they are killed."""
+FAILURE_GRACE_S = 2.0
+MAX_API_SERVER_RESTARTS = 5
+"""API server restarts allowed per ``RESTART_WINDOW_S``; more means something is wrong with
+all of them, and the launcher gives up (exits non-zero)."""
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -53,12 +69,19 @@ class ServeConfig:
     api_key: str | None = field(default=None, repr=False)
     """Passed to the API servers in their environment (SWITCHYARD_API_KEY), never in argv."""
     allowed_origins: tuple[str, ...] = ()
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    max_queued_requests: int = SchedulerConfig.max_queued_requests
+    max_queued_tokens: int = SchedulerConfig.max_queued_tokens
+    api_server_flags: tuple[str, ...] = ()
+    """More ``python -m api_server`` flags, as given (the HTTP limits)."""
 
     def __post_init__(self) -> None:
         if self.api_servers < 1:
             raise ValueError(f"--api-servers must be at least 1, got {self.api_servers}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"--shutdown-timeout must be 0 or more, got {self.shutdown_timeout_s}")
 
 
 def _die_with_parent() -> None:
@@ -96,6 +119,10 @@ class Launcher:
         self.port = config.port
         self._run_dir = tempfile.TemporaryDirectory(prefix="switchyard-")
         self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+        """Kept open for the launcher's life, so a dead API server can be replaced."""
+        self._restart_times: list[float] = []
+        self._ready = False
 
     def _ipc(self, name: str) -> str:
         return f"ipc://{Path(self._run_dir.name) / name}"
@@ -113,17 +140,19 @@ class Launcher:
     def start(self) -> None:
         """Start all processes; returns once the API answers ``/health`` with 200."""
         config = self.config
-        frontend, backend = self._ipc("frontend.sock"), self._ipc("backend.sock")
-        listener = _bind_listener(config.host, config.port)
-        self.port = listener.getsockname()[1]
-        self._spawn("scheduler", self._scheduler_argv(frontend, backend))
+        backend = self._ipc("backend.sock")
+        self._listener = _bind_listener(config.host, config.port)
+        self.port = self._listener.getsockname()[1]
+        self._spawn("scheduler", self._scheduler_argv(self._ipc("frontend.sock"), backend))
         self._spawn("worker", self._worker_argv(backend))
         for index in range(config.api_servers):
-            argv = self._api_server_argv(frontend, listener.fileno())
-            fds = (listener.fileno(),)
-            self._spawn(f"api-server-{index}", argv, pass_fds=fds, api_key=config.api_key)
-        listener.close()
+            self._spawn_api_server(f"api-server-{index}")
         self._wait_until_ready()
+
+    def _spawn_api_server(self, name: str) -> None:
+        fd = self._listener.fileno()
+        argv = self._api_server_argv(self._ipc("frontend.sock"), fd)
+        self._spawn(name, argv, pass_fds=(fd,), api_key=self.config.api_key)
 
     def _scheduler_argv(self, frontend: str, backend: str) -> list[str]:
         config = self.config
@@ -132,6 +161,8 @@ class Launcher:
             *("--frontend-addr", frontend, "--backend-addr", backend),
             *("--max-num-seqs", str(config.max_num_seqs)),
             *("--max-num-batched-tokens", str(config.max_num_batched_tokens)),
+            *("--max-queued-requests", str(config.max_queued_requests)),
+            *("--max-queued-tokens", str(config.max_queued_tokens)),
             *(() if config.enable_prefix_caching else ("--no-prefix-caching",)),
         ]
 
@@ -160,6 +191,8 @@ class Launcher:
             "api_server",
             *("--model", str(config.model_dir), "--scheduler-addr", frontend),
             *("--served-model-name", config.served_model_name, "--fd", str(fd)),
+            *("--shutdown-timeout", str(config.shutdown_timeout_s)),
+            *config.api_server_flags,
         ]
         if config.max_model_len is not None:
             argv += ["--max-model-len", str(config.max_model_len)]
@@ -176,6 +209,7 @@ class Launcher:
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
+                        self._ready = True
                         return
             except (urllib.error.URLError, OSError):
                 pass
@@ -191,33 +225,57 @@ class Launcher:
         return None
 
     def wait(self) -> int:
-        """Block until a child exits or ``stop()`` is called; returns the exit code to use."""
-        while not self._stopping.wait(0.5):
+        """Block until ``stop()`` is called (returns 0) or the scheduler or worker exits, or
+        API servers keep dying (returns 1); a dead API server is replaced meanwhile."""
+        while not self._stopping.wait(0.25):
             name = self.dead_child()
-            if name is not None:
-                code = self.children[name].returncode
-                logger.error("%s exited with code %s; stopping Switchyard", name, code)
-                return 1
+            if name is None:
+                continue
+            code = self.children[name].returncode
+            if name.startswith("api-server") and self._ready and self._may_restart():
+                logger.error("%s exited with code %s; starting it again", name, code)
+                self._spawn_api_server(name)
+                continue
+            logger.error("%s exited with code %s; stopping Switchyard", name, code)
+            self._stopping.wait(FAILURE_GRACE_S)  # survivors fail requests, /health says 503
+            return 1
         return 0
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
+        self._restart_times.append(now)
+        return len(self._restart_times) <= MAX_API_SERVER_RESTARTS
 
     def stop(self) -> None:
         """Signal-safe request to end ``wait()``."""
         self._stopping.set()
 
     def shutdown(self) -> None:
-        """SIGTERM every child, SIGKILL what is left after the grace period, clean up."""
-        for process in self.children.values():
-            if process.poll() is None:
-                process.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for name, process in self.children.items():
-            try:
-                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", name)
-                process.kill()
-                process.wait()
+        """Stop the API servers (they drain), then the scheduler and the worker; SIGKILL any
+        child that overstays; clean up."""
+        api_servers = {n: p for n, p in self.children.items() if n.startswith("api-server")}
+        backends = {n: p for n, p in self.children.items() if n not in api_servers}
+        _terminate(api_servers, self.config.shutdown_timeout_s + STOP_TIMEOUT_S)
+        _terminate(backends, STOP_TIMEOUT_S)
+        if self._listener is not None:
+            self._listener.close()
         self._run_dir.cleanup()
+
+
+def _terminate(children: dict[str, subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM ``children``, wait up to ``timeout_s`` in all, SIGKILL the ones still running."""
+    for process in children.values():
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for name, process in children.items():
+        try:
+            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in time; killing it", name)
+            process.kill()
+            process.wait()
 
 
 def _url_host(host: str) -> str:

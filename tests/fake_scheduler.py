@@ -266,7 +266,9 @@ class ApiHarness:
 
     ``scheduler`` is the FakeScheduler (None: nothing listens), ``url`` the server's base URL,
     ``tokenizer`` the server's tokenizer. Engine timeouts are short so failure tests finish in
-    about a second. ``api_key`` and ``allowed_origins`` go into the server's config.
+    about a second. ``api_key``, ``allowed_origins`` and ``limits`` (an ``HttpLimits``; None:
+    the defaults) go into the server's config; ``scheduler_timeout_s`` is how long the engine
+    waits on a silent scheduler.
     """
 
     MODEL_NAME = "smollm2-test"
@@ -279,9 +281,11 @@ class ApiHarness:
         with_scheduler: bool = True,
         api_key: str | None = None,
         allowed_origins: tuple[str, ...] = (),
+        limits=None,
+        scheduler_timeout_s: float = 1.0,
     ) -> None:
         from api_server.app import create_app
-        from api_server.config import ApiServerConfig, EngineClientConfig
+        from api_server.config import ApiServerConfig, EngineClientConfig, HttpLimits
 
         address = f"ipc://{work_dir}/scheduler.ipc"
         self.scheduler = FakeScheduler(address).start() if with_scheduler else None
@@ -289,11 +293,17 @@ class ApiHarness:
             scheduler_addr=address,
             submit_timeout_s=1.0,
             stats_timeout_s=1.0,
-            scheduler_timeout_s=1.0,
+            scheduler_timeout_s=scheduler_timeout_s,
             heartbeat_interval_s=0.1,
         )
         config = ApiServerConfig(
-            model_dir, self.MODEL_NAME, max_model_len, engine, api_key, allowed_origins
+            model_dir,
+            self.MODEL_NAME,
+            max_model_len,
+            engine,
+            api_key,
+            allowed_origins,
+            limits or HttpLimits(),
         )
         self.app = create_app(config)
         self.server = UvicornThread(self.app).start()

@@ -4,6 +4,7 @@ scheduler, /health and /metrics (real HTTP against the fake scheduler)."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -136,3 +137,35 @@ def test_metrics(api: ApiHarness, client: httpx.Client) -> None:
     assert 'switchyard:num_requests_running{model_name="smollm2-test"} 1.0' in text
     assert 'switchyard:num_requests_waiting{model_name="smollm2-test"} 0.0' in text
     assert 'switchyard:kv_cache_usage_perc{model_name="smollm2-test"} 0.015625' in text
+
+
+def test_a_scheduler_that_goes_away_fails_requests_at_once(default_model_dir, tmp_path) -> None:
+    """Not the 1 s heartbeat timeout: the dropped connection itself ends the request, /health
+    says why, and new requests get 503 at once."""
+    harness = ApiHarness(default_model_dir, tmp_path, scheduler_timeout_s=30.0)
+    try:
+        harness.scheduler.reply = [19556]
+        harness.scheduler.repeat = True
+        harness.scheduler.step_interval_s = 0.05
+        request = {"messages": MESSAGES, "stream": True, "max_tokens": 200}
+        with httpx.Client(base_url=harness.url, timeout=10) as http:
+            with http.stream("POST", "/v1/chat/completions", json=request) as response:
+                lines = response.iter_lines()
+                assert next(line for line in lines if line).startswith("data: {")
+                harness.scheduler.stop()
+                started = time.monotonic()
+                events = [line for line in lines if line.startswith("data: ")]
+            assert time.monotonic() - started < 1.0
+            error = json.loads(events[-2].removeprefix("data: "))["error"]
+            assert error["code"] == "service_unavailable"
+            assert error["message"].startswith("lost the connection to the scheduler at ipc://")
+            assert events[-1] == "data: [DONE]"
+            health = http.get("/health")
+            assert health.status_code == 503 and health.headers["Retry-After"] == "1"
+            assert health.json()["error"]["message"] == error["message"]
+            started = time.monotonic()
+            late = http.post("/v1/chat/completions", json={"messages": MESSAGES})
+            assert late.status_code == 503 and time.monotonic() - started < 0.5
+    finally:
+        harness.scheduler = None  # stopped above
+        harness.close()

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import signal
 import subprocess
-import sys
-import threading
 import time
 
 import httpx
@@ -19,10 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.serve_process import ServeProcess, alive, chat_messages
+
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-READY_TIMEOUT_S = 300
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about trains.",
@@ -30,60 +26,11 @@ CHAT_PROMPTS = [
 ]
 
 
-class ServeProcess:
-    """A `switchyard serve` child whose stdout is watched for the ready line."""
-
-    def __init__(self, *flags: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "switchyard", "serve", "--port", "0", *flags],
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self.base_url = self._wait_for_ready_line()
-
-    def _wait_for_ready_line(self) -> str:
-        found: list[str] = []
-
-        def read() -> None:
-            for line in self.process.stdout:
-                match = re.search(r"on (http://\S+)", line)
-                if match:
-                    found.append(match.group(1))
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(READY_TIMEOUT_S)
-        if not found:
-            self.process.kill()
-            raise RuntimeError("switchyard serve did not become ready")
-        return found[0]
-
-    def children(self) -> list[tuple[int, str]]:
-        """(pid, command line) of every process in the serve process's session."""
-        listing = subprocess.run(
-            ["ps", "-o", "pid=,sid=,args=", "-e"], capture_output=True, text=True, check=True
-        ).stdout
-        result = []
-        for line in listing.splitlines():
-            pid, sid, args = line.strip().split(None, 2)
-            if int(sid) == self.process.pid and int(pid) != self.process.pid:
-                result.append((int(pid), args))
-        return result
-
-    def terminate(self, timeout: float = 30) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def server(default_model_dir):
     serve = ServeProcess("--api-servers", "2")
     yield serve
-    if serve.process.poll() is None:
-        serve.process.kill()
-        os.killpg(serve.process.pid, signal.SIGKILL)
+    serve.kill()
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +73,6 @@ def reference(default_model_dir):
         return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
 
     return chat, complete
-
-
-def chat_messages(prompt):
-    return [{"role": "user", "content": prompt}]
 
 
 @pytest.mark.parametrize("prompt", CHAT_PROMPTS)
@@ -270,15 +213,6 @@ def test_sixteen_concurrent_streams_each_equal_their_solo_output(server, client)
     assert {p: texts[p] for p in solo} == solo
 
 
-def scheduler_gauges(base_url):
-    metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
-    values = {}
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        match = re.search(rf"^switchyard:{name}\{{[^}}]*\}} (\S+)$", metrics, re.MULTILINE)
-        values[name] = float(match.group(1))
-    return values
-
-
 def test_a_dropped_stream_is_aborted_and_its_cache_freed(server):
     body = {
         "model": MODEL,
@@ -294,10 +228,10 @@ def test_a_dropped_stream_is_aborted_and_its_cache_freed(server):
         lines = response.iter_lines()
         received = [next(lines) for _ in range(6)]
         assert all(line.startswith("data: ") or line == "" for line in received)
-        assert scheduler_gauges(server.base_url)["num_requests_running"] == 1
+        assert server.gauges()["num_requests_running"] == 1
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        gauges = scheduler_gauges(server.base_url)
+        gauges = server.gauges()
         if gauges["num_requests_running"] == 0 and gauges["kv_cache_usage_perc"] == 0:
             break
         time.sleep(0.2)
@@ -520,15 +454,6 @@ def test_sigterm_stops_every_process_and_exits_zero(server):
     children = [pid for pid, _ in server.children()]
     assert server.terminate() == 0
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+    while time.monotonic() < deadline and any(alive(pid) for pid in children):
         time.sleep(0.1)
-    assert [pid for pid in children if _alive(pid)] == []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
-    return bool(state.stdout.strip()) and not state.stdout.strip().startswith("Z")
+    assert [pid for pid in children if alive(pid)] == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+import re
 from pathlib import Path
 
 import msgspec
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from interfaces import (
+    ErrorKind,
     GenerationStatus,
     LogProbabilities,
     SamplingParams,
@@ -162,6 +164,44 @@ def test_numpy_arrays_travel_through_msgpack_numpy():
     np.testing.assert_array_equal(decoded.pixels, pixels)
 
 
+class Pixels(msgspec.Struct):
+    pixels: np.ndarray
+
+
+def array_map(**fields) -> dict:
+    """A msgpack-numpy array map as msgpack-numpy writes it, with ``fields`` replaced."""
+    array = {b"nd": True, b"type": "<f4", b"kind": b"", b"shape": [2], b"data": bytes(8)}
+    return {"pixels": {**array, **{name.encode(): value for name, value in fields.items()}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kind": b"O", "type": "|O", "data": pickle.dumps([1, 2])}, "dtype object"),
+        ({"type": "|V8"}, "dtype |V8"),
+        ({"type": "<U4"}, "dtype <U4"),
+        ({"type": "no such dtype"}, "not a dtype"),
+        ({"shape": [1 << 40]}, "needs 4398046511104"),
+        ({"shape": [-2]}, "non-negative"),
+        ({"data": "not bytes"}, "bytes data"),
+        ({"nd": False}, "expected a msgpack-numpy array"),
+    ],
+)
+def test_only_plain_numeric_arrays_decode(fields, message):
+    with pytest.raises(msgspec.ValidationError, match=re.escape(message)):
+        msgpack_numpy_decoder(Pixels)(encode(array_map(**fields)))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "message"),
+    [((2,), "|O", "dtype object"), ((-1, 3), "<f4", "negative size"), ((1,), "x", "not a dtype")],
+)
+def test_shared_memory_references_to_odd_arrays_do_not_decode(shape, dtype, message):
+    frame = msgspec.msgpack.encode(["psm_x", list(shape), dtype])
+    with pytest.raises(msgspec.ValidationError, match=re.escape(message)):
+        msgpack_numpy_decoder(SharedMemoryArray)(frame)
+
+
 @pytest.mark.parametrize(
     "frame",
     [b"", b"\x00\x01garbage", pickle.dumps(SubmitRequest(CONTEXT)), encode({"tag": "submit"})],
@@ -228,6 +268,11 @@ def test_scheduler_result_constructors():
         None,
         True,
     )
+    assert (cancelled.error, cancelled.error_kind) == (None, None)  # a client's abort
+    failed = SchedulerResult.cancelled("worker error: boom")
+    assert (failed.error, failed.error_kind) == ("worker error: boom", ErrorKind.INTERNAL)
+    rejected = SchedulerResult.rejected_request("too long")
+    assert rejected.error_kind is ErrorKind.INVALID_REQUEST
     assert OUTPUT.is_done and GenerationStatus.MAXIMUM_LENGTH.is_done
     assert not GenerationStatus.ACTIVE.is_done
 

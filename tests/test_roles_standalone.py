@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import time
 
 import httpx
 import pytest
+
+from interfaces.envs import CURVE_KEYS_DIR_VARIABLE
 
 STARTUP_TIMEOUT_S = 120
 
@@ -19,9 +22,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture
-def roles(tiny_llama_dir):
-    """Scheduler, worker and API server as three separate ``python -m`` processes."""
+@pytest.fixture(params=["plain", "curve"])
+def roles(request, tiny_llama_dir, tmp_path):
+    """Scheduler, worker and API server as three separate ``python -m`` processes; with
+    "curve", every connection is authenticated and encrypted with keys from
+    ``switchyard keygen``, found through SWITCHYARD_CURVE_KEYS_DIR."""
+    env = dict(os.environ)
+    if request.param == "curve":
+        keys = tmp_path / "keys"
+        subprocess.run([sys.executable, "-m", "switchyard", "keygen", "--output", keys], check=True)
+        env[CURVE_KEYS_DIR_VARIABLE] = str(keys)
     frontend = f"tcp://127.0.0.1:{free_port()}"
     backend = f"tcp://127.0.0.1:{free_port()}"
     http_port = free_port()
@@ -52,7 +62,8 @@ def roles(tiny_llama_dir):
         ],
     }
     processes = {
-        name: subprocess.Popen([sys.executable, "-m", *argv]) for name, argv in commands.items()
+        name: subprocess.Popen([sys.executable, "-m", *argv], env=env)
+        for name, argv in commands.items()
     }
     yield f"http://127.0.0.1:{http_port}", processes
     for process in processes.values():
@@ -97,3 +108,16 @@ def test_three_roles_serve_a_chat_completion_over_tcp(roles):
         "worker": 0,
         "api_server": 0,
     }
+
+
+def test_the_scheduler_binds_other_hosts_only_when_told(tmp_path):
+    addresses = ["--frontend-addr", "tcp://0.0.0.0:0", "--backend-addr", f"ipc://{tmp_path}/b"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "scheduler", *addresses],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1
+    assert "refusing to bind tcp://0.0.0.0:0" in refused.stderr
+    assert "--allow-remote-bind" in refused.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from interfaces import GenerationStatus, SamplingParams, SchedulerStatus, TextContext
+from interfaces import ErrorKind, GenerationStatus, SamplingParams, SchedulerStatus, TextContext
 from interfaces.worker_to_scheduler import ModelOutput
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.scheduler import Scheduler
@@ -21,8 +21,9 @@ def make_scheduler(
     max_num_seqs=8,
     max_model_len=128,
     enable_prefix_caching=True,
+    **limits,
 ):
-    config = SchedulerConfig(max_num_seqs, budget, enable_prefix_caching)
+    config = SchedulerConfig(max_num_seqs, budget, enable_prefix_caching, **limits)
     return Scheduler(config, KVCacheConfig(num_blocks, block_size, max_model_len))
 
 
@@ -266,6 +267,7 @@ def test_fail_all_cancels_everything_with_the_error():
     results = scheduler.fail_all("the worker died")
     assert {client: list(r) for client, r in results.items()} == {CLIENT: ["a"], b"api-1": ["b"]}
     assert results[b"api-1"]["b"].error == "the worker died"
+    assert results[b"api-1"]["b"].error_kind is ErrorKind.UNAVAILABLE
     assert scheduler.block_manager.num_used_blocks == 0
     assert not scheduler.has_unfinished_requests()
 
@@ -282,9 +284,9 @@ def test_a_request_the_worker_refuses_fails_alone_as_rejected():
         ModelOutput(step.step_id, outputs, refused={"bad": "invalid regex for structured output"})
     )[CLIENT]
     assert results["bad"].status is SchedulerStatus.CANCELLED
-    assert (results["bad"].error, results["bad"].rejected) == (
+    assert (results["bad"].error, results["bad"].error_kind) == (
         "invalid regex for structured output",
-        True,
+        ErrorKind.INVALID_REQUEST,
     )
     assert results["good"].status is SchedulerStatus.ACTIVE
     scheduler.check_integrity()
@@ -292,3 +294,55 @@ def test_a_request_the_worker_refuses_fails_alone_as_rejected():
     next_step, _ = run_step(scheduler, worker)
     assert next_step.num_scheduled_tokens == {"good": 1}
     assert next_step.finished_request_ids == []
+
+
+def test_a_full_queue_refuses_requests_as_overloaded():
+    scheduler = make_scheduler(max_num_seqs=1, max_queued_requests=2, max_queued_tokens=10)
+    assert scheduler.add_request(context("a", [1] * 6), CLIENT) is None  # takes the free slot
+    assert scheduler.add_request(context("b", [2] * 3), CLIENT) is None
+    too_many_tokens = scheduler.add_request(context("c", [3] * 2), CLIENT)
+    assert (too_many_tokens.error_kind, too_many_tokens.error) == (
+        ErrorKind.OVERLOADED,
+        "9 tokens are already waiting, and the queue holds at most 10; try again later",
+    )
+    assert scheduler.add_request(context("d", [4]), CLIENT) is None  # 10 tokens fit exactly
+    scheduler.schedule()  # "a" runs (max_num_seqs=1); b and d wait
+    scheduler.check_integrity()
+    too_many_requests = scheduler.add_request(context("e", [5]), CLIENT)
+    assert (too_many_requests.error_kind, too_many_requests.error) == (
+        ErrorKind.OVERLOADED,
+        "2 requests are already waiting; try again later",
+    )
+    assert (scheduler.stats().num_requests_waiting, scheduler.num_waiting_tokens) == (2, 4)
+
+
+def test_an_empty_queue_takes_a_prompt_bigger_than_the_token_bound():
+    scheduler = make_scheduler(max_queued_tokens=4)
+    assert scheduler.add_request(context("big", [1] * 20), CLIENT) is None
+    assert scheduler.add_request(context("next", [1]), CLIENT).error_kind is ErrorKind.OVERLOADED
+
+
+def test_preempted_requests_count_as_waiting_tokens():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2)
+    worker = FakeTokenGenerator(4)
+    scheduler.add_request(context("a", [1] * 7, max_new_tokens=6), CLIENT)
+    scheduler.add_request(context("b", [2] * 7, max_new_tokens=6), CLIENT)
+    for _ in range(4):  # both run, then one is preempted when blocks run out
+        run_step(scheduler, worker)  # checks the waiting-token count every step
+    assert scheduler.num_preemptions >= 1
+    assert scheduler.num_waiting_tokens == sum(r.num_tokens for r in scheduler.waiting) > 0
+
+
+def test_abort_client_drops_only_that_api_servers_requests():
+    scheduler, worker = make_scheduler(max_num_seqs=2), FakeTokenGenerator(4)
+    scheduler.add_request(context("mine-1", [1, 2]), CLIENT)
+    scheduler.add_request(context("theirs", [3, 4]), b"api-1")
+    scheduler.add_request(context("mine-2", [5, 6]), CLIENT)  # waiting: only 2 run at once
+    run_step(scheduler, worker)
+    assert scheduler.abort_client(CLIENT) == 2
+    scheduler.check_integrity()
+    assert list(scheduler.requests) == ["theirs"]
+    assert scheduler.stats().num_requests_waiting == 0
+    step, _ = run_step(scheduler, worker)
+    assert list(step.num_scheduled_tokens) == ["theirs"]
+    assert sorted(step.finished_request_ids) == ["mine-1"]  # mine-2 never reached the worker

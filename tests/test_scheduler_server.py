@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import pickle
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import zmq
 
 from interfaces import (
+    ErrorKind,
     GenerationStatus,
     SchedulerStatus,
     TextContext,
@@ -25,6 +26,7 @@ from interfaces.worker_to_scheduler import ModelOutput, WorkerFailure, WorkerRea
 from scheduler.config import SchedulerConfig
 from scheduler.server import SchedulerServer
 from tests.fake_worker import FakeTokenGenerator, next_token_for
+from tests.hostile import hostile_frames
 
 TIMEOUT_MS = 5000
 encode = msgpack_numpy_encoder()
@@ -35,8 +37,11 @@ decode_worker = msgpack_numpy_decoder(SchedulerToWorkerMessage)
 class FakeWorkerThread(threading.Thread):
     """Registers, then answers every step with the fake generator; fails steps on request."""
 
-    def __init__(self, context: zmq.Context, address: str, fail_request_ids=()) -> None:
+    def __init__(
+        self, context: zmq.Context, address: str, fail_request_ids=(), die_after_steps=None
+    ) -> None:
         super().__init__(daemon=True)
+        self.die_after_steps = die_after_steps
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
@@ -59,6 +64,8 @@ class FakeWorkerThread(threading.Thread):
                 self.got_shutdown.set()
                 return
             self.steps.append(message)
+            if len(self.steps) == self.die_after_steps:
+                return  # closes the socket mid-step, as a killed process would
             if self.fail_request_ids & set(message.num_scheduled_tokens):
                 self.socket.send(encode(WorkerFailure(message.step_id, "out of memory")))
                 continue
@@ -111,6 +118,26 @@ def collect(socket, request_ids):
     return tokens, finals
 
 
+def stats(client):
+    """The scheduler's stats, skipping results of steps that were in flight."""
+    client.send(encode(StatsRequest()))
+    message = receive(client)
+    while isinstance(message, SchedulerResults):
+        message = receive(client)
+    return message
+
+
+def start_worker(context, backend, client, **options) -> FakeWorkerThread:
+    """A fake worker, once the scheduler has registered it (stats say workers_ready)."""
+    worker = FakeWorkerThread(context, backend, **options)
+    worker.start()
+    for _ in range(100):
+        if stats(client).workers_ready:
+            return worker
+        time.sleep(0.02)
+    raise AssertionError("the fake worker did not register")
+
+
 def ctx(request_id, prompt, max_new_tokens=5):
     return TextContext(request_id, prompt, len(prompt) + max_new_tokens, eos_token_ids=[-1])
 
@@ -125,10 +152,9 @@ def expected(prompt, count):
 def test_requests_from_two_api_servers_are_routed_back_to_their_owner(system):
     server, context, frontend, backend = system
     first, second = api_client(context, frontend), api_client(context, frontend)
-    first.send(encode(SubmitRequest(ctx("a", [1, 2, 3]))))  # queued before any worker
+    worker = start_worker(context, backend, first)
+    first.send(encode(SubmitRequest(ctx("a", [1, 2, 3]))))
     second.send(encode(SubmitRequest(ctx("b", [4, 5]))))
-    worker = FakeWorkerThread(context, backend)
-    worker.start()
 
     tokens_a, finals_a = collect(first, ["a"])
     tokens_b, finals_b = collect(second, ["b"])
@@ -147,53 +173,43 @@ def test_requests_from_two_api_servers_are_routed_back_to_their_owner(system):
     assert worker.got_shutdown.wait(5)
 
 
-def test_stats_before_any_worker(system):
+def test_without_a_worker_requests_are_refused_as_unavailable(system):
     _, context, frontend, _ = system
     client = api_client(context, frontend)
     client.send(encode(SubmitRequest(ctx("a", [1]))))
-    client.send(encode(StatsRequest()))
-    assert receive(client) == SchedulerStats(0, 1, 0, 0, workers_ready=False)
-
-
-def test_malformed_and_pickle_frames_are_dropped(system):
-    _, context, frontend, backend = system
-    client = api_client(context, frontend)
-    client.send(b"\x00garbage\xff")
-    client.send(pickle.dumps({"request_id": "x"}))
-    client.send_multipart([b"two", b"frames"])
-    worker = FakeWorkerThread(context, backend)
-    worker.start()
-    client.send(encode(SubmitRequest(ctx("ok", [7, 8]))))
-    tokens, _ = collect(client, ["ok"])
-    assert tokens == {"ok": expected([7, 8], 5)}
+    refusal = receive(client).results["a"]
+    assert (refusal.status, refusal.error_kind) == (
+        SchedulerStatus.CANCELLED,
+        ErrorKind.UNAVAILABLE,
+    )
+    assert refusal.error == "no worker is ready to serve requests"
+    assert stats(client) == SchedulerStats(0, 0, 0, 0, workers_ready=False)
 
 
 def test_abort_cancels_and_frees(system):
     _, context, frontend, backend = system
     client = api_client(context, frontend)
+    start_worker(context, backend, client)
     client.send(encode(SubmitRequest(ctx("long", [1, 2], max_new_tokens=200))))
-    FakeWorkerThread(context, backend).start()
     first = receive(client)
     assert first.results["long"].status is SchedulerStatus.ACTIVE
     client.send(encode(AbortRequests(["long"])))
     _, finals = collect(client, ["long"])
     assert finals["long"].status is SchedulerStatus.CANCELLED
     assert finals["long"].error is None
-    client.send(encode(StatsRequest()))
-    stats = receive(client)
-    while isinstance(stats, SchedulerResults):  # results of a step that was in flight
-        stats = receive(client)
-    assert (stats.num_requests_running, stats.num_kv_blocks_used) == (0, 0)
+    after = stats(client)
+    assert (after.num_requests_running, after.num_kv_blocks_used) == (0, 0)
 
 
 def test_worker_failure_fails_only_that_steps_requests_with_the_error(system):
     _, context, frontend, backend = system
     client = api_client(context, frontend)
-    FakeWorkerThread(context, backend, fail_request_ids={"bad"}).start()
+    start_worker(context, backend, client, fail_request_ids={"bad"})
     client.send(encode(SubmitRequest(ctx("bad", [3, 3]))))
     _, finals = collect(client, ["bad"])
     assert finals["bad"].status is SchedulerStatus.CANCELLED
     assert finals["bad"].error == "worker error: out of memory"
+    assert finals["bad"].error_kind is ErrorKind.INTERNAL
     client.send(encode(SubmitRequest(ctx("good", [5]))))
     tokens, _ = collect(client, ["good"])
     assert tokens == {"good": expected([5], 5)}
@@ -202,10 +218,11 @@ def test_worker_failure_fails_only_that_steps_requests_with_the_error(system):
 def test_too_long_request_is_rejected_with_an_error(system):
     _, context, frontend, backend = system
     client = api_client(context, frontend)
-    FakeWorkerThread(context, backend).start()
+    start_worker(context, backend, client)
     client.send(encode(SubmitRequest(ctx("huge", [1] * 300))))
     _, finals = collect(client, ["huge"])
     assert "context length is 256" in finals["huge"].error
+    assert finals["huge"].error_kind is ErrorKind.INVALID_REQUEST
 
 
 def test_the_scheduler_process_never_imports_torch():
@@ -216,3 +233,66 @@ def test_the_scheduler_process_never_imports_torch():
     )
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)
+
+
+def test_hostile_frames_on_both_sockets_are_dropped_and_nothing_runs(system, tmp_path, caplog):
+    _, context, frontend, backend = system
+    marker = tmp_path / "unpickled"
+    intruder_api, intruder_worker = api_client(context, frontend), api_client(context, backend)
+    client = api_client(context, frontend)
+    for frame in hostile_frames(marker):
+        intruder_api.send(frame)
+        intruder_worker.send(frame)
+    intruder_api.send_multipart([b"two", b"frames"])
+    intruder_worker.send(bytes(65 << 20))  # above the frame size limit: the link is dropped
+    start_worker(context, backend, client)
+    client.send(encode(SubmitRequest(ctx("ok", [7, 8]))))
+    tokens, _ = collect(client, ["ok"])
+    assert tokens == {"ok": expected([7, 8], 5)}
+    assert not marker.exists()
+    drops = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dropped")]
+    assert len(drops) == 2 * len(hostile_frames(marker)) + 1
+
+
+def test_a_worker_that_dies_fails_every_request_and_new_ones_until_another_registers(system):
+    _, context, frontend, backend = system
+    client = api_client(context, frontend)
+    worker = start_worker(context, backend, client, die_after_steps=3)
+    client.send(encode(SubmitRequest(ctx("a", [1, 2], max_new_tokens=50))))
+    client.send(encode(SubmitRequest(ctx("b", [3], max_new_tokens=50))))
+    _, finals = collect(client, ["a", "b"])
+    worker.join(5)
+    for final in finals.values():
+        assert (final.status, final.error_kind) == (
+            SchedulerStatus.CANCELLED,
+            ErrorKind.UNAVAILABLE,
+        )
+        assert final.error == "the worker serving this request died"
+    assert stats(client) == SchedulerStats(0, 0, 0, 0, workers_ready=False)
+    client.send(encode(SubmitRequest(ctx("c", [4]))))
+    assert receive(client).results["c"].error_kind is ErrorKind.UNAVAILABLE
+
+    start_worker(context, backend, client)
+    client.send(encode(SubmitRequest(ctx("d", [5]))))
+    tokens, _ = collect(client, ["d"])
+    assert tokens == {"d": expected([5], 5)}
+
+
+def test_an_api_server_that_goes_away_has_its_requests_aborted_and_freed(system):
+    _, context, frontend, backend = system
+    survivor, doomed = api_client(context, frontend), api_client(context, frontend)
+    start_worker(context, backend, survivor)
+    doomed.send(encode(SubmitRequest(ctx("gone-1", [1, 2], max_new_tokens=200))))
+    doomed.send(encode(SubmitRequest(ctx("gone-2", [3, 4], max_new_tokens=200))))
+    assert receive(doomed).results  # running
+    doomed.close(linger=0)
+    for _ in range(100):
+        after = stats(survivor)
+        if after.num_requests_running == 0:
+            break
+        time.sleep(0.02)
+    assert (after.num_requests_running, after.num_requests_waiting) == (0, 0)
+    assert after.num_kv_blocks_used == 0
+    survivor.send(encode(SubmitRequest(ctx("mine", [9]))))
+    tokens, _ = collect(survivor, ["mine"])
+    assert tokens == {"mine": expected([9], 5)}

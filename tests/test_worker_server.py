@@ -31,6 +31,7 @@ from interfaces.worker_to_scheduler import (
     WorkerReady,
     WorkerToSchedulerMessage,
 )
+from tests.hostile import hostile_frames
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [1, 4093, 198, 57, 5248, 3946, 288]
@@ -84,7 +85,9 @@ def worker(tiny_llama_dir, router):
         process.wait(timeout=10)
 
 
-def test_worker_serves_steps_survives_garbage_and_shuts_down(tiny_llama_dir, router, worker):
+def test_worker_serves_steps_survives_hostile_frames_and_shuts_down(
+    tiny_llama_dir, router, worker, tmp_path
+):
     socket, _ = router
     identity, ready = receive(socket, STARTUP_TIMEOUT_MS)
     assert ready == WorkerReady("tiny", 128, 16, 512)
@@ -97,7 +100,10 @@ def test_worker_serves_steps_survives_garbage_and_shuts_down(tiny_llama_dir, rou
         0, {"r1": TextGenerationOutput("r1", [expected[0]])}
     )
 
-    socket.send_multipart([identity, b"\x93garbage that is not msgpack"])
+    marker = tmp_path / "unpickled"
+    for frame in hostile_frames(marker):
+        socket.send_multipart([identity, frame])
+    socket.send_multipart([identity, b"two", b"frames"])
     socket.send_multipart([identity, encode(SchedulerOutput(1, num_scheduled_tokens={"zz": 1}))])
     failure = receive(socket, STEP_TIMEOUT_MS)[1]
     assert isinstance(failure, WorkerFailure) and failure.step_id == 1
@@ -113,6 +119,14 @@ def test_worker_serves_steps_survives_garbage_and_shuts_down(tiny_llama_dir, rou
 
     socket.send_multipart([identity, encode(Shutdown())])
     assert worker.wait(timeout=20) == 0
+    assert not marker.exists()
+
+
+def test_worker_exits_1_when_the_scheduler_goes_away(router, worker):
+    socket, _ = router
+    receive(socket, STARTUP_TIMEOUT_MS)
+    socket.close(linger=0)
+    assert worker.wait(timeout=5) == 1
 
 
 def test_worker_sets_its_title_and_exits_cleanly_on_sigterm(router, worker):

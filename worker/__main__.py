@@ -11,6 +11,7 @@ from types import FrameType
 import setproctitle
 
 from interfaces import envs
+from interfaces.transport import add_transport_flags, transport_from_args
 from worker.config import DTYPES, WorkerConfig, parse_memory
 from worker.model_files import model_name_for, resolve_model
 from worker.model_runner import ModelRunner
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
+    add_transport_flags(parser, binds=False)
     return parser.parse_args(argv)
 
 
@@ -54,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _exit_while_loading)
     try:
+        security = transport_from_args(args)  # before the model: bad keys fail fast
         runner = _load(args)
     except ValueError as error:
         logger.error("cannot start the worker: %s", error)
         return 1
-    return WorkerServer(runner, args.scheduler_addr).serve()
+    return WorkerServer(runner, args.scheduler_addr, security).serve()
 
 
 def _load(args: argparse.Namespace) -> ModelRunner:

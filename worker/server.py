@@ -4,6 +4,10 @@ The worker connects a DEALER to the scheduler's backend ROUTER, announces itself
 ``WorkerReady``, then answers every ``SchedulerOutput`` with ``ModelOutput`` (or
 ``WorkerFailure`` if the step raised) until ``Shutdown``, SIGTERM or SIGINT. It polls with a short
 timeout so signals are noticed between steps; a step in progress always finishes first.
+
+If the connection to the scheduler drops (the scheduler died, or over TCP went silent past
+ZeroMQ's heartbeat timeout), the worker exits with code 1 at once: its requests and KV cache
+belong to that scheduler, and a fresh worker is what a restarted scheduler needs.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from interfaces import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.scheduler_to_worker import SchedulerOutput, SchedulerToWorkerMessage, Shutdown
+from interfaces.transport import TransportSecurity
 from interfaces.worker_to_scheduler import (
     ModelOutput,
     WorkerFailure,
@@ -40,9 +46,15 @@ class WorkerServer:
     Owns its ZeroMQ context and socket; ``serve`` returns the process exit code.
     """
 
-    def __init__(self, runner: ModelRunner, scheduler_addr: str) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler_addr: str,
+        security: TransportSecurity | None = None,
+    ) -> None:
         self.runner = runner
         self.scheduler_addr = scheduler_addr
+        self.security = security or TransportSecurity()
         self.stop_requested = False
         self.encode = msgpack_numpy_encoder()
         self.decode = msgpack_numpy_decoder(SchedulerToWorkerMessage)
@@ -53,25 +65,36 @@ class WorkerServer:
             signal.signal(signum, self._request_stop)
         context = zmq.Context()
         socket = context.socket(zmq.DEALER)
-        socket.connect(self.scheduler_addr)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.security.connect(socket, self.scheduler_addr)
         try:
             self._send(socket, self._ready())
             logger.info("worker ready; serving the scheduler at %s", self.scheduler_addr)
-            return self._loop(socket)
+            return self._loop(socket, monitor)
         finally:
+            monitor.close(linger=0)
             socket.close(linger=LINGER_MS)
             context.term()
 
-    def _loop(self, socket: zmq.Socket) -> int:
+    def _loop(self, socket: zmq.Socket, monitor: zmq.Socket) -> int:
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while not self.stop_requested:
-            if not socket.poll(POLL_INTERVAL_MS, zmq.POLLIN):
-                continue
-            message = self._receive(socket)
-            if isinstance(message, Shutdown):
-                logger.info("shutdown requested by the scheduler")
-                return 0
-            if isinstance(message, SchedulerOutput):
-                self._send(socket, self.run_step(message))
+            events = dict(poller.poll(POLL_INTERVAL_MS))
+            if socket in events:  # before the monitor: a Shutdown may precede the disconnect
+                message = self._receive(socket)
+                if isinstance(message, Shutdown):
+                    logger.info("shutdown requested by the scheduler")
+                    return 0
+                if isinstance(message, SchedulerOutput):
+                    self._send(socket, self.run_step(message))
+            elif monitor in events:
+                endpoint = recv_monitor_message(monitor)["endpoint"].decode()
+                logger.error("lost the connection to the scheduler at %s; exiting", endpoint)
+                return 1
         logger.info("stopping on signal")
         return 0
 

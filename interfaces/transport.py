@@ -1,0 +1,273 @@
+"""Security of the internal ZeroMQ sockets: where they may bind, CURVE keys, heartbeats.
+
+The scheduler binds (two ROUTERs); API servers and workers only connect (DEALERs). So:
+
+- the scheduler makes one ``Binder`` per ZeroMQ context (``security.binder(context)``) and binds
+  every socket with ``binder.bind(socket, address)``; ``binder.close()`` after closing the sockets
+  and before ``context.term()``;
+- API servers and workers connect with ``security.connect(socket, address)``.
+
+Sockets bind ``ipc://``, ``inproc://`` or loopback ``tcp://`` unless the operator passes
+``--allow-remote-bind``. Cross-host traffic should also be authenticated and encrypted with
+CURVE: ``generate_curve_keys(DIR)`` writes the scheduler's key pair (``scheduler.key``,
+``scheduler.key_secret``) and one client key pair (``client.key``, ``client.key_secret``) that
+every API server and worker uses. The scheduler accepts the client public keys found in DIR (every
+``*.key`` but ``scheduler.key``); connecting hosts need only ``scheduler.key`` and the client pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from interfaces import envs
+
+logger = logging.getLogger(__name__)
+
+SERVER_KEY_NAME = "scheduler"
+CLIENT_KEY_NAME = "client"
+HEARTBEAT_INTERVAL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+HEARTBEAT_TTL_MS = 3000
+_Z85_KEY_LENGTH = 40
+
+
+def check_bind_address(address: str, allow_remote: bool) -> None:
+    """Raise ``ValueError`` unless ``address`` may be bound.
+
+    ``ipc://`` and ``inproc://`` always may; ``tcp://`` only on a loopback host (127.0.0.0/8,
+    ::1, localhost) unless ``allow_remote``. Other transports are refused.
+    """
+    if address.startswith(("ipc://", "inproc://")):
+        return
+    if not address.startswith("tcp://"):
+        raise ValueError(
+            f"cannot bind {address!r}: Switchyard's sockets use ipc://, inproc:// or tcp://"
+        )
+    if allow_remote or _is_loopback(_tcp_host(address)):
+        return
+    raise ValueError(
+        f"refusing to bind {address}: other hosts could reach it, and the internal ZeroMQ "
+        "traffic carries prompts and outputs. Bind ipc:// or tcp://127.0.0.1, or pass "
+        "--allow-remote-bind for a multi-host deployment, together with --curve-keys-dir so "
+        "the traffic is authenticated and encrypted (CURVE keys: `switchyard keygen`)."
+    )
+
+
+def enable_heartbeats(socket: zmq.Socket) -> None:
+    """Ping the peer every second and drop a connection silent for 3 s (a peer whose host
+    vanished sends no TCP reset, so without heartbeats the connection would look alive)."""
+    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
+
+
+@dataclass(frozen=True)
+class TransportSecurity:
+    """How a process's internal sockets bind and connect.
+
+    ``curve_keys_dir`` None: plaintext, unauthenticated ZeroMQ (fine on ipc:// and loopback).
+    A directory that does not exist raises ``ValueError`` here; missing key files raise it when
+    the keys are first used (``binder()``, ``connect()``).
+    """
+
+    allow_remote_bind: bool = False
+    curve_keys_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.curve_keys_dir is not None and not self.curve_keys_dir.is_dir():
+            raise ValueError(
+                f"CURVE key directory {self.curve_keys_dir} does not exist; "
+                "create one with `switchyard keygen --output DIR`"
+            )
+
+    @property
+    def uses_curve(self) -> bool:
+        return self.curve_keys_dir is not None
+
+    def binder(self, context: zmq.Context) -> Binder:
+        """The binding side for sockets of ``context`` (starts the authenticator with CURVE)."""
+        return Binder(self, context)
+
+    def connect(self, socket: zmq.Socket, address: str) -> None:
+        """Enable heartbeats and, with CURVE, the client keys; then connect ``socket``."""
+        _prepare(socket, address)
+        if self.curve_keys_dir is not None:
+            socket.curve_serverkey = _read_key(self.curve_keys_dir / f"{SERVER_KEY_NAME}.key")[0]
+            public, secret = _read_key_pair(self.curve_keys_dir, CLIENT_KEY_NAME)
+            socket.curve_publickey = public
+            socket.curve_secretkey = secret
+        socket.connect(address)
+
+
+class Binder:
+    """Binds the sockets of one ZeroMQ context under a ``TransportSecurity``.
+
+    With CURVE it owns a ZAP authenticator thread on that context, started here (before any
+    socket is bound, so no client can slip in unauthenticated) and stopped by ``close()``, which
+    the owner calls after closing its sockets and before ``context.term()`` (term would wait for
+    the authenticator's sockets). Also a context manager.
+    """
+
+    def __init__(self, security: TransportSecurity, context: zmq.Context) -> None:
+        self.security = security
+        self._context = context
+        self._server_keys: tuple[bytes, bytes] | None = None
+        self._authenticator: ThreadAuthenticator | None = None
+        if security.curve_keys_dir is not None:
+            self._server_keys = _read_key_pair(security.curve_keys_dir, SERVER_KEY_NAME)
+            authorized = _authorized_client_keys(security.curve_keys_dir)
+            self._authenticator = ThreadAuthenticator(context)
+            self._authenticator.configure_curve_callback("*", _AuthorizedKeys(authorized))
+            self._authenticator.start()
+
+    def bind(self, socket: zmq.Socket, address: str) -> None:
+        """Check ``address``, enable heartbeats and, with CURVE, the server keys; then bind."""
+        check_bind_address(address, self.security.allow_remote_bind)
+        if self._server_keys is not None:
+            if socket.context.underlying != self._context.underlying:
+                raise ValueError("the socket belongs to another context than this Binder's")
+            socket.curve_publickey, socket.curve_secretkey = self._server_keys
+            socket.curve_server = True
+        elif address.startswith("tcp://") and not _is_loopback(_tcp_host(address)):
+            logger.warning(
+                "binding %s without CURVE keys: ZeroMQ traffic on it is neither "
+                "authenticated nor encrypted (see --curve-keys-dir)",
+                address,
+            )
+        _prepare(socket, address)
+        socket.bind(address)
+
+    def close(self) -> None:
+        """Stop the authenticator, if any. Idempotent."""
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+
+    def __enter__(self) -> Binder:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def generate_curve_keys(directory: Path) -> None:
+    """Write the scheduler's and the clients' CURVE key pairs into ``directory``.
+
+    Creates the directory (mode 0700) if needed; secret key files get mode 0600. Raises
+    ``ValueError`` rather than overwrite keys already there.
+    """
+    names = (SERVER_KEY_NAME, CLIENT_KEY_NAME)
+    files = [directory / f"{name}{suffix}" for name in names for suffix in (".key", ".key_secret")]
+    existing = [str(path) for path in files if path.exists()]
+    if existing:
+        raise ValueError(f"refusing to overwrite CURVE keys: {', '.join(existing)}")
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for name in names:
+        _, secret_file = zmq.auth.create_certificates(directory, name)
+        Path(secret_file).chmod(0o600)
+
+
+def add_transport_flags(parser: argparse.ArgumentParser, binds: bool) -> None:
+    """Add ``--curve-keys-dir`` and, for the process that binds, ``--allow-remote-bind``."""
+    parser.add_argument(
+        "--curve-keys-dir",
+        type=lambda value: Path(value).expanduser(),
+        default=envs.curve_keys_dir(),
+        metavar="DIR",
+        help="authenticate and encrypt internal ZeroMQ traffic with the CURVE keys in DIR "
+        f"(made by `switchyard keygen`; default: ${envs.CURVE_KEYS_DIR_VARIABLE}, else off)",
+    )
+    if binds:
+        parser.add_argument(
+            "--allow-remote-bind",
+            action="store_true",
+            help="allow binding addresses other hosts can reach (not ipc:// or loopback tcp://); "
+            "use with --curve-keys-dir",
+        )
+
+
+def transport_from_args(args: argparse.Namespace) -> TransportSecurity:
+    """The ``TransportSecurity`` of flags added by ``add_transport_flags`` (ValueError if bad)."""
+    return TransportSecurity(
+        allow_remote_bind=getattr(args, "allow_remote_bind", False),
+        curve_keys_dir=args.curve_keys_dir,
+    )
+
+
+class _AuthorizedKeys:
+    """ZAP credentials provider: a client may connect iff its public key is in the set."""
+
+    def __init__(self, public_keys: frozenset[bytes]) -> None:
+        self.public_keys = public_keys
+
+    def callback(self, domain: str, public_key: bytes) -> bool:  # z85-encoded key
+        return public_key in self.public_keys
+
+
+def _authorized_client_keys(directory: Path) -> frozenset[bytes]:
+    """The public key of every ``*.key`` file in ``directory`` but the scheduler's own."""
+    paths = sorted(path for path in directory.glob("*.key") if path.stem != SERVER_KEY_NAME)
+    if not paths:
+        raise ValueError(
+            f"no client public key (*.key besides {SERVER_KEY_NAME}.key) in {directory}"
+        )
+    return frozenset(_read_key(path)[0] for path in paths)
+
+
+def _read_key_pair(directory: Path, name: str) -> tuple[bytes, bytes]:
+    path = directory / f"{name}.key_secret"
+    public, secret = _read_key(path)
+    if secret is None:
+        raise ValueError(f"CURVE key file {path} holds no secret key")
+    return public, secret
+
+
+def _read_key(path: Path) -> tuple[bytes, bytes | None]:
+    """(public key, secret key or None) of a ZeroMQ certificate file, both z85-encoded."""
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"cannot read CURVE key file {path} ({error}); "
+            "create the key directory with `switchyard keygen --output DIR`"
+        ) from None
+    if any(key is not None and len(key) != _Z85_KEY_LENGTH for key in (public, secret)):
+        raise ValueError(f"CURVE key file {path} holds a malformed key")
+    return public, secret
+
+
+def _prepare(socket: zmq.Socket, address: str) -> None:
+    enable_heartbeats(socket)
+    if address.startswith("tcp://") and ":" in _tcp_host(address):
+        socket.ipv6 = True
+
+
+def _tcp_host(address: str) -> str:
+    """``tcp://HOST:PORT`` → HOST, without the brackets of an IPv6 address."""
+    endpoint = address.removeprefix("tcp://")
+    if endpoint.startswith("["):
+        return endpoint[1:].partition("]")[0]
+    return endpoint.rpartition(":")[0] if ":" in endpoint else endpoint
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name or a host name
+        return False

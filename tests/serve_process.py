@@ -1,0 +1,98 @@
+"""`switchyard serve` as a child process for end-to-end tests, and what they ask of it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+
+READY_TIMEOUT_S = 300
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+
+
+class ServeProcess:
+    """A `switchyard serve --port 0` child in its own session, ready once its ready line shows."""
+
+    def __init__(self, *flags: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "switchyard", "serve", "--port", "0", *flags],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.base_url = self._wait_for_ready_line()
+
+    def _wait_for_ready_line(self) -> str:
+        found: list[str] = []
+
+        def read() -> None:
+            for line in self.process.stdout:
+                match = re.search(r"on (http://\S+)", line)
+                if match:
+                    found.append(match.group(1))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(READY_TIMEOUT_S)
+        if not found:
+            self.kill()
+            raise RuntimeError("switchyard serve did not become ready")
+        return found[0]
+
+    def children(self) -> list[tuple[int, str]]:
+        """(pid, command line) of every process in the serve process's session."""
+        listing = subprocess.run(
+            ["ps", "-o", "pid=,sid=,args=", "-e"], capture_output=True, text=True, check=True
+        ).stdout
+        result = []
+        for line in listing.splitlines():
+            pid, sid, args = line.strip().split(None, 2)
+            if int(sid) == self.process.pid and int(pid) != self.process.pid:
+                result.append((int(pid), args))
+        return result
+
+    def pids_of(self, title: str) -> list[int]:
+        """Pids of the children whose process title starts with ``title``."""
+        return [pid for pid, args in self.children() if args.startswith(title)]
+
+    def terminate(self, timeout: float = 30) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the whole session (cleanup after a test, whatever state it left)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def gauges(self) -> dict[str, float]:
+        """The scheduler's gauges from /metrics."""
+        metrics = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        values = {}
+        for name in GAUGES:
+            match = re.search(rf"^switchyard:{name}\{{[^}}]*\}} (\S+)$", metrics, re.MULTILINE)
+            values[name] = float(match.group(1))
+        return values
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie does not count)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return bool(state.stdout.strip()) and not state.stdout.strip().startswith("Z")
+
+
+def chat_messages(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]

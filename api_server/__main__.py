@@ -4,7 +4,7 @@
         [--host 127.0.0.1] [--port 8000] [--fd N] [--max-model-len N] [--log-level LEVEL]
         [--api-key KEY] [--allowed-origins ORIGIN[,ORIGIN...]]... [--curve-keys-dir DIR]
         [--max-request-body-bytes N] [--max-header-count N] [--max-header-bytes N]
-        [--shutdown-timeout SECONDS]
+        [--shutdown-timeout SECONDS] [--log-format text|json]
 
 ``--fd N`` serves on an already-listening socket inherited as file descriptor N, so that the
 launcher can bind one port and start several API servers on it. SIGTERM drains before exiting
@@ -35,6 +35,7 @@ from api_server.config import (
 from api_server.limits import uvicorn_options
 from api_server.shutdown import DrainingServer
 from interfaces import envs
+from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import add_transport_flags, transport_from_args
 
 PROCESS_TITLE = "switchyard-api-server"
@@ -74,12 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="on SIGTERM, seconds to let requests in flight finish before aborting them "
         "(default: %(default)s; 0 aborts at once)",
     )
-    parser.add_argument(
-        "--log-level",
-        default=envs.log_level(),
-        type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-    )
+    add_log_flags(parser)
     add_transport_flags(parser, binds=False)
     return parser.parse_args(argv)
 
@@ -126,9 +122,7 @@ def split_origins(values: list[str]) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging("api-server", args.log_level, args.log_format)
     setproctitle.setproctitle(PROCESS_TITLE)
     try:
         config = build_config(args)
@@ -143,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, lambda *_: None)
     server_config = uvicorn.Config(
         app,
+        log_config=None,  # uvicorn's loggers go through ours (configure_logging)
         log_level=args.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S,

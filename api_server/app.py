@@ -20,8 +20,9 @@ from api_server.config import ApiServerConfig
 from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.errors import install_error_handlers, service_unavailable
 from api_server.limits import RequestLimitsMiddleware
-from api_server.metrics import METRICS_CONTENT_TYPE, SchedulerMetrics
+from api_server.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
+from api_server.request_id import RequestIdMiddleware
 from api_server.responses import ModelCard, ModelList
 from api_server.security import install_security
 from api_server.serving import ServerState, create_chat_completion, create_completion
@@ -37,17 +38,17 @@ router = APIRouter(strict_content_type=False)
 
 
 def create_app(config: ApiServerConfig) -> FastAPI:
-    """A FastAPI app serving the OpenAI routes, /tokenize, /detokenize, /version, /health and
-    /metrics for ``config``, behind its API key and CORS settings (api_server.security) and
+    """A FastAPI app serving the OpenAI routes, /tokenize, /detokenize, /version, /health, /ready
+    and /metrics for ``config``, behind its API key and CORS settings (api_server.security) and
     its request limits (api_server.limits)."""
     tokenizer = HuggingFaceTokenizer(config.model_dir, config.max_model_len)
+    metrics = ServerMetrics(config.served_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = EngineClient(config.engine)
         await engine.start()
-        app.state.server = ServerState(config, tokenizer, engine)
-        app.state.metrics = SchedulerMetrics(config.served_model_name)
+        app.state.server = ServerState(config, tokenizer, engine, metrics)
         try:
             yield
         finally:
@@ -60,6 +61,8 @@ def create_app(config: ApiServerConfig) -> FastAPI:
     # headers, and a client without the key gets its 401 first.
     app.add_middleware(RequestLimitsMiddleware, limits=config.limits)
     install_security(app, config.api_key, config.allowed_origins)
+    app.add_middleware(RequestIdMiddleware)
+    metrics.instrument(app)  # outermost: refusals (400, 401, 413, 431) are counted too
     app.include_router(router)
     app.include_router(utility_routes.router)
     return app
@@ -92,31 +95,49 @@ async def models(request: Request) -> JSONResponse:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 when the scheduler answers within ``stats_timeout_s`` and its workers are ready;
-    503 at once while this server drains for shutdown or has lost the scheduler."""
+    """Liveness: 200 while this process serves and its peers live (the scheduler answers within
+    ``stats_timeout_s`` and has a worker); 503 otherwise, including while the model loads.
+    Draining for shutdown is still alive."""
+    problem = await _peer_problem(_state(request))
+    if problem is not None:
+        return service_unavailable(problem).response()
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 when new requests can be served (the model is loaded, the scheduler and
+    its worker are connected, and this server is not draining); 503 otherwise."""
     state = _state(request)
-    if state.draining:
-        return service_unavailable("the server is shutting down").response()
+    problem = "the server is shutting down" if state.draining else await _peer_problem(state)
+    if problem is not None:
+        return service_unavailable(problem).response()
+    return JSONResponse({"status": "ready"})
+
+
+async def _peer_problem(state: ServerState) -> str | None:
+    """Why the scheduler or its worker cannot serve, or None."""
     if state.engine.lost_connection is not None:
-        return service_unavailable(state.engine.lost_connection).response()
+        return state.engine.lost_connection
     try:
         stats = await state.engine.stats()
     except SchedulerUnavailable as error:
-        return service_unavailable(str(error)).response()
+        return str(error)
     if not stats.workers_ready:
-        return service_unavailable("the scheduler is up but its workers are not ready").response()
-    return JSONResponse({"status": "ok"})
+        return "the scheduler is up but its workers are not ready"
+    return None
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    """Prometheus exposition; the gauges keep their last values if the scheduler is silent."""
-    scheduler_metrics: SchedulerMetrics = request.app.state.metrics
+    """Prometheus exposition (api_server.metrics); the scheduler's series keep their last values
+    while the scheduler is silent."""
+    state = _state(request)
     try:
-        scheduler_metrics.update(await _state(request).engine.stats())
+        state.metrics.update_scheduler(await state.engine.stats())
     except SchedulerUnavailable as error:
-        logger.warning("serving stale metrics: %s", error)
-    return Response(scheduler_metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        logger.warning("serving stale scheduler metrics: %s", error)
+    return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
 async def _cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:

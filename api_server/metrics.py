@@ -1,50 +1,370 @@
-"""Prometheus metrics served at /metrics, refreshed from the scheduler at scrape time.
+"""Prometheus metrics served at /metrics, named as vLLM's with the ``switchyard:`` prefix.
 
-The gauges describe the scheduler, so every API server process reports the same values; each
-process keeps them in its own registry (tests run several apps in one process).
+Two sources, each counted once however many API server processes there are:
+
+- Per-request metrics (token counters, finished requests, latency histograms) are recorded by
+  the API server process that owns the request. When several processes serve one port, the
+  launcher points them all at one ``PROMETHEUS_MULTIPROC_DIR`` and every process's /metrics adds
+  up all of them (prometheus-client's multiprocess mode), so any process shows the whole server.
+- Scheduler-side metrics (running, waiting, KV cache usage, preemptions, prefix cache,
+  iteration tokens) are the scheduler's own numbers, fetched at scrape time: every API server
+  shows the same values, never a sum of them.
+
+HTTP request counts and latencies come from prometheus-fastapi-instrumentator
+(``http_requests_total``, ``http_request_duration_seconds``), as vLLM exposes them.
+Every ``switchyard:`` metric carries a ``model_name`` label.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+import bisect
+import os
+import time
+from collections.abc import Iterator
 
-from interfaces.scheduler_to_api import SchedulerStats
+import prometheus_client
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+from prometheus_fastapi_instrumentator import Instrumentator
+from prometheus_fastapi_instrumentator import metrics as http_metrics
+
+from interfaces import RequestTimings
+from interfaces.scheduler_to_api import ITERATION_TOKENS_BUCKETS, SchedulerStats
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus-client's own variable; it must be set before the process imports the library."""
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+"""``request_success_total``'s ``finished_reason`` values: the OpenAI finish reasons, "abort"
+(the client went away, or the server drained), and "error" (the system failed the request)."""
+
+# vLLM's buckets; inter-token latency gets two finer ones, reachable on small models.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+TOKEN_COUNT_BUCKETS = (
+    1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
+)  # fmt: skip
+
+SCHEDULER_METRIC_NAMES = (
+    "switchyard:num_requests_running",
+    "switchyard:num_requests_waiting",
+    "switchyard:kv_cache_usage_perc",
+    "switchyard:num_preemptions_total",
+    "switchyard:prefix_cache_queries_total",
+    "switchyard:prefix_cache_hits_total",
+    "switchyard:iteration_tokens_total",
+)
+"""The scheduler's series (histogram series add _bucket, _sum, _count): the same on every API
+server of one scheduler. deploy/prometheus/prometheus.yml scrapes them from one replica only."""
+
+# `_created` series would differ between the in-process and multiprocess modes (the latter has
+# none) and vLLM does not expose them either.
+prometheus_client.disable_created_metrics()
 
 
-class SchedulerMetrics:
-    """``switchyard:num_requests_running``, ``switchyard:num_requests_waiting`` and
-    ``switchyard:kv_cache_usage_perc`` (a fraction from 0 to 1, as vLLM's gauge of that name),
-    each labelled with ``model_name``."""
+def multiprocess_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` when set: this process shares its metrics through it."""
+    return os.environ.get(MULTIPROC_DIR_VARIABLE) or None
+
+
+class ServerMetrics:
+    """Every metric one API server process serves, and its /metrics rendering."""
 
     def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        self._running = Gauge(
-            "switchyard:num_requests_running",
-            "Requests the scheduler is running (in the batch).",
-            labels,
-            registry=self.registry,
-        ).labels(model_name=model_name)
-        self._waiting = Gauge(
-            "switchyard:num_requests_waiting",
-            "Requests waiting in the scheduler's queue.",
-            labels,
-            registry=self.registry,
-        ).labels(model_name=model_name)
-        self._kv_cache_usage = Gauge(
-            "switchyard:kv_cache_usage_perc",
-            "Fraction of KV cache blocks in use (0 to 1).",
-            labels,
-            registry=self.registry,
-        ).labels(model_name=model_name)
+        self._multiprocess_dir = multiprocess_dir()
+        self._scheduler = SchedulerCollector(model_name)
+        label = {"model_name": model_name}
 
-    def update(self, stats: SchedulerStats) -> None:
-        self._running.set(stats.num_requests_running)
-        self._waiting.set(stats.num_requests_waiting)
-        self._kv_cache_usage.set(stats.kv_cache_usage)
+        def counter(name: str, documentation: str) -> Counter:
+            metric = Counter(name, documentation, ["model_name"], registry=self.registry)
+            return metric.labels(**label)
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(
+                name, documentation, ["model_name"], buckets=buckets, registry=self.registry
+            )
+            return metric.labels(**label)
+
+        self.prompt_tokens = counter(
+            "switchyard:prompt_tokens", "Prompt tokens of requests that started generating."
+        )
+        self.generation_tokens = counter("switchyard:generation_tokens", "Generated tokens.")
+        success = Counter(
+            "switchyard:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.request_success = {
+            reason: success.labels(model_name=model_name, finished_reason=reason)
+            for reason in FINISHED_REASONS
+        }
+        self.time_to_first_token = histogram(
+            "switchyard:time_to_first_token_seconds",
+            "From the HTTP request's arrival to its first generated token.",
+            TTFT_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "switchyard:inter_token_latency_seconds",
+            "Between successive generated tokens of one request.",
+            ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "switchyard:e2e_request_latency_seconds",
+            "From the HTTP request's arrival to its end.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "switchyard:request_queue_time_seconds",
+            "Waiting in the scheduler's queue before first scheduled.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "switchyard:request_prefill_time_seconds",
+            "From first scheduled to the first generated token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "switchyard:request_decode_time_seconds",
+            "From the first generated token to the last.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "switchyard:request_prompt_tokens",
+            "Prompt tokens per request.",
+            TOKEN_COUNT_BUCKETS,
+        )
+        self.request_generation_tokens = histogram(
+            "switchyard:request_generation_tokens",
+            "Generated tokens per finished request.",
+            TOKEN_COUNT_BUCKETS,
+        )
+        if self._multiprocess_dir is None:
+            self.registry.register(self._scheduler)
+
+    def instrument(self, app: FastAPI) -> None:
+        """Count and time every HTTP request ``app`` serves (except /metrics itself)."""
+        instrumentator = Instrumentator(
+            should_group_status_codes=False,
+            excluded_handlers=["/metrics"],
+            registry=self.registry,
+        )
+        instrumentator.add(
+            http_metrics.requests(registry=self.registry),
+            http_metrics.latency(registry=self.registry),
+        )
+        instrumentator.instrument(app)
+
+    def update_scheduler(self, stats: SchedulerStats) -> None:
+        self._scheduler.stats = stats
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric in this registry."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition: this process's metrics (all processes' in
+        multiprocess mode) and the scheduler's latest numbers."""
+        if self._multiprocess_dir is None:
+            return prometheus_client.generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, self._multiprocess_dir)
+        registry.register(self._scheduler)
+        return prometheus_client.generate_latest(registry)
+
+    def request(self, arrival_time: float, num_prompt_tokens: int) -> RequestMetrics:
+        """The recorder of one request (one choice) that arrived at ``arrival_time``
+        (``time.monotonic()``); its ``num_prompt_tokens`` are counted once it starts
+        generating (0: counted by a sibling choice already)."""
+        return RequestMetrics(self, arrival_time, num_prompt_tokens)
+
+
+class RequestMetrics:
+    """What one request adds to the metrics, recorded as its results arrive.
+
+    Counts what the response's ``usage`` counts: a prompt's tokens once however many choices it
+    has, and each choice's generated tokens. The per-token values (generated tokens, inter-token
+    latencies) are gathered here and added to the shared metrics at most every
+    ``FLUSH_INTERVAL_S`` and at the end: in multiprocess mode each ``inc`` or ``observe`` writes
+    a shared file under a lock, which per token cost a third of the API server's time.
+    """
+
+    FLUSH_INTERVAL_S = 1.0
+
+    def __init__(self, metrics: ServerMetrics, arrival_time: float, num_prompt_tokens: int):
+        self._metrics = metrics
+        self._arrival_time = arrival_time
+        self._num_prompt_tokens = num_prompt_tokens
+        self._first_token_time: float | None = None
+        self._last_token_time: float | None = None
+        self._num_generated = 0
+        self._unflushed_tokens = 0
+        self._inter_token_latencies = BatchedObservations(metrics.inter_token_latency)
+        self._flushed_at = arrival_time
+        self._finished = False
+
+    def started(self, timings: RequestTimings | None) -> None:
+        """The first result with output arrived (its tokens may be counted separately)."""
+        now = time.monotonic()
+        self._first_token_time = self._last_token_time = self._flushed_at = now
+        metrics = self._metrics
+        metrics.time_to_first_token.observe(now - self._arrival_time)
+        metrics.prompt_tokens.inc(self._num_prompt_tokens)
+        if self._num_prompt_tokens:
+            metrics.request_prompt_tokens.observe(self._num_prompt_tokens)
+        if timings is not None:
+            metrics.request_queue_time.observe(timings.queued_s)
+            metrics.request_prefill_time.observe(timings.prefill_s)
+
+    def generated(self, num_tokens: int) -> None:
+        """``num_tokens`` more tokens reached the client's count (``usage``)."""
+        if not num_tokens:
+            return
+        now = time.monotonic()
+        if self._num_generated and self._last_token_time is not None:
+            self._inter_token_latencies.observe(now - self._last_token_time)
+        self._last_token_time = now
+        self._num_generated += num_tokens
+        self._unflushed_tokens += num_tokens
+        if now - self._flushed_at >= self.FLUSH_INTERVAL_S:
+            self._flush(now)
+
+    def finished(self, reason: str) -> None:
+        """The request ended with ``reason`` (one of ``FINISHED_REASONS``); only the first call
+        counts."""
+        if self._finished:
+            return
+        self._finished = True
+        now = time.monotonic()
+        self._flush(now)
+        metrics = self._metrics
+        metrics.request_success[reason].inc()
+        metrics.e2e_request_latency.observe(now - self._arrival_time)
+        if self._first_token_time is not None and self._last_token_time is not None:
+            metrics.request_decode_time.observe(self._last_token_time - self._first_token_time)
+            metrics.request_generation_tokens.observe(self._num_generated)
+
+    def _flush(self, now: float) -> None:
+        if self._unflushed_tokens:
+            self._metrics.generation_tokens.inc(self._unflushed_tokens)
+            self._unflushed_tokens = 0
+        self._inter_token_latencies.flush()
+        self._flushed_at = now
+
+
+class BatchedObservations:
+    """Observations of one histogram gathered in plain lists, then added in one go.
+
+    prometheus-client has no bulk observe, so ``flush`` adds to the histogram's bucket and sum
+    values (``_buckets``, ``_sum``, ``_upper_bounds``: its layout since 2015), exactly what the
+    same ``observe`` calls would have added; tests/test_metrics.py holds it to that.
+    """
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._upper_bounds = list(histogram._upper_bounds)
+        self._counts = [0] * len(self._upper_bounds)
+        self._sum = 0.0
+        self._pending = False
+
+    def observe(self, amount: float) -> None:
+        self._counts[bisect.bisect_left(self._upper_bounds, amount)] += 1
+        self._sum += amount
+        self._pending = True
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        histogram = self._histogram
+        for index, count in enumerate(self._counts):
+            if count:
+                histogram._buckets[index].inc(count)
+                self._counts[index] = 0
+        histogram._sum.inc(self._sum)
+        self._sum = 0.0
+        self._pending = False
+
+
+class SchedulerCollector(Collector):
+    """The scheduler's latest ``SchedulerStats`` as metric families (zeros until the first)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats = SchedulerStats(0, 0, 0, 0, workers_ready=False)
+
+    def collect(self) -> Iterator[Metric]:
+        stats, labels = self.stats, [self.model_name]
+
+        def family(kind, name: str, documentation: str, value: float) -> Metric:
+            metric = kind(name, documentation, labels=["model_name"])
+            metric.add_metric(labels, value)
+            return metric
+
+        yield family(
+            GaugeMetricFamily,
+            "switchyard:num_requests_running",
+            "Requests in the scheduler's batch.",
+            stats.num_requests_running,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "switchyard:num_requests_waiting",
+            "Requests waiting in the scheduler's queue.",
+            stats.num_requests_waiting,
+        )
+        yield family(
+            GaugeMetricFamily,
+            "switchyard:kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (0 to 1).",
+            stats.kv_cache_usage,
+        )
+        yield family(
+            CounterMetricFamily,
+            "switchyard:num_preemptions",
+            "Requests preempted (KV blocks taken back, recomputed later).",
+            stats.num_preemptions_total,
+        )
+        yield family(
+            CounterMetricFamily,
+            "switchyard:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries_total,
+        )
+        yield family(
+            CounterMetricFamily,
+            "switchyard:prefix_cache_hits",
+            "Of those, tokens found cached.",
+            stats.prefix_cache_hits_total,
+        )
+        yield self._iteration_tokens(stats)
+
+    def _iteration_tokens(self, stats: SchedulerStats) -> HistogramMetricFamily:
+        counts = stats.iteration_tokens_counts
+        bounds = [str(float(bound)) for bound in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
+        cumulative, buckets = 0, []
+        for bound, count in zip(bounds, counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        metric = HistogramMetricFamily(
+            "switchyard:iteration_tokens_total",
+            "Tokens computed per scheduler step.",
+            labels=["model_name"],
+        )
+        metric.add_metric([self.model_name], buckets, stats.iteration_tokens_sum)
+        return metric

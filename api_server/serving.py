@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import uuid
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
@@ -33,12 +33,14 @@ from api_server.errors import (
 )
 from api_server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from api_server.logprobs import TokenTexts
+from api_server.metrics import ServerMetrics
 from api_server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from api_server.request_builder import (
     chat_generation_request,
     check_supported,
     completion_generation_requests,
 )
+from api_server.request_id import current_request_id
 from api_server.structured_output import structured_output
 from api_server.text_stream import GenerationStream, RequestFailed, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
@@ -56,6 +58,7 @@ class ServerState:
     config: ApiServerConfig
     tokenizer: HuggingFaceTokenizer
     engine: EngineClient
+    metrics: ServerMetrics
     token_texts: TokenTexts = field(init=False)
     draining: bool = field(default=False, init=False)
     """Set on SIGTERM: new generations get 503 while those in flight finish."""
@@ -80,12 +83,13 @@ class ServerState:
 
 async def create_chat_completion(request: ChatCompletionRequest, state: ServerState) -> Response:
     """Answer POST /v1/chat/completions (a JSONResponse or a StreamingResponse)."""
+    arrival_time = time.monotonic()
     state.check_accepting()
     state.check_model(request.model)
     check_supported(request)
     tools = tool_calling(request)
     constraint = chat_constraint(request, tools)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = f"chatcmpl-{current_request_id()}"
     vocab_size = state.tokenizer.vocab_size
     prompt_tools = None if tools is None else tools.tools
     prompt = chat_generation_request(
@@ -96,7 +100,7 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
         # The parser must see tool-call tags that are special tokens (vLLM does the same).
         options = dataclasses.replace(options, skip_special_tokens=False)
     generation = await _generation(
-        state, request, [prompt], request.num_logprobs, constraint, options
+        state, request, [prompt], request.num_logprobs, constraint, options, arrival_time
     )
     response_format = ChatFormat(
         request_id, state.model_name, request.num_logprobs, state.token_texts, tools
@@ -106,16 +110,17 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
 
 async def create_completion(request: CompletionRequest, state: ServerState) -> Response:
     """Answer POST /v1/completions (a JSONResponse or a StreamingResponse)."""
+    arrival_time = time.monotonic()
     state.check_accepting()
     state.check_model(request.model)
     check_supported(request)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = f"cmpl-{current_request_id()}"
     vocab_size = state.tokenizer.vocab_size
     prompts = completion_generation_requests(request, request_id, state.model_name, vocab_size)
     constraint = structured_output(request)
     options = _text_options(request)
     generation = await _generation(
-        state, request, prompts, request.num_logprobs, constraint, options
+        state, request, prompts, request.num_logprobs, constraint, options, arrival_time
     )
     response_format = CompletionFormat(
         request_id, state.model_name, request.num_logprobs, state.token_texts
@@ -130,8 +135,11 @@ async def _generation(
     num_logprobs: int | None,
     constraint: StructuredOutput | None,
     options: TextOptions,
+    arrival_time: float,
 ) -> Generation:
-    """Tokenize every prompt once and make ``n`` choices of each (index prompt * n + sample)."""
+    """Tokenize every prompt once and make ``n`` choices of each (index prompt * n + sample).
+
+    Each choice is one request in the metrics; the prompt's tokens count with its first."""
     n = request.num_choices_per_prompt
     several = len(prompts) * n > 1
     choices, num_prompt_tokens = [], 0
@@ -145,8 +153,10 @@ async def _generation(
                 context_of_choice = choice_context(context, prompt.request_id, index, sample)
             else:
                 context_of_choice = context
+            num_prompt_tokens_counted = context.num_prompt_tokens if sample == 0 else 0
+            metrics = state.metrics.request(arrival_time, num_prompt_tokens_counted)
             stream = GenerationStream(
-                state.engine, context_of_choice, state.tokenizer.backend, options
+                state.engine, context_of_choice, state.tokenizer.backend, options, metrics
             )
             choices.append(Choice(index, stream, echo_text))
     return Generation(choices, num_prompt_tokens)

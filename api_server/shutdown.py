@@ -1,9 +1,10 @@
 """Graceful shutdown of one API server process: the first SIGTERM drains, then stops.
 
-Draining means: new generations and /health get 503 (so a load balancer or Kubernetes stops
-sending traffic here), requests in flight run to their end for up to ``shutdown_timeout_s``, and
-whatever is still running then is aborted, each choice ending with finish reason "abort". Only
-then does uvicorn close the listening socket and finish. A second signal stops at once.
+Draining means: new generations and /ready get 503 (so a load balancer or Kubernetes stops
+sending traffic here; /health, liveness, stays 200), requests in flight run to their end for up
+to ``shutdown_timeout_s``, and whatever is still running then is aborted, each choice ending
+with finish reason "abort". Only then does uvicorn close the listening socket and finish. A
+second signal stops at once.
 """
 
 from __future__ import annotations

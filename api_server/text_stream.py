@@ -10,14 +10,17 @@ the text they belong to.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Literal
 
 from tokenizers import Tokenizer
 
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from api_server.engine_client import EngineClient
+from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.logprobs import TokenLogprob, output_logprobs, prompt_logprobs
+from api_server.metrics import RequestMetrics
 from api_server.responses import FinishReason
 from interfaces import (
     ErrorKind,
@@ -26,6 +29,8 @@ from interfaces import (
     TextContext,
     TextGenerationOutput,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class RequestFailed(Exception):
@@ -73,6 +78,7 @@ class GenerationStream:
 
     Iterate ``deltas()`` once. Usage counts every output token the scheduler produced, including
     an end-of-sequence token and tokens past a stop string (none with ``discard_output``).
+    ``metrics``, when given, records the request for /metrics as it goes.
     """
 
     def __init__(
@@ -81,9 +87,12 @@ class GenerationStream:
         context: TextContext,
         tokenizer: Tokenizer,
         options: TextOptions = TextOptions(),
+        metrics: RequestMetrics | None = None,
     ) -> None:
         self.context = context
         self.num_output_tokens = 0
+        self._metrics = metrics
+        self._started = False
         self._engine = engine
         self._options = options
         self._detokenizer = IncrementalDetokenizer(tokenizer, options.skip_special_tokens)
@@ -96,31 +105,62 @@ class GenerationStream:
     async def deltas(self) -> AsyncGenerator[TextDelta, None]:
         """One delta per scheduler result (its text may be empty), the last with a finish reason.
 
-        Raises ``RequestFailed`` when the scheduler cancels the request with an error, and
-        ``SchedulerUnavailable`` when the scheduler cannot be reached.
+        Raises ``RequestFailed`` when the scheduler cancels the request with an error (or the
+        request id is in flight already), and ``SchedulerUnavailable`` when the scheduler cannot
+        be reached.
         """
+        request_id = self.context.request_id
+        if self._engine.in_flight(request_id):  # a client reusing its X-Request-Id
+            message = f"request id {request_id!r} is already in use"
+            raise RequestFailed(message, ErrorKind.INVALID_REQUEST)
+        finish_reason: FinishReason | Literal["error"] = "abort"  # closed early: client gone
         results = self._engine.generate(self.context)
-        async with contextlib.aclosing(results):
-            async for result in results:
-                if result.status is SchedulerStatus.CANCELLED:
-                    if result.error:
-                        raise RequestFailed(result.error, result.error_kind or ErrorKind.INTERNAL)
-                    yield TextDelta(self._stop_matcher.flush(), "abort")
-                    return
-                if result.result is None:
-                    continue
-                is_done = result.status is SchedulerStatus.COMPLETE or result.result.is_done
-                delta = self._add_output(result.result, is_done)
-                yield delta
-                if delta.finish_reason is not None:
-                    return
-        yield TextDelta("", "abort")
+        try:
+            async with contextlib.aclosing(results):
+                async for result in results:
+                    if result.status is SchedulerStatus.CANCELLED:
+                        if result.error:
+                            kind = result.error_kind or ErrorKind.INTERNAL
+                            raise RequestFailed(result.error, kind)
+                        yield TextDelta(self._stop_matcher.flush(), "abort")
+                        return
+                    if result.result is None:
+                        continue
+                    if self._metrics is not None and not self._started:
+                        self._started = True
+                        self._metrics.started(result.timings)
+                    is_done = result.status is SchedulerStatus.COMPLETE or result.result.is_done
+                    delta = self._add_output(result.result, is_done)
+                    if delta.finish_reason is not None:
+                        finish_reason = delta.finish_reason
+                        yield delta
+                        return
+                    yield delta
+            yield TextDelta("", "abort")
+        except (RequestFailed, SchedulerUnavailable):
+            finish_reason = "error"
+            raise
+        finally:
+            self._finished(finish_reason)
+
+    def _finished(self, finish_reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.finished(finish_reason)
+        logger.info(
+            "request %s finished (%s): %d prompt tokens, %d generated",
+            self.context.request_id,
+            finish_reason,
+            self.context.num_prompt_tokens,
+            self.num_output_tokens,
+        )
 
     def _add_output(self, output: TextGenerationOutput, is_done: bool) -> TextDelta:
         prompt = self._prompt_logprobs(output)
         if self._options.discard_output:
             return TextDelta("", "length" if is_done else None, prompt_logprobs=prompt)
         self.num_output_tokens += len(output.tokens)
+        if self._metrics is not None:
+            self._metrics.generated(len(output.tokens))
         logprobs = output_logprobs(output) if self.context.logprobs is not None else None
         text, finish_reason = self._add_text(output, is_done)
         return TextDelta(text, finish_reason, logprobs, prompt)

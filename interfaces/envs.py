@@ -20,6 +20,11 @@ def log_level() -> str:
     return os.environ.get("SWITCHYARD_LOG_LEVEL", "INFO").upper()
 
 
+def log_format() -> str:
+    """Log format for every process: "text" or "json" (``interfaces.logs``)."""
+    return os.environ.get("SWITCHYARD_LOG_FORMAT", "text").lower()
+
+
 def api_key() -> str | None:
     """SWITCHYARD_API_KEY: the key API clients must send as ``Authorization: Bearer <key>``.
 

@@ -74,6 +74,18 @@ class SchedulerStatus(str, enum.Enum):
     CANCELLED = "cancelled"
 
 
+class RequestTimings(msgspec.Struct, frozen=True, array_like=True):
+    """How a request started, in the scheduler's clock; sent once, with its first generated token.
+
+    ``queued_s``: from arrival at the scheduler until it was first scheduled.
+    ``prefill_s``: from then until its first token was produced (every chunk of a chunked
+    prefill, and any time spent preempted before that token, included).
+    """
+
+    queued_s: float
+    prefill_s: float
+
+
 OutputT = TypeVar("OutputT")
 
 
@@ -85,21 +97,27 @@ class SchedulerResult(
 
     ``error`` is set only on a CANCELLED result that the system (not the client) caused, with a
     message for the user, and ``error_kind`` says which kind of failure it was. A CANCELLED
-    result without an error is an abort the client asked for.
+    result without an error is an abort the client asked for. ``timings`` rides on the result
+    that carries a request's first generated token, for the API server's latency metrics.
     """
 
     status: SchedulerStatus
     result: OutputT | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
+    timings: RequestTimings | None = None
 
     @classmethod
-    def active(cls, result: OutputT) -> SchedulerResult[OutputT]:
-        return cls(status=SchedulerStatus.ACTIVE, result=result)
+    def active(
+        cls, result: OutputT, timings: RequestTimings | None = None
+    ) -> SchedulerResult[OutputT]:
+        return cls(status=SchedulerStatus.ACTIVE, result=result, timings=timings)
 
     @classmethod
-    def complete(cls, result: OutputT) -> SchedulerResult[OutputT]:
-        return cls(status=SchedulerStatus.COMPLETE, result=result)
+    def complete(
+        cls, result: OutputT, timings: RequestTimings | None = None
+    ) -> SchedulerResult[OutputT]:
+        return cls(status=SchedulerStatus.COMPLETE, result=result, timings=timings)
 
     @classmethod
     def cancelled(

@@ -14,11 +14,20 @@ class SchedulerResults(msgspec.Struct, tag="results", array_like=True):
     results: dict[RequestID, SchedulerResult[TextGenerationOutput]]
 
 
+ITERATION_TOKENS_BUCKETS: tuple[int, ...] = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+)  # fmt: skip
+"""Upper bounds (inclusive) of the ``iteration_tokens_total`` histogram's buckets, vLLM's."""
+
+
 class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     """A snapshot of the scheduler's state, in reply to ``StatsRequest``.
 
-    The ``*_total`` fields are counters since the scheduler started. Prefix-cache queries count
-    the tokens looked up when requests were admitted; hits, the tokens found already cached.
+    The ``*_total`` fields are counters since the scheduler process started. Prefix-cache
+    queries count the tokens looked up when requests were admitted; hits, the tokens found
+    already cached. ``iteration_tokens_counts[i]`` counts the steps that computed at most
+    ``ITERATION_TOKENS_BUCKETS[i]`` tokens (and more than the bound before it); the last entry,
+    the steps above every bound. ``iteration_tokens_sum`` adds every step's tokens.
     """
 
     num_requests_running: int
@@ -29,6 +38,10 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    iteration_tokens_counts: list[int] = msgspec.field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    )
+    iteration_tokens_sum: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 
 import zmq
 from setproctitle import setproctitle
 
-from interfaces import envs
+from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import add_transport_flags, transport_from_args
 from scheduler.config import SchedulerConfig, add_queue_flags
 from scheduler.server import SchedulerServer
@@ -39,15 +38,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_queue_flags(parser)
     add_transport_flags(parser, binds=True)
+    add_log_flags(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setproctitle("switchyard-scheduler")
-    logging.basicConfig(
-        level=envs.log_level(), format="%(asctime)s %(levelname)s scheduler %(name)s: %(message)s"
-    )
+    configure_logging("scheduler", args.log_level, args.log_format)
     try:
         config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

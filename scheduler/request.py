@@ -43,6 +43,8 @@ class Request:
     worker_has_state: bool = False
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    """When the request was first admitted to the batch (``time.monotonic()``)."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.context.prompt_token_ids)

@@ -11,14 +11,23 @@ returns to the front of the queue, and is recomputed later with the same output.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict, deque
 
-from interfaces import ErrorKind, RequestID, SchedulerResult, TextContext, TextGenerationOutput
+from interfaces import (
+    ErrorKind,
+    RequestID,
+    RequestTimings,
+    SchedulerResult,
+    TextContext,
+    TextGenerationOutput,
+)
 from interfaces.scheduler_to_api import SchedulerStats
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
 from interfaces.worker_to_scheduler import ModelOutput
 from scheduler.block_manager import BlockManager
 from scheduler.config import KVCacheConfig, SchedulerConfig
+from scheduler.counters import SchedulerCounters
 from scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -31,7 +40,14 @@ ResultsByClient = dict[bytes, dict[RequestID, TextResult]]
 class Scheduler:
     """All scheduling decisions for one worker group. Not thread-safe; one caller drives it."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheConfig) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheConfig,
+        counters: SchedulerCounters | None = None,
+    ) -> None:
+        """``counters``: where to count preemptions, prefix-cache lookups and steps (kept
+        across the schedulers of one process); a fresh set by default."""
         self.config = config
         self.kv_cache = kv_cache
         self.block_manager = BlockManager(
@@ -42,9 +58,7 @@ class Scheduler:
         """Tokens (prompt plus output so far) of the requests in ``waiting``."""
         self.running: list[Request] = []
         self.requests: dict[RequestID, Request] = {}
-        self.num_preemptions = 0
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+        self.counters = counters if counters is not None else SchedulerCounters()
         self._released_request_ids: list[RequestID] = []
         self._next_step_id = 0
 
@@ -55,11 +69,21 @@ class Scheduler:
         (INVALID_REQUEST) or the queue is full (OVERLOADED)."""
         problem = self._admission_problem(context)
         if problem is not None:
-            logger.warning("rejected request %s: %s", context.request_id, problem)
+            logger.warning(
+                "rejected request %s: %s",
+                context.request_id,
+                problem,
+                extra={"request_id": context.request_id},
+            )
             return SchedulerResult.rejected_request(problem)
         overload = self._overload(len(context.prompt_token_ids))
         if overload is not None:
-            logger.warning("refused request %s: %s", context.request_id, overload)
+            logger.warning(
+                "refused request %s: %s",
+                context.request_id,
+                overload,
+                extra={"request_id": context.request_id},
+            )
             return SchedulerResult.cancelled(overload, ErrorKind.OVERLOADED)
         request = Request(context, client_id, self.kv_cache.max_model_len)
         self.requests[request.request_id] = request
@@ -79,19 +103,21 @@ class Scheduler:
         self._cancel(request_ids, error=None)
         return len(request_ids)
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.counters.num_preemptions
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+        return counter_stats(
+            self.counters,
             num_requests_running=len(self.running),
             num_requests_waiting=len(self.waiting),
             num_kv_blocks_total=self.block_manager.num_blocks,
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             workers_ready=True,
-            num_preemptions_total=self.num_preemptions,
-            prefix_cache_queries_total=self.prefix_cache_queries,
-            prefix_cache_hits_total=self.prefix_cache_hits,
         )
 
     def check_integrity(self) -> None:
@@ -119,6 +145,7 @@ class Scheduler:
         if step.num_scheduled_tokens:
             step.finished_request_ids = self._released_request_ids
             self._released_request_ids = []
+            self.counters.observe_step(step.total_num_scheduled_tokens)
         return step
 
     def update_from_output(self, output: ModelOutput) -> ResultsByClient:
@@ -128,6 +155,7 @@ class Scheduler:
         worker cannot do); their blocks, computed in the step, stay valid in the prefix cache.
         """
         results: ResultsByClient = defaultdict(dict)
+        now = time.monotonic()
         for request_id, reason in output.refused.items():
             request = self.requests.get(request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
@@ -146,11 +174,12 @@ class Scheduler:
                 produced.log_probabilities,
                 produced.prompt_log_probabilities,
             )
+            timings = _first_token_timings(request, now) if request.num_output_tokens == 1 else None
             if status.is_done:
                 self._finish(request)
-                results[request.client_id][request_id] = SchedulerResult.complete(result)
+                results[request.client_id][request_id] = SchedulerResult.complete(result, timings)
             else:
-                results[request.client_id][request_id] = SchedulerResult.active(result)
+                results[request.client_id][request_id] = SchedulerResult.active(result, timings)
         return results
 
     def fail_step(self, step: SchedulerOutput, error: str) -> ResultsByClient:
@@ -263,8 +292,10 @@ class Scheduler:
             if self.block_manager.allocate_slots(request, num_new, cached_prefix) is None:
                 return
             request.num_computed_tokens = num_cached
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_cached
+            self.counters.prefix_cache_queries += request.num_tokens
+            self.counters.prefix_cache_hits += num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
             self.num_waiting_tokens -= request.num_tokens
             request.status = RequestStatus.RUNNING
@@ -298,10 +329,15 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         self._release_on_worker(request)
         self._enqueue(request, at_front=True)
-        logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens)
+        logger.info(
+            "preempted request %s (%d tokens)",
+            request.request_id,
+            request.num_tokens,
+            extra={"request_id": request.request_id},
+        )
 
     def _commit(self, step: SchedulerOutput, request: Request, num_new: int) -> None:
         """Schedule ``num_new`` tokens of ``request`` and register the blocks they fill.
@@ -326,3 +362,22 @@ class Scheduler:
         if request.worker_has_state:
             self._released_request_ids.append(request.request_id)
             request.worker_has_state = False
+
+
+def counter_stats(counters: SchedulerCounters, **state: int | bool) -> SchedulerStats:
+    """``SchedulerStats`` of ``counters`` and the scheduler's ``state`` (its gauges)."""
+    return SchedulerStats(
+        **state,
+        num_preemptions_total=counters.num_preemptions,
+        prefix_cache_queries_total=counters.prefix_cache_queries,
+        prefix_cache_hits_total=counters.prefix_cache_hits,
+        iteration_tokens_counts=list(counters.iteration_tokens_counts),
+        iteration_tokens_sum=counters.iteration_tokens_sum,
+    )
+
+
+def _first_token_timings(request: Request, now: float) -> RequestTimings:
+    scheduled = request.first_scheduled_time if request.first_scheduled_time is not None else now
+    return RequestTimings(
+        queued_s=max(scheduled - request.arrival_time, 0.0), prefill_s=max(now - scheduled, 0.0)
+    )

@@ -37,8 +37,9 @@ from interfaces.worker_to_scheduler import (
     WorkerToSchedulerMessage,
 )
 from scheduler.config import KVCacheConfig, SchedulerConfig
+from scheduler.counters import SchedulerCounters
 from scheduler.peers import PeerTracker
-from scheduler.scheduler import ResultsByClient, Scheduler
+from scheduler.scheduler import ResultsByClient, Scheduler, counter_stats
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class SchedulerServer:
         self._decode_worker = msgpack_numpy_decoder(WorkerToSchedulerMessage)
         self.scheduler: Scheduler | None = None
         """None until a worker registers, and again after it disconnects."""
+        self._counters = SchedulerCounters()
+        """Shared by every ``Scheduler`` this process makes, so /metrics counters only grow."""
         self._worker_id: bytes | None = None
         self._in_flight: SchedulerOutput | None = None
         self._stopping = threading.Event()
@@ -162,7 +165,14 @@ class SchedulerServer:
 
     def _stats(self) -> SchedulerStats:
         if self.scheduler is None:
-            return SchedulerStats(0, 0, 0, 0, workers_ready=False)
+            return counter_stats(
+                self._counters,
+                num_requests_running=0,
+                num_requests_waiting=0,
+                num_kv_blocks_total=0,
+                num_kv_blocks_used=0,
+                workers_ready=False,
+            )
         return self.scheduler.stats()
 
     def _send_results(self, results: ResultsByClient) -> None:
@@ -214,7 +224,7 @@ class SchedulerServer:
             ready.block_size,
             ready.max_model_len,
         )
-        self.scheduler = new_scheduler(self.config, kv_cache)
+        self.scheduler = new_scheduler(self.config, kv_cache, self._counters)
         self._worker_id = worker_id
         self._in_flight = None
 
@@ -242,11 +252,13 @@ class SchedulerServer:
         self._context.term()
 
 
-def new_scheduler(config: SchedulerConfig, kv_cache: KVCacheConfig) -> Scheduler:
+def new_scheduler(
+    config: SchedulerConfig, kv_cache: KVCacheConfig, counters: SchedulerCounters | None = None
+) -> Scheduler:
     """A ``Scheduler`` whose long-lived objects (one per KV block: tens of thousands) are moved
     out of the garbage collector's reach with ``gc.freeze()``, so full collections stay short
     and do not stall steps (they took 14-34 ms each with 16k blocks)."""
-    scheduler = Scheduler(config, kv_cache)
+    scheduler = Scheduler(config, kv_cache, counters)
     gc.collect()
     gc.freeze()
     return scheduler

@@ -14,6 +14,7 @@ from setproctitle import setproctitle
 
 from api_server.config import add_limit_flags, limit_flags
 from interfaces import envs
+from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import generate_curve_keys
 from scheduler.config import SchedulerConfig, add_queue_flags
 from switchyard.launcher import Launcher, ServeConfig
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     serve.add_argument("--api-servers", type=int, default=1, help="API server processes")
+    add_log_flags(serve)
     serve.add_argument("--max-model-len", type=int, help="context length (default: model's)")
     serve.add_argument(
         "--kv-cache-memory",
@@ -142,6 +144,8 @@ def serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         api_server_flags=limit_flags(args),
+        log_level=args.log_level,
+        log_format=args.log_format,
     )
     launcher = Launcher(config)
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -167,7 +171,11 @@ def _split_origins(values: list[str]) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(message)s")
+    configure_logging(
+        "launcher",
+        getattr(args, "log_level", envs.log_level()),
+        getattr(args, "log_format", envs.log_format()),
+    )
     try:
         if args.command == "keygen":
             generate_curve_keys(Path(args.output))

@@ -2,7 +2,7 @@
 
 The launcher binds the HTTP socket itself and hands it to each API server process (so several
 share one port), starts the scheduler and the worker on ``ipc://`` sockets in a private temporary
-directory, and waits until ``/health`` answers. Children get ``PR_SET_PDEATHSIG`` so that even a
+directory, and waits until ``/ready`` answers. Children get ``PR_SET_PDEATHSIG`` so that even a
 ``kill -9`` of the launcher leaves no orphan.
 
 When a child dies: an API server is started again on the same socket (the others serve on
@@ -74,6 +74,9 @@ class ServeConfig:
     max_queued_tokens: int = SchedulerConfig.max_queued_tokens
     api_server_flags: tuple[str, ...] = ()
     """More ``python -m api_server`` flags, as given (the HTTP limits)."""
+    log_level: str = "INFO"
+    log_format: str = "text"
+    """Every child logs this way (interfaces.logs), told through its environment."""
 
     def __post_init__(self) -> None:
         if self.api_servers < 1:
@@ -92,12 +95,13 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def child_environment(api_key: str | None) -> dict[str, str]:
+def child_environment(api_key: str | None, **variables: str) -> dict[str, str]:
     """The launcher's environment for a child, with SWITCHYARD_API_KEY set to ``api_key`` (or
-    removed, for children that do not serve clients)."""
+    removed, for children that do not serve clients), and ``variables`` set."""
     env = {key: value for key, value in os.environ.items() if key != envs.API_KEY_VARIABLE}
     if api_key:
         env[envs.API_KEY_VARIABLE] = api_key
+    env.update(variables)
     return env
 
 
@@ -124,25 +128,44 @@ class Launcher:
         self._restart_times: list[float] = []
         self._ready = False
 
+    @property
+    def _metrics_dir(self) -> Path:
+        """Where the API servers share their metrics (prometheus-client's multiprocess mode),
+        so that /metrics on any of them counts every request once."""
+        return Path(self._run_dir.name) / "metrics"
+
     def _ipc(self, name: str) -> str:
         return f"ipc://{Path(self._run_dir.name) / name}"
 
     def _spawn(
-        self, name: str, argv: list[str], pass_fds: tuple[int, ...] = (), api_key: str | None = None
+        self,
+        name: str,
+        argv: list[str],
+        pass_fds: tuple[int, ...] = (),
+        api_key: str | None = None,
+        **variables: str,
     ) -> None:
-        """Start ``python -m argv``; only a child given ``api_key`` sees SWITCHYARD_API_KEY."""
+        """Start ``python -m argv`` with ``variables`` in its environment; only a child given
+        ``api_key`` sees SWITCHYARD_API_KEY."""
         command = [sys.executable, "-m", *argv]
         logger.debug("starting %s: %s", name, " ".join(command))
+        env = child_environment(
+            api_key,
+            SWITCHYARD_LOG_LEVEL=self.config.log_level,
+            SWITCHYARD_LOG_FORMAT=self.config.log_format,
+            **variables,
+        )
         self.children[name] = subprocess.Popen(
-            command, preexec_fn=_die_with_parent, pass_fds=pass_fds, env=child_environment(api_key)
+            command, preexec_fn=_die_with_parent, pass_fds=pass_fds, env=env
         )
 
     def start(self) -> None:
-        """Start all processes; returns once the API answers ``/health`` with 200."""
+        """Start all processes; returns once the API answers ``/ready`` with 200."""
         config = self.config
         backend = self._ipc("backend.sock")
         self._listener = _bind_listener(config.host, config.port)
         self.port = self._listener.getsockname()[1]
+        self._metrics_dir.mkdir()
         self._spawn("scheduler", self._scheduler_argv(self._ipc("frontend.sock"), backend))
         self._spawn("worker", self._worker_argv(backend))
         for index in range(config.api_servers):
@@ -152,7 +175,13 @@ class Launcher:
     def _spawn_api_server(self, name: str) -> None:
         fd = self._listener.fileno()
         argv = self._api_server_argv(self._ipc("frontend.sock"), fd)
-        self._spawn(name, argv, pass_fds=(fd,), api_key=self.config.api_key)
+        self._spawn(
+            name,
+            argv,
+            pass_fds=(fd,),
+            api_key=self.config.api_key,
+            PROMETHEUS_MULTIPROC_DIR=str(self._metrics_dir),
+        )
 
     def _scheduler_argv(self, frontend: str, backend: str) -> list[str]:
         config = self.config
@@ -201,7 +230,7 @@ class Launcher:
         return argv
 
     def _wait_until_ready(self) -> None:
-        url = f"http://{_url_host(self.config.host)}:{self.port}/health"
+        url = f"http://{_url_host(self.config.host)}:{self.port}/ready"
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stopping.is_set():
             if self.dead_child() is not None:

@@ -114,14 +114,66 @@ def test_silent_scheduler_fails_requests_instead_of_hanging(
     assert "has not answered" in response.json()["error"]["message"]
 
 
-def test_health(api: ApiHarness, client: httpx.Client) -> None:
+def test_health_and_ready(api: ApiHarness, client: httpx.Client) -> None:
     assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json() == {"status": "ready"}
     api.scheduler.workers_ready = False
-    response = client.get("/health")
-    assert response.status_code == 503
-    assert (
-        response.json()["error"]["message"] == "the scheduler is up but its workers are not ready"
+    for path in ("/health", "/ready"):
+        response = client.get(path)
+        assert response.status_code == 503
+        message = response.json()["error"]["message"]
+        assert message == "the scheduler is up but its workers are not ready"
+
+
+def test_a_draining_server_is_alive_but_not_ready(api: ApiHarness, client: httpx.Client) -> None:
+    state = api.app.state.server
+    state.draining = True
+    try:
+        assert client.get("/health").json() == {"status": "ok"}
+        response = client.get("/ready")
+        assert response.status_code == 503
+        assert response.json()["error"]["message"] == "the server is shutting down"
+    finally:
+        state.draining = False
+
+
+def test_the_request_id_names_the_completion_and_comes_back(
+    api: ApiHarness, client: httpx.Client
+) -> None:
+    given = client.post(
+        "/v1/chat/completions", json={"messages": MESSAGES}, headers={"X-Request-Id": "trace-42"}
     )
+    assert given.headers["X-Request-Id"] == "trace-42"
+    assert given.json()["id"] == "chatcmpl-trace-42"
+    assert api.scheduler.submitted[-1].request_id == "chatcmpl-trace-42"
+
+    made = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert made.json()["id"] == f"cmpl-{made.headers['X-Request-Id']}"
+    assert len(made.headers["X-Request-Id"]) == 32
+    assert client.get("/health").headers["X-Request-Id"]
+
+
+def test_a_malformed_request_id_is_refused(client: httpx.Client) -> None:
+    for bad in ("has space", "x" * 129, "a/b"):
+        response = client.post(
+            "/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": bad}
+        )
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "X-Request-Id"
+        assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_request_id_in_flight_cannot_be_reused(api: ApiHarness, client: httpx.Client) -> None:
+    api.scheduler.repeat = True
+    api.scheduler.step_interval_s = 0.01
+    body = {"prompt": "x", "stream": True, "max_tokens": 200}
+    headers = {"X-Request-Id": "same"}
+    with client.stream("POST", "/v1/completions", json=body, headers=headers) as first:
+        lines = first.iter_lines()  # kept: dropping it would close the connection
+        next(line for line in lines if line)
+        second = client.post("/v1/completions", json=body, headers=headers)
+        assert second.status_code == 400
+        assert second.json()["error"]["message"] == "request id 'cmpl-same' is already in use"
 
 
 def test_metrics(api: ApiHarness, client: httpx.Client) -> None:

@@ -23,6 +23,7 @@ OPERATIONS = [
     "POST /v1/completions",
     "GET /v1/models",
     "GET /health",
+    "GET /ready",
     "POST /tokenize",
     "POST /detokenize",
     "GET /version",

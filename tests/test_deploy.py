@@ -1,20 +1,74 @@
-"""Deployment files are valid for the tools that read them (no Docker engine needed)."""
+"""Deployment files: valid for the tools that read them, consistent with each other, and (the
+slow test) runnable: each role started with exactly the command and environment that
+docker-compose.yml or the Kubernetes pod gives it, on 127.0.0.1, answers a chat request.
+No Docker engine or cluster needed."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
+import pytest
 import yaml
+from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
+from prometheus_client.parser import text_string_to_metric_families
+
+from api_server.metrics import SCHEDULER_METRIC_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILES = [ROOT / "docker-compose.yml", ROOT / "deploy" / "compose.gpu.yaml"]
+K8S_DIR = ROOT / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.33.0"
+"""The Kubernetes version the manifests are validated for (the README states it)."""
+IMAGE_MODEL_DIR = "/models/SmolLM2-135M-Instruct"
+ROLES = ("scheduler", "worker", "api_server")
+STARTUP_TIMEOUT_S = 180
 
 
-def test_docker_compose_matches_the_compose_spec():
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def k8s(kind: str) -> dict:
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document and document["kind"] == kind:
+                return document
+    raise AssertionError(f"no {kind} in {K8S_DIR}")
+
+
+def pod_containers() -> dict[str, dict]:
+    spec = k8s("Deployment")["spec"]["template"]["spec"]
+    return {c["name"]: c for c in spec.get("initContainers", []) + spec["containers"]}
+
+
+def flag(command: list[str], name: str) -> str:
+    (value,) = [arg.split("=", 1)[1] for arg in command if arg.startswith(f"{name}=")]
+    return value
+
+
+def seconds(duration: str) -> float:
+    """A compose duration ("40s", "1m30s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert "".join(f"{n}{u}" for n, u in parts) == duration, duration
+    return sum(float(number) * units[unit] for number, unit in parts)
+
+
+# -- docker-compose ----------------------------------------------------------------------------
+
+
+def test_compose_files_match_the_compose_spec():
     checker = Path(sys.executable).with_name("check-jsonschema")
     completed = subprocess.run(
-        [str(checker), "--builtin-schema", "vendor.compose-spec", str(ROOT / "docker-compose.yml")],
+        [str(checker), "--builtin-schema", "vendor.compose-spec", *map(str, COMPOSE_FILES)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -22,9 +76,273 @@ def test_docker_compose_matches_the_compose_spec():
     assert completed.returncode == 0, completed.stdout + completed.stderr
 
 
-def test_compose_runs_one_container_per_role_on_the_roles_own_entry_points():
-    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    modules = {name: service["command"][2] for name, service in services.items()}
+def test_compose_runs_each_role_in_its_own_container_of_one_image():
+    services = compose()["services"]
+    modules = {name: s["command"][2] for name, s in services.items() if "build" in s}
     assert modules == {"scheduler": "scheduler", "worker": "worker", "api-server": "api_server"}
-    for service in services.values():
-        assert service["build"]["dockerfile"] == "deploy/Dockerfile"
+    for name in modules:
+        assert services[name]["build"]["dockerfile"] == "deploy/Dockerfile"
+        assert services[name]["image"] == "switchyard:latest"
+    assert services["api-server"]["deploy"]["replicas"] == 2
+    for role in ("worker", "api-server"):
+        address = flag(services[role]["command"], "--scheduler-addr")
+        assert address.startswith("tcp://scheduler:")
+
+
+def test_compose_api_servers_drain_before_they_are_killed_and_check_readiness():
+    api_server = compose()["services"]["api-server"]
+    shutdown_timeout = float(flag(api_server["command"], "--shutdown-timeout"))
+    assert seconds(api_server["stop_grace_period"]) > shutdown_timeout
+    assert "/ready" in " ".join(api_server["healthcheck"]["test"])
+    assert f"--port={api_server['ports'][0].rsplit(':', 1)[1]}" in api_server["command"]
+
+
+def test_prometheus_scrapes_per_request_series_from_every_replica_and_the_scheduler_once():
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    (discovery,) = jobs["switchyard"]["dns_sd_configs"]
+    assert discovery["names"] == ["api-server"] and discovery["port"] == 8000
+    assert jobs["switchyard-scheduler"]["static_configs"] == [{"targets": ["api-server:8000"]}]
+    (drop,) = jobs["switchyard"]["metric_relabel_configs"]
+    (keep,) = jobs["switchyard-scheduler"]["metric_relabel_configs"]
+    assert (drop["action"], keep["action"]) == ("drop", "keep")
+    assert drop["regex"] == keep["regex"]
+    services = compose()["services"]
+    assert services["prometheus"]["volumes"][0].startswith("./deploy/prometheus/prometheus.yml:")
+
+
+def test_grafana_is_provisioned_with_the_dashboard_on_the_prometheus_datasource():
+    grafana = ROOT / "deploy" / "grafana"
+    (datasource,) = yaml.safe_load(
+        (grafana / "provisioning" / "datasources" / "prometheus.yaml").read_text()
+    )["datasources"]
+    assert datasource["url"] == "http://prometheus:9090"
+    dashboard = json.loads((grafana / "dashboards" / "switchyard.json").read_text())
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == datasource["uid"]
+        assert panel["targets"]
+
+
+# -- Kubernetes --------------------------------------------------------------------------------
+
+
+def test_k8s_manifests_pass_kubernetes_validate():
+    validator = Path(sys.executable).with_name("kubernetes-validate")
+    manifests = [p for p in sorted(K8S_DIR.glob("*.yaml")) if p.name != "servicemonitor.yaml"]
+    completed = subprocess.run(
+        [str(validator), "--strict", "-k", KUBERNETES_VERSION, *map(str, manifests)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "WARN" not in completed.stdout + completed.stderr
+    assert completed.stdout.count("passed") == len(manifests)
+
+
+def test_the_service_monitor_matches_the_prometheus_operator_schema():
+    """kubernetes-validate has no CRD schemas; the Operator's own (cloudcoil's models of its
+    CRD) must take the manifest whole: dumped back, nothing was dropped as unknown."""
+    document = yaml.safe_load((K8S_DIR / "servicemonitor.yaml").read_text())
+    monitor = ServiceMonitor.model_validate(document)
+    assert monitor.model_dump(by_alias=True, exclude_none=True) == document
+
+
+def test_k8s_pods_drain_probe_and_scale_as_the_code_expects():
+    config = k8s("ConfigMap")["data"]
+    pod = k8s("Deployment")["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    containers = pod_containers()
+    assert set(containers) == {"scheduler", "worker", "api-server"}
+    assert pod["spec"]["terminationGracePeriodSeconds"] > float(config["SHUTDOWN_TIMEOUT"])
+    for sidecar in pod["spec"]["initContainers"]:  # stopped after the API server drains
+        assert sidecar["restartPolicy"] == "Always"
+
+    api_server = containers["api-server"]
+    assert api_server["startupProbe"]["httpGet"]["path"] == "/health"
+    startup = api_server["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load
+    assert api_server["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert api_server["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert containers["worker"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+    service = k8s("Service")
+    assert service["spec"]["selector"] == labels
+    assert k8s("PodDisruptionBudget")["spec"]["selector"]["matchLabels"] == labels
+    monitor = k8s("ServiceMonitor")["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    port_names = {port["name"] for port in service["spec"]["ports"]}
+    assert {endpoint["port"] for endpoint in monitor["endpoints"]} <= port_names
+
+    hpa = k8s("HorizontalPodAutoscaler")["spec"]
+    assert hpa["scaleTargetRef"]["name"] == k8s("Deployment")["metadata"]["name"]
+    (metric,) = hpa["metrics"]
+    adapter = yaml.safe_load((ROOT / "deploy" / "prometheus" / "adapter-values.yaml").read_text())
+    (rule,) = adapter["rules"]["custom"]
+    assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    assert re.fullmatch(rule["name"]["matches"], "switchyard:num_requests_waiting")
+
+
+# -- the roles as plain processes --------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def expand_k8s_variables(argument: str, environment: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of container commands."""
+    return re.sub(r"\$\((\w+)\)", lambda match: environment[match.group(1)], argument)
+
+
+def role_processes(source: str) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, command, environment) of every process ``source`` starts for one server, as the
+    files give them (replicas expanded)."""
+    if source == "compose":
+        services = compose()["services"]
+        result = []
+        for name, service in services.items():
+            if "build" not in service:
+                continue  # prometheus, grafana
+            replicas = service.get("deploy", {}).get("replicas", 1)
+            environment = {key: str(value) for key, value in service["environment"].items()}
+            for replica in range(replicas):
+                result.append((f"{name}-{replica}", list(service["command"]), environment))
+        return result
+    config = k8s("ConfigMap")["data"]
+    result = []
+    for name, container in pod_containers().items():
+        assert container["envFrom"] == [{"configMapRef": {"name": "switchyard"}}]
+        command = [expand_k8s_variables(arg, config) for arg in container["command"]]
+        result.append((name, command, dict(config)))
+    return result
+
+
+def on_loopback(command: list[str], substitutions: dict[str, str], http_port: int) -> list[str]:
+    """``command`` with container addresses and paths mapped onto this machine."""
+    result = []
+    for argument in command:
+        for old, new in substitutions.items():
+            argument = argument.replace(old, new)
+        if argument.startswith("--port="):
+            argument = f"--port={http_port}"
+        result.append(argument)
+    container_only = ("0.0.0.0", "/models/", "scheduler:")
+    unmapped = [
+        old
+        for old, new in zip(command, result, strict=True)
+        if old == new and any(value in old for value in container_only)
+    ]
+    assert not unmapped, f"not mapped to this machine: {unmapped}"
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["compose", "k8s"])
+def test_the_roles_answer_with_the_deployment_files_commands(source, default_model_dir, tmp_path):
+    frontend, backend = free_port(), free_port()
+    substitutions = {
+        IMAGE_MODEL_DIR: str(default_model_dir),
+        "--host=0.0.0.0": "--host=127.0.0.1",
+    }
+    for container_port, port in ((5555, frontend), (5556, backend)):
+        for host in ("0.0.0.0", "scheduler", "127.0.0.1"):
+            substitutions[f"tcp://{host}:{container_port}"] = f"tcp://127.0.0.1:{port}"
+    processes: dict[str, subprocess.Popen] = {}
+    logs: dict[str, Path] = {}
+    api_urls = []
+    try:
+        for name, command, environment in role_processes(source):
+            assert command[:2] == ["python", "-m"] and command[2] in ROLES
+            http_port = free_port()
+            if command[2] == "api_server":
+                api_urls.append(f"http://127.0.0.1:{http_port}")
+            argv = [sys.executable, *on_loopback(command, substitutions, http_port)[1:]]
+            logs[name] = tmp_path / f"{name}.log"
+            with logs[name].open("w") as log:
+                processes[name] = subprocess.Popen(
+                    argv, env={**os.environ, **environment}, stdout=log, stderr=log
+                )
+        assert len(api_urls) == (2 if source == "compose" else 1)
+        for url in api_urls:
+            wait_ready(url, processes, logs)
+            answer_and_log(url, logs, source)
+        check_metrics_against_the_dashboards(api_urls[0])
+    finally:
+        for process in processes.values():
+            process.terminate()
+        for process in processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def wait_ready(url: str, processes: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for name, process in processes.items():
+            assert process.poll() is None, f"{name} exited:\n{logs[name].read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"{url} was not ready within {STARTUP_TIMEOUT_S} s")
+
+
+def answer_and_log(url: str, logs: dict[str, Path], source: str) -> None:
+    """A greedy chat answer is right, and the JSON logs name the request."""
+    request_id = f"deploy-{source}-{url.rsplit(':', 1)[1]}"
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 20,
+            "temperature": 0,
+        },
+        headers={"X-Request-Id": request_id},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    assert "Paris" in response.json()["choices"][0]["message"]["content"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [line for path in logs.values() for line in path.read_text().splitlines()]
+        if any(json_record(line).get("request_id") == request_id for line in lines):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no JSON log line names {request_id}")
+
+
+def json_record(line: str) -> dict:
+    """A JSON log line's record ({} for anything else, such as a line still being written)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def check_metrics_against_the_dashboards(url: str) -> None:
+    """Every series the Grafana dashboard and the Prometheus relabelling name exists."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    names = {sample.name for f in text_string_to_metric_families(text) for sample in f.samples}
+    dashboard = (ROOT / "deploy" / "grafana" / "dashboards" / "switchyard.json").read_text()
+    used = set(re.findall(r"(switchyard:[a-z0-9_]+|http_[a-z_]+)", dashboard))
+    assert used and used <= names, sorted(used - names)
+
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    regex = config["scrape_configs"][0]["metric_relabel_configs"][0]["regex"]
+    scheduler_series = {name for name in names if re.fullmatch(regex, name)}
+    expected = {name for name in names if family_of(name) in SCHEDULER_METRIC_NAMES}
+    assert scheduler_series == expected
+    assert {family_of(name) for name in expected} == set(SCHEDULER_METRIC_NAMES)
+
+
+def family_of(sample_name: str) -> str:
+    return sample_name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")

@@ -95,9 +95,9 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
-def health_status(base_url: str) -> int | None:
+def health_status(base_url: str, path: str = "/health") -> int | None:
     try:
-        return httpx.get(f"{base_url}/health", timeout=1).status_code
+        return httpx.get(f"{base_url}{path}", timeout=1).status_code
     except httpx.HTTPError:
         return None
 
@@ -217,7 +217,8 @@ def test_sigterm_lets_requests_in_flight_finish(serve_factory):
     stream, stream_thread = in_background(serve.base_url, body)
     assert stream.first_event.wait(30)
     serve.process.send_signal(signal.SIGTERM)
-    assert wait_until(lambda: health_status(serve.base_url) == 503, 2)
+    assert wait_until(lambda: health_status(serve.base_url, "/ready") == 503, 2)
+    assert health_status(serve.base_url) == 200  # draining, but alive
     late = httpx.post(f"{serve.base_url}/v1/chat/completions", json=long_chat(8, False))
     assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
     stream_thread.join(30)

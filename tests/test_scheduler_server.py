@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 
@@ -166,7 +167,15 @@ def test_requests_from_two_api_servers_are_routed_back_to_their_owner(system):
 
     first.send(encode(StatsRequest()))
     stats = receive(first)
-    assert stats == SchedulerStats(
+    # Each prompt once, then one token per request per later step; every step computed 1-8.
+    assert stats.iteration_tokens_sum == 3 + 4 + 2 + 4
+    counts = stats.iteration_tokens_counts
+    assert sum(counts[2:]) == 0 and sum(counts) >= 5
+    no_steps = [0] * len(counts)
+    without_steps = msgspec.structs.replace(
+        stats, iteration_tokens_counts=no_steps, iteration_tokens_sum=0
+    )
+    assert without_steps == SchedulerStats(
         0, 0, 64, 0, workers_ready=True, prefix_cache_queries_total=5, prefix_cache_hits_total=0
     )
     server.stop()
@@ -268,7 +277,12 @@ def test_a_worker_that_dies_fails_every_request_and_new_ones_until_another_regis
             ErrorKind.UNAVAILABLE,
         )
         assert final.error == "the worker serving this request died"
-    assert stats(client) == SchedulerStats(0, 0, 0, 0, workers_ready=False)
+    after_death = stats(client)
+    # No worker: nothing runs; the counters of the steps taken (3) outlive the worker.
+    assert after_death.iteration_tokens_sum == 2 + 1 + 2 + 2
+    assert msgspec.structs.replace(
+        after_death, iteration_tokens_counts=[0] * 14, iteration_tokens_sum=0
+    ) == SchedulerStats(0, 0, 0, 0, workers_ready=False, prefix_cache_queries_total=3)
     client.send(encode(SubmitRequest(ctx("c", [4]))))
     assert receive(client).results["c"].error_kind is ErrorKind.UNAVAILABLE
 
@@ -276,6 +290,7 @@ def test_a_worker_that_dies_fails_every_request_and_new_ones_until_another_regis
     client.send(encode(SubmitRequest(ctx("d", [5]))))
     tokens, _ = collect(client, ["d"])
     assert tokens == {"d": expected([5], 5)}
+    assert stats(client).iteration_tokens_sum == 7 + 1 + 4
 
 
 def test_an_api_server_that_goes_away_has_its_requests_aborted_and_freed(system):

@@ -10,7 +10,7 @@ from types import FrameType
 
 import setproctitle
 
-from interfaces import envs
+from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import add_transport_flags, transport_from_args
 from worker.config import DTYPES, WorkerConfig, parse_memory
 from worker.model_files import model_name_for, resolve_model
@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
     add_transport_flags(parser, binds=False)
+    add_log_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -50,9 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     """Load the model, then serve until Shutdown or a signal. Returns the exit code."""
     args = parse_args(argv)
     setproctitle.setproctitle(PROCESS_TITLE)
-    logging.basicConfig(
-        level=envs.log_level(), format="%(asctime)s %(levelname)s worker-tp0 %(name)s: %(message)s"
-    )
+    configure_logging("worker-tp0", args.log_level, args.log_format)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _exit_while_loading)
     try:

@@ -1,0 +1,31 @@
+"""Counters the scheduler keeps for /metrics, for the life of the scheduler process.
+
+A new ``Scheduler`` is made each time a worker registers; the counters outlive it, so that
+Prometheus sees them only grow while the scheduler process runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from interfaces.scheduler_to_api import ITERATION_TOKENS_BUCKETS
+
+
+@dataclass
+class SchedulerCounters:
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    """Tokens looked up in the prefix cache when requests were admitted."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found already cached."""
+    iteration_tokens_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    )
+    """Steps per bucket of ``ITERATION_TOKENS_BUCKETS`` (not cumulative; the last: above all)."""
+    iteration_tokens_sum: int = 0
+
+    def observe_step(self, num_tokens: int) -> None:
+        """Count one step that computed ``num_tokens`` tokens."""
+        self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+        self.iteration_tokens_sum += num_tokens

@@ -130,13 +130,14 @@ async def _peer_problem(state: ServerState) -> str | None:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    """Prometheus exposition (api_server.metrics); the scheduler's series keep their last values
-    while the scheduler is silent."""
+    """Prometheus exposition (api_server.metrics); without the scheduler's series while the
+    scheduler does not answer."""
     state = _state(request)
     try:
         state.metrics.update_scheduler(await state.engine.stats())
     except SchedulerUnavailable as error:
-        logger.warning("serving stale scheduler metrics: %s", error)
+        logger.warning("serving metrics without the scheduler's: %s", error)
+        state.metrics.update_scheduler(None)
     return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 

@@ -68,10 +68,6 @@ class EngineClient:
     def num_requests_in_flight(self) -> int:
         return len(self._queues)
 
-    def in_flight(self, request_id: RequestID) -> bool:
-        """True while a request with this id is being generated through this client."""
-        return request_id in self._queues
-
     @property
     def lost_connection(self) -> str | None:
         """Why the scheduler cannot be reached, or None when the connection is up."""

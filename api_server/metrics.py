@@ -121,7 +121,7 @@ class ServerMetrics:
         }
         self.time_to_first_token = histogram(
             "switchyard:time_to_first_token_seconds",
-            "From the HTTP request's arrival to its first generated token.",
+            "From the API server taking the request to its first generated token.",
             TTFT_BUCKETS,
         )
         self.inter_token_latency = histogram(
@@ -131,7 +131,7 @@ class ServerMetrics:
         )
         self.e2e_request_latency = histogram(
             "switchyard:e2e_request_latency_seconds",
-            "From the HTTP request's arrival to its end.",
+            "From the API server taking the request to its end.",
             REQUEST_LATENCY_BUCKETS,
         )
         self.request_queue_time = histogram(
@@ -175,7 +175,10 @@ class ServerMetrics:
         )
         instrumentator.instrument(app)
 
-    def update_scheduler(self, stats: SchedulerStats) -> None:
+    def update_scheduler(self, stats: SchedulerStats | None) -> None:
+        """The scheduler's latest numbers; None when it did not answer (its series are left
+        out: stale or zero counters, scraped from one process after fresher ones from another,
+        would read as a counter reset)."""
         self._scheduler.stats = stats
 
     def render(self) -> bytes:
@@ -302,14 +305,16 @@ class BatchedObservations:
 
 
 class SchedulerCollector(Collector):
-    """The scheduler's latest ``SchedulerStats`` as metric families (zeros until the first)."""
+    """The scheduler's ``SchedulerStats`` of this scrape as metric families (none without)."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.stats = SchedulerStats(0, 0, 0, 0, workers_ready=False)
+        self.stats: SchedulerStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         stats, labels = self.stats, [self.model_name]
+        if stats is None:
+            return
 
         def family(kind, name: str, documentation: str, value: float) -> Metric:
             metric = kind(name, documentation, labels=["model_name"])

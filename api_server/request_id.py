@@ -1,7 +1,9 @@
 """Every HTTP request gets an id: the client's ``X-Request-Id`` or a new one, echoed back in the
 response's ``X-Request-Id`` header, set as the logging context (``interfaces.logs``), and used in
-the completion's id (``chatcmpl-<id>``, ``cmpl-<id>``) and so in the scheduler's logs, as vLLM
-does. A malformed header is refused with 400.
+the completion's id (``chatcmpl-<id>``, ``cmpl-<id>``), as vLLM does. The scheduler's request ids
+add a random suffix to that (``engine_request_id``), so they stay unique when clients reuse an
+id, as retrying proxies do, and name the request in the scheduler's logs too. A malformed header
+is refused with 400.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 def current_request_id() -> str:
     """The id of the HTTP request being served (a new one outside of any)."""
     return CURRENT_REQUEST_ID.get() or uuid.uuid4().hex
+
+
+def engine_request_id(response_id: str) -> str:
+    """The scheduler's id for the response ``response_id``: unique however often the client
+    reuses its ``X-Request-Id``."""
+    return f"{response_id}-{uuid.uuid4().hex[:12]}"
 
 
 class RequestIdMiddleware:

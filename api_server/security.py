@@ -1,9 +1,10 @@
 """API key authentication and CORS for one API server.
 
 With an API key configured, every request must carry ``Authorization: Bearer <key>``, except
-``/health`` (orchestrators' probes) and ``/metrics`` (Prometheus scrapes; vLLM leaves it open
-too), and CORS preflight ``OPTIONS`` requests (browsers send them without credentials). A
-missing or wrong key is a 401 in OpenAI's error shape. Keys are compared in constant time.
+``/health`` and ``/ready`` (orchestrators' probes), ``/metrics`` (Prometheus scrapes; vLLM
+leaves it open too), and CORS preflight ``OPTIONS`` requests (browsers send them without
+credentials). A missing or wrong key is a 401 in OpenAI's error shape. Keys are compared in
+constant time. With CORS on, browsers may read the ``X-Request-Id`` response header.
 
 CORS is off unless allowed origins are configured; then Starlette's ``CORSMiddleware`` wraps
 everything, so even a 401 carries the CORS headers a browser needs to read it.
@@ -19,8 +20,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_server.errors import OpenAIError
+from api_server.request_id import HEADER as REQUEST_ID_HEADER
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
 def missing_api_key() -> OpenAIError:
@@ -101,4 +103,5 @@ def install_security(app: FastAPI, api_key: str | None, allowed_origins: tuple[s
             allow_origins=list(allowed_origins),
             allow_methods=["*"],
             allow_headers=["*"],
+            expose_headers=[REQUEST_ID_HEADER],
         )

@@ -40,7 +40,7 @@ from api_server.request_builder import (
     check_supported,
     completion_generation_requests,
 )
-from api_server.request_id import current_request_id
+from api_server.request_id import current_request_id, engine_request_id
 from api_server.structured_output import structured_output
 from api_server.text_stream import GenerationStream, RequestFailed, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
@@ -89,7 +89,8 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     check_supported(request)
     tools = tool_calling(request)
     constraint = chat_constraint(request, tools)
-    request_id = f"chatcmpl-{current_request_id()}"
+    response_id = f"chatcmpl-{current_request_id()}"
+    request_id = engine_request_id(response_id)
     vocab_size = state.tokenizer.vocab_size
     prompt_tools = None if tools is None else tools.tools
     prompt = chat_generation_request(
@@ -103,7 +104,7 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
         state, request, [prompt], request.num_logprobs, constraint, options, arrival_time
     )
     response_format = ChatFormat(
-        request_id, state.model_name, request.num_logprobs, state.token_texts, tools
+        response_id, state.model_name, request.num_logprobs, state.token_texts, tools
     )
     return await _respond(request, generation, response_format)
 
@@ -114,7 +115,8 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
     state.check_accepting()
     state.check_model(request.model)
     check_supported(request)
-    request_id = f"cmpl-{current_request_id()}"
+    response_id = f"cmpl-{current_request_id()}"
+    request_id = engine_request_id(response_id)
     vocab_size = state.tokenizer.vocab_size
     prompts = completion_generation_requests(request, request_id, state.model_name, vocab_size)
     constraint = structured_output(request)
@@ -123,7 +125,7 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
         state, request, prompts, request.num_logprobs, constraint, options, arrival_time
     )
     response_format = CompletionFormat(
-        request_id, state.model_name, request.num_logprobs, state.token_texts
+        response_id, state.model_name, request.num_logprobs, state.token_texts
     )
     return await _respond(request, generation, response_format)
 

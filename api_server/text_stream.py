@@ -105,14 +105,9 @@ class GenerationStream:
     async def deltas(self) -> AsyncGenerator[TextDelta, None]:
         """One delta per scheduler result (its text may be empty), the last with a finish reason.
 
-        Raises ``RequestFailed`` when the scheduler cancels the request with an error (or the
-        request id is in flight already), and ``SchedulerUnavailable`` when the scheduler cannot
-        be reached.
+        Raises ``RequestFailed`` when the scheduler cancels the request with an error, and
+        ``SchedulerUnavailable`` when the scheduler cannot be reached.
         """
-        request_id = self.context.request_id
-        if self._engine.in_flight(request_id):  # a client reusing its X-Request-Id
-            message = f"request id {request_id!r} is already in use"
-            raise RequestFailed(message, ErrorKind.INVALID_REQUEST)
         finish_reason: FinishReason | Literal["error"] = "abort"  # closed early: client gone
         results = self._engine.generate(self.context)
         try:

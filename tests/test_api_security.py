@@ -13,6 +13,7 @@ from api_server.__main__ import build_config, parse_args
 from switchyard.cli import build_parser
 from switchyard.launcher import Launcher, ServeConfig, child_environment
 from tests.fake_scheduler import ApiHarness
+from tests.serve_process import ServeProcess
 
 KEY = "sk-switchyard-test"
 ORIGIN = "https://app.example"
@@ -85,9 +86,10 @@ def test_every_route_needs_the_key(secured: ApiHarness, method: str, path: str, 
         assert right.status_code == (404 if path == "/no/such/route" else 200)
 
 
-def test_health_and_metrics_stay_open(secured: ApiHarness) -> None:
+def test_probes_and_metrics_stay_open(secured: ApiHarness) -> None:
     with httpx.Client(base_url=secured.url, timeout=10) as client:
         assert client.get("/health").json() == {"status": "ok"}
+        assert client.get("/ready").json() == {"status": "ready"}
         assert client.get("/metrics").status_code == 200
 
 
@@ -106,6 +108,7 @@ def test_cors_headers_for_an_allowed_origin(secured: ApiHarness) -> None:
     with httpx.Client(base_url=secured.url, timeout=10) as client:
         response = client.get("/v1/models", headers={"Origin": ORIGIN, **bearer(KEY)})
         assert response.headers["access-control-allow-origin"] == ORIGIN
+        assert response.headers["access-control-expose-headers"] == "X-Request-Id"
         refused = client.get("/v1/models", headers={"Origin": ORIGIN})
         assert refused.status_code == 401  # a browser can read the 401: it has CORS headers too
         assert refused.headers["access-control-allow-origin"] == ORIGIN
@@ -172,3 +175,16 @@ def test_serve_passes_the_key_by_environment_only(
     assert not any(KEY in arg for arg in argv)
     assert child_environment(KEY)["SWITCHYARD_API_KEY"] == KEY
     assert "SWITCHYARD_API_KEY" not in child_environment(None)  # scheduler, worker
+
+
+@pytest.mark.slow
+def test_serve_with_an_api_key_becomes_ready(default_model_dir) -> None:
+    """The launcher's readiness wait and orchestrators' probes need no key."""
+    serve = ServeProcess("--api-key", KEY)  # raises unless it became ready
+    try:
+        with httpx.Client(base_url=serve.base_url, timeout=10) as client:
+            assert client.get("/ready").json() == {"status": "ready"}
+            assert client.get("/v1/models").status_code == 401
+            assert client.get("/v1/models", headers=bearer(KEY)).status_code == 200
+    finally:
+        serve.kill()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -54,7 +55,8 @@ def test_chat_completion(api: ApiHarness, client: httpx.Client, fresh_scheduler)
         "total_tokens": prompt_tokens + completion_tokens,
     }
     context = api.scheduler.submitted[-1]
-    assert context.request_id == body["id"]
+    # The scheduler's id: the response's, made unique (clients may reuse an X-Request-Id).
+    assert re.fullmatch(re.escape(body["id"]) + r"-[0-9a-f]{12}", context.request_id)
     assert context.max_length == 256
     assert context.eos_token_ids == [EOS]
     assert context.sampling_params.temperature == 1.0 and context.sampling_params.top_k == -1
@@ -188,7 +190,9 @@ def test_stop_string_cuts_the_text_and_aborts(api: ApiHarness, client: httpx.Cli
     body = client.post("/v1/chat/completions", json=request).json()
     assert body["choices"][0]["message"]["content"] == "Hello! How can I "
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert api.scheduler.wait_for(lambda: body["id"] in api.scheduler.aborted)
+    request_id = api.scheduler.submitted[-1].request_id
+    assert request_id.startswith(body["id"])
+    assert api.scheduler.wait_for(lambda: request_id in api.scheduler.aborted)
     assert api.scheduler.wait_for(lambda: api.scheduler.stats().num_requests_running == 0)
 
 
@@ -198,7 +202,9 @@ def test_stop_string_in_a_stream(api: ApiHarness, client: httpx.Client) -> None:
     chunks = [json.loads(e) for e in sse_events(client.post("/v1/completions", json=request))]
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == "Hello! "
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    assert api.scheduler.wait_for(lambda: chunks[0]["id"] in api.scheduler.aborted)
+    request_id = api.scheduler.submitted[-1].request_id
+    assert request_id.startswith(chunks[0]["id"])
+    assert api.scheduler.wait_for(lambda: request_id in api.scheduler.aborted)
 
 
 def test_models(api: ApiHarness, client: httpx.Client) -> None:

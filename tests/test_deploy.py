@@ -154,11 +154,13 @@ def test_k8s_pods_drain_probe_and_scale_as_the_code_expects():
     labels = pod["metadata"]["labels"]
     containers = pod_containers()
     assert set(containers) == {"scheduler", "worker", "api-server"}
-    assert pod["spec"]["terminationGracePeriodSeconds"] > float(config["SHUTDOWN_TIMEOUT"])
+    api_server = containers["api-server"]
+    pre_stop = api_server["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    assert grace > pre_stop + float(config["SHUTDOWN_TIMEOUT"])
     for sidecar in pod["spec"]["initContainers"]:  # stopped after the API server drains
         assert sidecar["restartPolicy"] == "Always"
 
-    api_server = containers["api-server"]
     assert api_server["startupProbe"]["httpGet"]["path"] == "/health"
     startup = api_server["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load

@@ -221,7 +221,9 @@ def test_after_clients_abort_running_and_waiting_return_to_zero(server):
 RECORD_ONE_REQUEST = """
 import sys, time
 from api_server.metrics import ServerMetrics
+from interfaces.scheduler_to_api import SchedulerStats
 metrics = ServerMetrics("m")
+metrics.update_scheduler(SchedulerStats(3, 1, 64, 16, workers_ready=True))
 request = metrics.request(time.monotonic(), 7)
 request.started(None)
 request.generated(1)
@@ -263,7 +265,7 @@ def test_processes_sharing_a_multiprocess_directory_add_up(tmp_path):
     assert of("request_success_total", finished_reason="length") == 1
     assert of("time_to_first_token_seconds_count") == 3
     assert of("inter_token_latency_seconds_count") == 3
-    assert samples[("switchyard:num_requests_running", label)] == 0
+    assert samples[("switchyard:num_requests_running", label)] == 3  # once, not once a process
 
 
 def test_batched_observations_add_what_observing_one_by_one_adds():

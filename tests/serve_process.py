@@ -9,10 +9,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
 
 import httpx
 
 READY_TIMEOUT_S = 300
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
 
@@ -96,3 +100,37 @@ def alive(pid: int) -> bool:
 
 def chat_messages(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
+
+
+def long_chat(max_tokens: int = 2000, stream: bool = True) -> dict:
+    """A chat request for the default model that runs until ``max_tokens`` (or an abort)."""
+    return {
+        "model": DEFAULT_MODEL_NAME,
+        "messages": chat_messages("Tell me a very long story."),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def wait_until_ready(
+    url: str,
+    processes: Mapping[str, subprocess.Popen],
+    timeout_s: float,
+    logs: Mapping[str, Path] | None = None,
+) -> None:
+    """Poll ``url``/ready until it answers 200; fail at once if one of ``processes`` exits
+    (showing the end of its log file when ``logs`` has one)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, process in processes.items():
+            if process.poll() is not None:
+                log = logs[name].read_text()[-3000:] if logs and name in logs else ""
+                raise AssertionError(f"{name} exited with {process.returncode}\n{log}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} was not ready within {timeout_s:g} s")

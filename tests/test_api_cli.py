@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 
 from api_server.__main__ import build_config, parse_args
 from tests.fake_scheduler import FakeScheduler
+from tests.serve_process import wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,19 +60,6 @@ def args_for(model_dir: Path) -> list[str]:
     return ["--model", str(model_dir), "--scheduler-addr", "ipc://s"]
 
 
-def wait_until_healthy(url: str, processes: list[subprocess.Popen], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert all(process.poll() is None for process in processes), "an API server exited"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the API servers did not become healthy")
-
-
 def test_two_processes_serve_one_inherited_socket(default_model_dir: Path, tmp_path: Path) -> None:
     scheduler = FakeScheduler(f"ipc://{tmp_path}/scheduler.ipc").start()
     scheduler.reply = [19556, 905]  # "Hello world"
@@ -83,7 +70,7 @@ def test_two_processes_serve_one_inherited_socket(default_model_dir: Path, tmp_p
     argv += ["--scheduler-addr", scheduler.address, "--fd", str(listener.fileno())]
     processes = [subprocess.Popen(argv, cwd=ROOT, pass_fds=(listener.fileno(),)) for _ in range(2)]
     try:
-        wait_until_healthy(url, processes, timeout_s=60)
+        wait_until_ready(url, {f"api-server-{i}": p for i, p in enumerate(processes)}, 60)
         models = httpx.get(f"{url}/v1/models", timeout=5).json()
         assert [model["id"] for model in models["data"]] == [default_model_dir.resolve().name]
         for _ in range(6):

@@ -21,6 +21,7 @@ from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
 from prometheus_client.parser import text_string_to_metric_families
 
 from api_server.metrics import SCHEDULER_METRIC_NAMES
+from tests.serve_process import wait_until_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILES = [ROOT / "docker-compose.yml", ROOT / "deploy" / "compose.gpu.yaml"]
@@ -269,7 +270,7 @@ def test_the_roles_answer_with_the_deployment_files_commands(source, default_mod
                 )
         assert len(api_urls) == (2 if source == "compose" else 1)
         for url in api_urls:
-            wait_ready(url, processes, logs)
+            wait_until_ready(url, processes, STARTUP_TIMEOUT_S, logs)
             answer_and_log(url, logs, source)
         check_metrics_against_the_dashboards(api_urls[0])
     finally:
@@ -280,20 +281,6 @@ def test_the_roles_answer_with_the_deployment_files_commands(source, default_mod
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
-
-
-def wait_ready(url: str, processes: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        for name, process in processes.items():
-            assert process.poll() is None, f"{name} exited:\n{logs[name].read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"{url} was not ready within {STARTUP_TIMEOUT_S} s")
 
 
 def answer_and_log(url: str, logs: dict[str, Path], source: str) -> None:

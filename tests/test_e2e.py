@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.serve_process import ServeProcess, alive, chat_messages
+from tests.serve_process import ServeProcess, alive, chat_messages, long_chat
 
 pytestmark = pytest.mark.slow
 
@@ -214,13 +214,7 @@ def test_sixteen_concurrent_streams_each_equal_their_solo_output(server, client)
 
 
 def test_a_dropped_stream_is_aborted_and_its_cache_freed(server):
-    body = {
-        "model": MODEL,
-        "messages": chat_messages("Tell me a very long story."),
-        "max_tokens": 2000,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = long_chat()
     with (
         httpx.Client(timeout=60) as http,
         http.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as response,

@@ -19,21 +19,9 @@ import httpx
 import psutil
 import pytest
 
-from tests.serve_process import ServeProcess, alive, chat_messages
+from tests.serve_process import ServeProcess, alive, long_chat
 
 pytestmark = pytest.mark.slow
-
-MODEL = "SmolLM2-135M-Instruct"
-
-
-def long_chat(max_tokens: int = 2000, stream: bool = True) -> dict:
-    return {
-        "model": MODEL,
-        "messages": chat_messages("Tell me a very long story."),
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": stream,
-    }
 
 
 @dataclass

@@ -23,9 +23,9 @@ from api_server.metrics import (
     SCHEDULER_METRIC_NAMES,
     BatchedObservations,
 )
-from tests.serve_process import ServeProcess, chat_messages
+from tests.serve_process import DEFAULT_MODEL_NAME, ServeProcess, chat_messages, long_chat
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = DEFAULT_MODEL_NAME
 LABEL = {"model_name": MODEL}
 PER_REQUEST_HISTOGRAMS = (
     "time_to_first_token_seconds",
@@ -175,13 +175,7 @@ def test_the_scheduler_series_are_the_schedulers_own_on_every_api_server(server)
 
 def test_after_clients_abort_running_and_waiting_return_to_zero(server):
     before = scrape(server.base_url)
-    body = {
-        "model": MODEL,
-        "messages": chat_messages("Tell me a very long story."),
-        "max_tokens": 2000,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = long_chat()
     streaming = threading.Barrier(7)
     release = threading.Event()
 

@@ -6,12 +6,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from interfaces.envs import CURVE_KEYS_DIR_VARIABLE
+from tests.serve_process import wait_until_ready
 
 STARTUP_TIMEOUT_S = 120
 
@@ -72,22 +72,9 @@ def roles(request, tiny_llama_dir, tmp_path):
         process.wait(timeout=30)
 
 
-def wait_healthy(base_url: str, processes: dict) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert all(p.poll() is None for p in processes.values()), "a role exited"
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError("the roles did not become healthy")
-
-
 def test_three_roles_serve_a_chat_completion_over_tcp(roles):
     base_url, processes = roles
-    wait_healthy(base_url, processes)
+    wait_until_ready(base_url, processes, STARTUP_TIMEOUT_S)
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "hello"}],

@@ -89,9 +89,15 @@ class ServerMetrics:
     """Every metric one API server process serves, and its /metrics rendering."""
 
     def __init__(self, model_name: str) -> None:
+        """``ValueError`` when ``PROMETHEUS_MULTIPROC_DIR`` names no directory."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._multiprocess_dir = multiprocess_dir()
+        if self._multiprocess_dir is not None and not os.path.isdir(self._multiprocess_dir):
+            raise ValueError(
+                f"{MULTIPROC_DIR_VARIABLE}={self._multiprocess_dir} is not a directory; create "
+                "it (empty) or unset the variable"
+            )
         self._scheduler = SchedulerCollector(model_name)
         label = {"model_name": model_name}
 

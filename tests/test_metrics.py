@@ -293,3 +293,17 @@ def test_batched_observations_add_what_observing_one_by_one_adds():
     assert batched.pop(("latency_sum", ())) == pytest.approx(one_by_one.pop(("latency_sum", ())))
     assert batched == one_by_one  # every bucket and the count exactly
     assert registries["batched"].get_sample_value("latency_count") == len(amounts)
+
+
+def test_a_missing_multiprocess_directory_is_a_clear_startup_error(tmp_path):
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "missing")}
+    completed = subprocess.run(
+        [sys.executable, "-c", "from api_server.metrics import ServerMetrics; ServerMetrics('m')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 1
+    assert "PROMETHEUS_MULTIPROC_DIR=" in completed.stderr
+    assert "is not a directory" in completed.stderr

@@ -4,6 +4,7 @@ in the output (real HTTP and the official openai client against the fake schedul
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -29,6 +30,14 @@ def reply(api: ApiHarness) -> list[int]:
 
 def submitted_since(api: ApiHarness, count: int) -> list:
     return api.scheduler.submitted[count:]
+
+
+def engine_id(response_id: str, contexts: list) -> str:
+    """The scheduler's id of one response's choices (each adds ``-<index>``): the response's
+    id plus a random suffix (api_server.request_id.engine_request_id)."""
+    (base,) = {context.request_id.rsplit("-", 1)[0] for context in contexts}
+    assert re.fullmatch(re.escape(response_id) + r"-[0-9a-f]{12}", base), base
+    return base
 
 
 def test_sampling_fields_reach_the_scheduler(api: ApiHarness, client: httpx.Client) -> None:
@@ -127,7 +136,8 @@ def test_n_chat_choices(api: ApiHarness, client: httpx.Client, reply: list[int])
     assert {choice["message"]["content"] for choice in body["choices"]} == {REPLY}
     assert {choice["finish_reason"] for choice in body["choices"]} == {"stop"}
     contexts = submitted_since(api, before)
-    assert [context.request_id for context in contexts] == [f"{body['id']}-{i}" for i in range(3)]
+    base = engine_id(body["id"], contexts)
+    assert [context.request_id for context in contexts] == [f"{base}-{i}" for i in range(3)]
     assert [context.sampling_params.seed for context in contexts] == [5, 6, 7]
     assert len({tuple(context.prompt_token_ids) for context in contexts}) == 1
     prompt_tokens = contexts[0].num_prompt_tokens  # counted once, not n times
@@ -144,13 +154,12 @@ def test_several_prompts_times_n(api: ApiHarness, client: httpx.Client, reply: l
     body = client.post("/v1/completions", json=request).json()
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(i, REPLY) for i in range(4)]
     contexts = submitted_since(api, before)
-    assert sorted(context.request_id for context in contexts) == [
-        f"{body['id']}-{i}" for i in range(4)
-    ]
+    base = engine_id(body["id"], contexts)
+    assert sorted(context.request_id for context in contexts) == [f"{base}-{i}" for i in range(4)]
     by_id = {context.request_id: context for context in contexts}
     encode = api.tokenizer.encode_now
     for index, prompt in [(0, "Say hello"), (1, "Say hello"), (2, "A longer second prompt")]:
-        assert by_id[f"{body['id']}-{index}"].prompt_token_ids == encode(prompt)
+        assert by_id[f"{base}-{index}"].prompt_token_ids == encode(prompt)
     prompt_tokens = len(encode("Say hello")) + len(encode("A longer second prompt"))
     assert body["usage"]["prompt_tokens"] == prompt_tokens
     assert body["usage"]["completion_tokens"] == 4 * (len(reply) + 1)
@@ -160,9 +169,11 @@ def test_token_id_prompts(api: ApiHarness, client: httpx.Client) -> None:
     before = len(api.scheduler.submitted)
     body = client.post("/v1/completions", json={"prompt": [[1, 2, 3], [4, 5]]}).json()
     assert [choice["index"] for choice in body["choices"]] == [0, 1]
-    contexts = {c.request_id: c for c in submitted_since(api, before)}
-    assert contexts[f"{body['id']}-0"].prompt_token_ids == [1, 2, 3]
-    assert contexts[f"{body['id']}-1"].prompt_token_ids == [4, 5]
+    submitted = submitted_since(api, before)
+    base = engine_id(body["id"], submitted)
+    contexts = {c.request_id: c for c in submitted}
+    assert contexts[f"{base}-0"].prompt_token_ids == [1, 2, 3]
+    assert contexts[f"{base}-1"].prompt_token_ids == [4, 5]
     assert body["usage"]["prompt_tokens"] == 5
 
 
@@ -219,9 +230,11 @@ def test_n_stream_interleaves_choices(api: ApiHarness, client: httpx.Client, rep
 
 def test_a_stop_string_aborts_every_choice(api: ApiHarness, client: httpx.Client) -> None:
     api.scheduler.step_interval_s = 0.02
+    before = len(api.scheduler.submitted)
     body = client.post(CHAT, json={"messages": MESSAGES, "n": 2, "stop": "good"}).json()
     assert [choice["message"]["content"] for choice in body["choices"]] == ["Hello world, my "] * 2
-    ids = {f"{body['id']}-0", f"{body['id']}-1"}
+    base = engine_id(body["id"], submitted_since(api, before))
+    ids = {f"{base}-0", f"{base}-1"}
     assert api.scheduler.wait_for(lambda: ids <= set(api.scheduler.aborted))
 
 

@@ -278,11 +278,16 @@ def test_a_worker_that_dies_fails_every_request_and_new_ones_until_another_regis
         )
         assert final.error == "the worker serving this request died"
     after_death = stats(client)
-    # No worker: nothing runs; the counters of the steps taken (3) outlive the worker.
-    assert after_death.iteration_tokens_sum == 2 + 1 + 2 + 2
+    # No worker: nothing runs; the counters of the 3 steps taken outlive the worker (how many
+    # tokens they held depends on whether "b" arrived in time for the first).
+    assert sum(after_death.iteration_tokens_counts) == 3
+    assert after_death.iteration_tokens_sum >= after_death.prefix_cache_queries_total >= 2
     assert msgspec.structs.replace(
-        after_death, iteration_tokens_counts=[0] * 14, iteration_tokens_sum=0
-    ) == SchedulerStats(0, 0, 0, 0, workers_ready=False, prefix_cache_queries_total=3)
+        after_death,
+        iteration_tokens_counts=[0] * 14,
+        iteration_tokens_sum=0,
+        prefix_cache_queries_total=0,
+    ) == SchedulerStats(0, 0, 0, 0, workers_ready=False)
     client.send(encode(SubmitRequest(ctx("c", [4]))))
     assert receive(client).results["c"].error_kind is ErrorKind.UNAVAILABLE
 
@@ -290,7 +295,8 @@ def test_a_worker_that_dies_fails_every_request_and_new_ones_until_another_regis
     client.send(encode(SubmitRequest(ctx("d", [5]))))
     tokens, _ = collect(client, ["d"])
     assert tokens == {"d": expected([5], 5)}
-    assert stats(client).iteration_tokens_sum == 7 + 1 + 4
+    # "d" alone: its one prompt token, then one token in each of 4 more steps.
+    assert stats(client).iteration_tokens_sum == after_death.iteration_tokens_sum + 1 + 4
 
 
 def test_an_api_server_that_goes_away_has_its_requests_aborted_and_freed(system):

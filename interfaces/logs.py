@@ -2,10 +2,10 @@
 
 ``--log-format text`` (the default) writes ``TIME LEVEL ROLE LOGGER [REQUEST ID]: MESSAGE``;
 ``--log-format json`` writes one JSON object per line (python-json-logger) with ``time``,
-``level``, ``role``, ``logger``, ``message``, and ``request_id`` when the line is about one
-request. The request id comes from ``extra={"request_id": ...}`` or, in the API server, from
-the HTTP request being served (``CURRENT_REQUEST_ID``, set by its middleware and inherited by
-the tasks it starts).
+``level``, ``role``, ``process`` (the pid: several API servers share a role), ``logger``,
+``message``, and ``request_id`` when the line is about one request. The request id comes from
+``extra={"request_id": ...}`` or, in the API server, from the HTTP request being served
+(``CURRENT_REQUEST_ID``, set by its middleware and inherited by the tasks it starts).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def configure_logging(role: str, level: str = "INFO", log_format: str = "text") 
     if log_format == "json":
         handler.setFormatter(
             JsonFormatter(
-                "{asctime}{levelname}{name}{message}",
+                "{asctime}{levelname}{process}{name}{message}",
                 style="{",
                 rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
                 static_fields={"role": role},

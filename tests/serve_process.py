@@ -21,15 +21,22 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
 
 class ServeProcess:
-    """A `switchyard serve --port 0` child in its own session, ready once its ready line shows."""
+    """A `switchyard serve --port 0` child in its own session, ready once its ready line shows.
 
-    def __init__(self, *flags: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "switchyard", "serve", "--port", "0", *flags],
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+    ``log_path``: where its processes' logs (stderr) go; they pass through by default.
+    """
+
+    def __init__(self, *flags: str, log_path: Path | None = None) -> None:
+        self.log_path = log_path
+        with contextlib.ExitStack() as files:
+            stderr = files.enter_context(log_path.open("w")) if log_path is not None else None
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "switchyard", "serve", "--port", "0", *flags],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                start_new_session=True,
+            )
         self.base_url = self._wait_for_ready_line()
 
     def _wait_for_ready_line(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import subprocess
 import time
@@ -12,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.serve_process import ServeProcess, alive, chat_messages, long_chat
@@ -27,8 +29,9 @@ CHAT_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir):
-    serve = ServeProcess("--api-servers", "2")
+def server(default_model_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("e2e") / "serve.log"
+    serve = ServeProcess("--api-servers", "2", "--log-format", "json", log_path=log_path)
     yield serve
     serve.kill()
 
@@ -187,20 +190,26 @@ def test_streaming_completion(client, reference):
     assert "".join(chunk.choices[0].text for chunk in stream) == expected_text
 
 
-def test_sixteen_concurrent_streams_each_equal_their_solo_output(server, client):
-    prompts = [f"Count from {i} to {i + 5}, separated by commas." for i in range(16)]
-    solo = {}
-    for prompt in prompts[:4] + prompts[-2:]:
-        response = client.chat.completions.create(
-            model=MODEL, messages=chat_messages(prompt), max_tokens=24, temperature=0
-        )
-        solo[prompt] = response.choices[0].message.content
+def test_64_concurrent_streams_over_two_api_servers_each_get_their_own_text(server, client):
+    """Both API server processes serve some of them, every stream gets its own prompt's text
+    (the same as that prompt's choice in one batched request, and as alone), and /metrics on
+    either process counts each request once."""
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(64)]
+    settings = {"model": MODEL, "max_tokens": 16, "temperature": 0, "echo": True}
+    batched = client.completions.create(prompt=prompts, **settings)
+    expected = {prompts[choice.index]: choice.text for choice in batched.choices}
+    # Each text starts with its prompt (echo); nearly all continuations differ too, so a result
+    # routed to the wrong stream would show.
+    continuations = {text.removeprefix(prompt) for prompt, text in expected.items()}
+    assert len(continuations) >= 56
+    for prompt in prompts[:2] + prompts[-2:]:
+        alone = client.completions.create(prompt=prompt, **settings)
+        assert alone.choices[0].text == expected[prompt]
+    finished_before = finished_requests(server)
 
     async def stream_one(async_client, prompt):
-        stream = await async_client.chat.completions.create(
-            model=MODEL, messages=chat_messages(prompt), max_tokens=24, temperature=0, stream=True
-        )
-        return "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
+        stream = await async_client.completions.create(prompt=prompt, stream=True, **settings)
+        return "".join([chunk.choices[0].text async for chunk in stream])
 
     async def run_all():
         async with openai.AsyncOpenAI(
@@ -209,8 +218,35 @@ def test_sixteen_concurrent_streams_each_equal_their_solo_output(server, client)
             return await asyncio.gather(*(stream_one(async_client, p) for p in prompts))
 
     texts = dict(zip(prompts, asyncio.run(run_all()), strict=True))
-    assert all(texts.values())
-    assert {p: texts[p] for p in solo} == solo
+    assert texts == expected
+
+    served_by = finished_streams_by_process(server.log_path, count=len(prompts))
+    assert len(served_by) == 2 and all(served_by.values()), served_by
+    for _ in range(4):  # the shared port hands each scrape to either process
+        assert finished_requests(server) - finished_before == len(prompts)
+
+
+def finished_requests(server) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "switchyard:request_success_total"
+    )
+
+
+def finished_streams_by_process(log_path, count: int) -> collections.Counter:
+    """How many of the last ``count`` finished requests each API server process logged."""
+    records = []
+    for line in log_path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("role") == "api-server" and " finished (" in record.get("message", ""):
+            records.append(record)
+    return collections.Counter(record["process"] for record in records[-count:])
 
 
 def test_a_dropped_stream_is_aborted_and_its_cache_freed(server):

@@ -43,6 +43,7 @@ def test_json_lines():
     assert [record.get("request_id") for record in records] == [None, "trace-7", "chatcmpl-9"]
     for record in records:
         assert record["role"] == "api-server"
+        assert isinstance(record["process"], int)
         assert record["logger"] == "api_server.test"
         assert record["level"] in ("INFO", "WARNING")
         assert record["time"]

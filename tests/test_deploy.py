@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import promql_parser
 import pytest
 import yaml
 from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
@@ -26,6 +27,7 @@ from tests.serve_process import wait_until_ready
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILES = [ROOT / "docker-compose.yml", ROOT / "deploy" / "compose.gpu.yaml"]
 K8S_DIR = ROOT / "deploy" / "k8s"
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "switchyard.json"
 KUBERNETES_VERSION = "1.33.0"
 """The Kubernetes version the manifests are validated for (the README states it)."""
 IMAGE_MODEL_DIR = "/models/SmolLM2-135M-Instruct"
@@ -118,10 +120,31 @@ def test_grafana_is_provisioned_with_the_dashboard_on_the_prometheus_datasource(
         (grafana / "provisioning" / "datasources" / "prometheus.yaml").read_text()
     )["datasources"]
     assert datasource["url"] == "http://prometheus:9090"
-    dashboard = json.loads((grafana / "dashboards" / "switchyard.json").read_text())
+    dashboard = json.loads(DASHBOARD.read_text())
     for panel in dashboard["panels"]:
         assert panel["datasource"]["uid"] == datasource["uid"]
         assert panel["targets"]
+
+
+def test_the_dashboard_and_adapter_queries_are_valid_promql():
+    """Parsed by promql-parser, with Grafana's interval variable given a value ($model sits
+    inside a label matcher's string, where any text is valid)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    variable = dashboard["templating"]["list"][0]["definition"]
+    assert variable.startswith("label_values(") and variable.endswith(", model_name)")
+    queries.append(variable.removeprefix("label_values(").removesuffix(", model_name)"))
+    adapter = yaml.safe_load((ROOT / "deploy" / "prometheus" / "adapter-values.yaml").read_text())
+    (rule,) = adapter["rules"]["custom"]
+    queries.append(rule["seriesQuery"])
+    queries.append(
+        rule["metricsQuery"]
+        .replace("<<.Series>>", "m")
+        .replace("{<<.LabelMatchers>>}", '{pod="p"}')
+        .replace("<<.GroupBy>>", "pod")
+    )
+    for query in queries:
+        promql_parser.parse(query.replace("$__rate_interval", "1m"))  # raises on a syntax error
 
 
 # -- Kubernetes --------------------------------------------------------------------------------
@@ -321,7 +344,7 @@ def check_metrics_against_the_dashboards(url: str) -> None:
     """Every series the Grafana dashboard and the Prometheus relabelling name exists."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     names = {sample.name for f in text_string_to_metric_families(text) for sample in f.samples}
-    dashboard = (ROOT / "deploy" / "grafana" / "dashboards" / "switchyard.json").read_text()
+    dashboard = DASHBOARD.read_text()
     used = set(re.findall(r"(switchyard:[a-z0-9_]+|http_[a-z_]+)", dashboard))
     assert used and used <= names, sorted(used - names)
 

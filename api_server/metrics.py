@@ -36,12 +36,10 @@ from prometheus_client.registry import Collector
 from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
 
-from interfaces import RequestTimings
+from interfaces import RequestTimings, envs
 from interfaces.scheduler_to_api import ITERATION_TOKENS_BUCKETS, SchedulerStats
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
-MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
-"""prometheus-client's own variable; it must be set before the process imports the library."""
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 """``request_success_total``'s ``finished_reason`` values: the OpenAI finish reasons, "abort"
 (the client went away, or the server drained), and "error" (the system failed the request)."""
@@ -80,11 +78,6 @@ server of one scheduler. deploy/prometheus/prometheus.yml scrapes them from one 
 prometheus_client.disable_created_metrics()
 
 
-def multiprocess_dir() -> str | None:
-    """``PROMETHEUS_MULTIPROC_DIR`` when set: this process shares its metrics through it."""
-    return os.environ.get(MULTIPROC_DIR_VARIABLE) or None
-
-
 class ServerMetrics:
     """Every metric one API server process serves, and its /metrics rendering."""
 
@@ -92,11 +85,11 @@ class ServerMetrics:
         """``ValueError`` when ``PROMETHEUS_MULTIPROC_DIR`` names no directory."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._multiprocess_dir = multiprocess_dir()
+        self._multiprocess_dir = envs.prometheus_multiproc_dir()
         if self._multiprocess_dir is not None and not os.path.isdir(self._multiprocess_dir):
             raise ValueError(
-                f"{MULTIPROC_DIR_VARIABLE}={self._multiprocess_dir} is not a directory; create "
-                "it (empty) or unset the variable"
+                f"{envs.PROMETHEUS_MULTIPROC_DIR_VARIABLE}={self._multiprocess_dir} is not a "
+                "directory; create it (empty) or unset the variable"
             )
         self._scheduler = SchedulerCollector(model_name)
         label = {"model_name": model_name}

@@ -1,4 +1,5 @@
-"""Every environment variable Switchyard reads, typed, in one place (all prefixed SWITCHYARD_)."""
+"""Every environment variable Switchyard reads, typed, in one place (all prefixed SWITCHYARD_,
+but prometheus-client's PROMETHEUS_MULTIPROC_DIR)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 API_KEY_VARIABLE = "SWITCHYARD_API_KEY"
 CURVE_KEYS_DIR_VARIABLE = "SWITCHYARD_CURVE_KEYS_DIR"
+PROMETHEUS_MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def cache_dir() -> Path:
@@ -23,6 +25,12 @@ def log_level() -> str:
 def log_format() -> str:
     """Log format for every process: "text" or "json" (``interfaces.logs``)."""
     return os.environ.get("SWITCHYARD_LOG_FORMAT", "text").lower()
+
+
+def prometheus_multiproc_dir() -> str | None:
+    """PROMETHEUS_MULTIPROC_DIR (prometheus-client's own variable, read by it at import): the
+    directory API server processes share their metrics through; None when unset or empty."""
+    return os.environ.get(PROMETHEUS_MULTIPROC_DIR_VARIABLE) or None
 
 
 def api_key() -> str | None:

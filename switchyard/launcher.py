@@ -175,13 +175,8 @@ class Launcher:
     def _spawn_api_server(self, name: str) -> None:
         fd = self._listener.fileno()
         argv = self._api_server_argv(self._ipc("frontend.sock"), fd)
-        self._spawn(
-            name,
-            argv,
-            pass_fds=(fd,),
-            api_key=self.config.api_key,
-            PROMETHEUS_MULTIPROC_DIR=str(self._metrics_dir),
-        )
+        metrics_dir = {envs.PROMETHEUS_MULTIPROC_DIR_VARIABLE: str(self._metrics_dir)}
+        self._spawn(name, argv, pass_fds=(fd,), api_key=self.config.api_key, **metrics_dir)
 
     def _scheduler_argv(self, frontend: str, backend: str) -> list[str]:
         config = self.config

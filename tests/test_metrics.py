@@ -40,7 +40,11 @@ Samples = dict[tuple[str, frozenset], float]
 
 
 def scrape(base_url: str) -> Samples:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return parse_samples(httpx.get(f"{base_url}/metrics", timeout=10).text)
+
+
+def parse_samples(text: str) -> Samples:
+    """Every sample of a Prometheus exposition, each of which must appear once."""
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -242,12 +246,7 @@ def test_processes_sharing_a_multiprocess_directory_add_up(tmp_path):
         ).stdout
         for reason in ("stop", "length", "stop")
     ]
-    samples: Samples = {}
-    for family in text_string_to_metric_families(outputs[-1]):
-        for sample in family.samples:
-            key = (sample.name, frozenset(sample.labels.items()))
-            assert key not in samples
-            samples[key] = sample.value
+    samples = parse_samples(outputs[-1])
     label = frozenset({"model_name": "m"}.items())
 
     def of(name: str, **labels: str) -> float:

@@ -9,16 +9,21 @@ from interfaces.requests import RequestID
 
 
 class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
-    """Sent once after the model is loaded and the KV pool allocated."""
+    """Sent once after the model is loaded and the KV pool allocated, by every rank of a
+    tensor-parallel group: the scheduler serves the group once all ``tensor_parallel_size``
+    ranks have registered (with the same model and KV pool)."""
 
     model_name: str
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    rank: int = 0
+    tensor_parallel_size: int = 1
 
 
 class ModelOutput(msgspec.Struct, tag="output", array_like=True):
-    """The tokens a step produced, for the requests that reached a sampling point.
+    """The tokens a step produced, for the requests that reached a sampling point (sent by
+    rank 0 only, as is ``WorkerFailure``).
 
     ``refused`` names new requests the worker cannot serve (an invalid structured-output spec,
     a logit_bias outside the vocabulary), with the reason for the user. Their scheduled tokens

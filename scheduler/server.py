@@ -1,14 +1,16 @@
-"""The scheduler process's event loop: API servers on one ROUTER, the worker on another.
+"""The scheduler process's event loop: API servers on one ROUTER, the workers on another.
 
-One thread, one loop: drain API-server messages, collect worker outputs, and whenever the worker
-is idle and there is work, schedule the next step and send it. Results go back to the API server
-that owns each request, identified by its ZeroMQ identity.
+One thread, one loop: drain API-server messages, collect worker outputs, and whenever the workers
+are idle and there is work, schedule the next step and send it. Results go back to the API server
+that owns each request, identified by its ZeroMQ identity. A tensor-parallel group's ranks each
+receive every step; rank 0 answers (``scheduler.worker_group``).
 
-Peers that go away are noticed at once (``scheduler.peers.PeerTracker``). A worker that
-disconnects fails every request with an UNAVAILABLE error, and new requests are refused the same
-way until a worker registers; an API server that disconnects has its requests aborted and their
-blocks freed. Nothing is dropped for being queued: the high-water marks are off, so results
-wait for a busy API server instead of vanishing; a peer that dies takes its queue with it.
+Peers that go away are noticed at once (``scheduler.peers.PeerTracker``). A worker (any rank)
+that disconnects fails every request with an UNAVAILABLE error, the rest of its group is told to
+shut down, and new requests are refused the same way until a whole group registers; an API
+server that disconnects has its requests aborted and their blocks freed. Nothing is dropped for
+being queued: the high-water marks are off, so results wait for a busy API server instead of
+vanishing; a peer that dies takes its queue with it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.peers import PeerTracker
 from scheduler.scheduler import ResultsByClient, Scheduler, counter_stats
+from scheduler.worker_group import Registration, WorkerGroups
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +76,10 @@ class SchedulerServer:
         self._decode_api = msgpack_numpy_decoder(ApiToSchedulerMessage)
         self._decode_worker = msgpack_numpy_decoder(WorkerToSchedulerMessage)
         self.scheduler: Scheduler | None = None
-        """None until a worker registers, and again after it disconnects."""
+        """None until a whole worker group registers, and again after one of it disconnects."""
         self._counters = SchedulerCounters()
         """Shared by every ``Scheduler`` this process makes, so /metrics counters only grow."""
-        self._worker_id: bytes | None = None
+        self._workers = WorkerGroups()
         self._in_flight: SchedulerOutput | None = None
         self._stopping = threading.Event()
 
@@ -181,7 +184,7 @@ class SchedulerServer:
                 message = SchedulerResults(by_request)
                 self._frontend.send_multipart([client_id, self._encode(message)])
 
-    # -- the worker ----------------------------------------------------------------------------
+    # -- the workers ---------------------------------------------------------------------------
 
     def _on_worker_message(self, worker_id: bytes, payload: memoryview) -> None:
         try:
@@ -189,9 +192,10 @@ class SchedulerServer:
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
             logger.warning("dropped a malformed frame from a worker: %s", error)
             return
+        group = self._workers.serving
         if isinstance(message, WorkerReady):
             self._on_worker_ready(worker_id, message)
-        elif worker_id != self._worker_id or self.scheduler is None or self._in_flight is None:
+        elif group is None or worker_id != group.driver or self._in_flight is None:
             logger.warning("dropped an unexpected %s from a worker", type(message).__name__)
         elif message.step_id != self._in_flight.step_id:
             logger.warning(
@@ -206,27 +210,43 @@ class SchedulerServer:
             self._send_results(self.scheduler.fail_step(step, f"worker error: {message.error}"))
 
     def _on_worker_disconnect(self, worker_id: bytes) -> None:
-        if worker_id != self._worker_id or self.scheduler is None:
+        registration = self._workers.leave(worker_id)
+        if registration is None:
             return
-        logger.error("the worker disconnected; failing every request until a worker registers")
-        self._send_results(self.scheduler.fail_all("the worker serving this request died"))
-        self.scheduler = self._worker_id = self._in_flight = None
+        if registration.was_serving:
+            logger.error("a worker disconnected; failing every request until workers register")
+        self._retire(registration, "the worker serving this request died")
 
     def _on_worker_ready(self, worker_id: bytes, ready: WorkerReady) -> None:
-        if self.scheduler is not None:
-            logger.error("a worker registered again; failing the requests of the old one")
-            self._send_results(self.scheduler.fail_all("the worker restarted"))
-        kv_cache = KVCacheConfig(ready.num_kv_blocks, ready.block_size, ready.max_model_len)
-        logger.info(
-            "worker ready: %s, %d KV blocks of %d tokens, context %d",
-            ready.model_name,
-            ready.num_kv_blocks,
-            ready.block_size,
-            ready.max_model_len,
-        )
-        self.scheduler = new_scheduler(self.config, kv_cache, self._counters)
-        self._worker_id = worker_id
-        self._in_flight = None
+        registration = self._workers.register(worker_id, ready)
+        if registration.error is not None:
+            logger.error("%s", registration.error)
+        elif registration.was_serving:
+            logger.error("a worker registered again; failing the requests of the old group")
+        self._retire(registration, "the worker restarted")
+        if registration.now_serving:
+            kv_cache = KVCacheConfig(ready.num_kv_blocks, ready.block_size, ready.max_model_len)
+            logger.info(
+                "workers ready: %s on %d rank(s), %d KV blocks of %d tokens, context %d",
+                ready.model_name,
+                ready.tensor_parallel_size,
+                ready.num_kv_blocks,
+                ready.block_size,
+                ready.max_model_len,
+            )
+            self.scheduler = new_scheduler(self.config, kv_cache, self._counters)
+        elif registration.error is None:
+            size = ready.tensor_parallel_size
+            logger.info("worker rank %d of %d registered; waiting for the rest", ready.rank, size)
+
+    def _retire(self, registration: Registration, reason: str) -> None:
+        """Fail the requests of a group that stopped serving, and shut down its survivors."""
+        if registration.was_serving and self.scheduler is not None:
+            self._send_results(self.scheduler.fail_all(reason))
+        if registration.was_serving:
+            self.scheduler = self._in_flight = None
+        for identity in registration.retired:
+            self._backend.send_multipart([identity, self._encode(Shutdown())])
 
     def _maybe_send_step(self) -> None:
         if self.scheduler is None or self._in_flight is not None:
@@ -237,13 +257,16 @@ class SchedulerServer:
         if not step.num_scheduled_tokens:
             return
         self._in_flight = step
-        self._backend.send_multipart([self._worker_id, self._encode(step)])
+        payload = self._encode(step)
+        for identity in self._workers.serving.members:
+            self._backend.send_multipart([identity, payload])
 
     def _shutdown(self) -> None:
         if self.scheduler is not None:
             self._send_results(self.scheduler.fail_all("the scheduler is shutting down"))
-        if self._worker_id is not None:
-            self._backend.send_multipart([self._worker_id, self._encode(Shutdown())])
+        if self._workers.group is not None:
+            for identity in self._workers.group.members:
+                self._backend.send_multipart([identity, self._encode(Shutdown())])
         self._api_peers.close()
         self._worker_peers.close()
         self._frontend.close()

@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     serve.add_argument("--api-servers", type=int, default=1, help="API server processes")
+    serve.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="worker processes that split the model (one per GPU on CUDA)",
+    )
     add_log_flags(serve)
     serve.add_argument("--max-model-len", type=int, help="context length (default: model's)")
     serve.add_argument(
@@ -130,6 +136,7 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_servers=args.api_servers,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,

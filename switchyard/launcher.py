@@ -1,8 +1,9 @@
 """Start every Switchyard process on one machine, watch them, and stop them all together.
 
 The launcher binds the HTTP socket itself and hands it to each API server process (so several
-share one port), starts the scheduler and the worker on ``ipc://`` sockets in a private temporary
-directory, and waits until ``/ready`` answers. Children get ``PR_SET_PDEATHSIG`` so that even a
+share one port), starts the scheduler and the worker (or ``tensor_parallel_size`` worker ranks,
+which meet on a free loopback port) on ``ipc://`` sockets in a private temporary directory, and
+waits until ``/ready`` answers. Children get ``PR_SET_PDEATHSIG`` so that even a
 ``kill -9`` of the launcher leaves no orphan.
 
 When a child dies: an API server is started again on the same socket (the others serve on
@@ -58,6 +59,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_servers: int = 1
+    tensor_parallel_size: int = 1
     max_model_len: int | None = None
     kv_cache_memory: str | None = None
     block_size: int = 16
@@ -81,6 +83,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.api_servers < 1:
             raise ValueError(f"--api-servers must be at least 1, got {self.api_servers}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if not self.shutdown_timeout_s >= 0:
@@ -103,6 +109,13 @@ def child_environment(api_key: str | None, **variables: str) -> dict[str, str]:
         env[envs.API_KEY_VARIABLE] = api_key
     env.update(variables)
     return env
+
+
+def _free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (for the ranks' rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _bind_listener(host: str, port: int) -> socket.socket:
@@ -167,7 +180,11 @@ class Launcher:
         self.port = self._listener.getsockname()[1]
         self._metrics_dir.mkdir()
         self._spawn("scheduler", self._scheduler_argv(self._ipc("frontend.sock"), backend))
-        self._spawn("worker", self._worker_argv(backend))
+        size = self.config.tensor_parallel_size
+        master_port = _free_port() if size > 1 else None
+        for rank in range(size):
+            name = "worker" if size == 1 else f"worker-{rank}"
+            self._spawn(name, self._worker_argv(backend, rank, master_port))
         for index in range(config.api_servers):
             self._spawn_api_server(f"api-server-{index}")
         self._wait_until_ready()
@@ -190,7 +207,7 @@ class Launcher:
             *(() if config.enable_prefix_caching else ("--no-prefix-caching",)),
         ]
 
-    def _worker_argv(self, backend: str) -> list[str]:
+    def _worker_argv(self, backend: str, rank: int, master_port: int | None) -> list[str]:
         config = self.config
         argv = [
             "worker",
@@ -198,6 +215,13 @@ class Launcher:
             *("--served-model-name", config.served_model_name),
             *("--block-size", str(config.block_size)),
         ]
+        if master_port is not None:
+            size = config.tensor_parallel_size
+            argv += [
+                *("--tensor-parallel-size", str(size), "--rank", str(rank)),
+                *("--master-addr", "127.0.0.1", "--master-port", str(master_port)),
+                *("--num-threads", str(max(1, len(os.sched_getaffinity(0)) // size))),
+            ]
         optional = {
             "--max-model-len": config.max_model_len,
             "--kv-cache-memory": config.kv_cache_memory,

@@ -1,4 +1,5 @@
-"""Greedy parity on CUDA (skipped without a GPU): the worker's tokens equal transformers'."""
+"""Greedy parity on CUDA (skipped without a GPU): the worker's tokens equal transformers', and
+two GPUs over NCCL give one GPU's tokens."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.tensor_parallel_ranks import run_group, scripted_steps
+from tests.test_tensor_parallel import tiny_requests
 from tests.test_worker_parity import NUM_NEW_TOKENS, DrivenRequest, FakeScheduler
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
@@ -41,3 +44,17 @@ def test_cuda_greedy_parity_with_transformers(request, model_fixture):
     assert runner.device.type == "cuda"
     requests = [DrivenRequest(f"r{i}", p, [len(p)]) for i, p in enumerate(prompts)]
     assert FakeScheduler(runner).generate(requests) == expected
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_tensor_parallel_over_nccl_matches_one_gpu(tiny_llama_dir):
+    steps = scripted_steps(tiny_requests(), 12)
+    one, two = (run_group(tiny_llama_dir, size, steps, device="cuda") for size in (1, 2))
+    for reports in (one, two):
+        assert list(reports[0]["refusals"]) == ["bad"]
+    tokens = [
+        {rid: [o.tokens[0] for o in outputs] for rid, outputs in reports[0]["outputs"].items()}
+        for reports in (one, two)
+    ]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 3
+    assert two[1]["tokens"] == tokens[0]

@@ -111,6 +111,7 @@ MESSAGES = [
     ),
     (SchedulerToWorkerMessage, Shutdown()),
     (WorkerToSchedulerMessage, WorkerReady("SmolLM2-135M-Instruct", 1000, 16, 8192)),
+    (WorkerToSchedulerMessage, WorkerReady("SmolLM2-135M-Instruct", 1000, 16, 8192, 2, 3)),
     (WorkerToSchedulerMessage, ModelOutput(9, {"req-1": OUTPUT})),
     (WorkerToSchedulerMessage, ModelOutput(9, {}, refused={"x": "invalid regex"})),
     (WorkerToSchedulerMessage, WorkerFailure(9, "CUDA out of memory")),

@@ -36,13 +36,21 @@ decode_worker = msgpack_numpy_decoder(SchedulerToWorkerMessage)
 
 
 class FakeWorkerThread(threading.Thread):
-    """Registers, then answers every step with the fake generator; fails steps on request."""
+    """Registers, then answers every step with the fake generator; fails steps on request.
+    As rank > 0 of a tensor-parallel group, it records steps and answers none."""
 
     def __init__(
-        self, context: zmq.Context, address: str, fail_request_ids=(), die_after_steps=None
+        self,
+        context: zmq.Context,
+        address: str,
+        fail_request_ids=(),
+        die_after_steps=None,
+        rank: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
         super().__init__(daemon=True)
         self.die_after_steps = die_after_steps
+        self.rank, self.tensor_parallel_size = rank, tensor_parallel_size
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
@@ -58,7 +66,8 @@ class FakeWorkerThread(threading.Thread):
             self.socket.close()  # by its own thread, before the fixture destroys the context
 
     def _serve(self) -> None:
-        self.socket.send(encode(WorkerReady("fake", 64, 4, 256)))
+        ready = WorkerReady("fake", 64, 4, 256, self.rank, self.tensor_parallel_size)
+        self.socket.send(encode(ready))
         while self.socket.poll(TIMEOUT_MS):
             message = decode_worker(self.socket.recv())
             if isinstance(message, Shutdown):
@@ -67,6 +76,8 @@ class FakeWorkerThread(threading.Thread):
             self.steps.append(message)
             if len(self.steps) == self.die_after_steps:
                 return  # closes the socket mid-step, as a killed process would
+            if self.rank > 0:
+                continue
             if self.fail_request_ids & set(message.num_scheduled_tokens):
                 self.socket.send(encode(WorkerFailure(message.step_id, "out of memory")))
                 continue
@@ -317,3 +328,23 @@ def test_an_api_server_that_goes_away_has_its_requests_aborted_and_freed(system)
     survivor.send(encode(SubmitRequest(ctx("mine", [9]))))
     tokens, _ = collect(survivor, ["mine"])
     assert tokens == {"mine": expected([9], 5)}
+
+
+def test_a_tensor_parallel_group_gets_every_step_and_ends_when_any_rank_dies(system):
+    _, context, frontend, backend = system
+    client = api_client(context, frontend)
+    rank_1 = FakeWorkerThread(context, backend, die_after_steps=4, rank=1, tensor_parallel_size=2)
+    rank_1.start()
+    client.send(encode(SubmitRequest(ctx("early", [1]))))
+    assert receive(client).results["early"].error_kind is ErrorKind.UNAVAILABLE  # rank 0 missing
+    rank_0 = start_worker(context, backend, client, rank=0, tensor_parallel_size=2)
+
+    client.send(encode(SubmitRequest(ctx("a", [1, 2], max_new_tokens=50))))
+    tokens, finals = collect(client, ["a"])
+    rank_1.join(5)
+    assert finals["a"].error == "the worker serving this request died"
+    assert 1 <= len(tokens["a"]) <= 4  # answered by rank 0 until rank 1 died in step 4
+    assert rank_0.got_shutdown.wait(5)  # the group is over: the survivor is told to stop
+    assert [step.step_id for step in rank_0.steps] == [step.step_id for step in rank_1.steps]
+    assert rank_0.steps == rank_1.steps and len(rank_1.steps) == 4
+    assert not stats(client).workers_ready

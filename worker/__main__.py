@@ -1,4 +1,6 @@
-"""``python -m worker``: load a model and serve it to the scheduler (tensor-parallel rank 0)."""
+"""``python -m worker``: load a model and serve it to the scheduler, alone or as one rank of a
+tensor-parallel group (``--tensor-parallel-size N --rank R``; the ranks meet at
+``--master-addr``:``--master-port``, where rank 0 listens)."""
 
 from __future__ import annotations
 
@@ -9,17 +11,19 @@ import sys
 from types import FrameType
 
 import setproctitle
+import torch.distributed as dist
 
 from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import add_transport_flags, transport_from_args
 from worker.config import DTYPES, WorkerConfig, parse_memory
 from worker.model_files import model_name_for, resolve_model
 from worker.model_runner import ModelRunner
+from worker.parallel import GroupBroken, destroy_tensor_parallel, init_tensor_parallel
 from worker.server import WorkerServer
 
 logger = logging.getLogger("worker")
 
-PROCESS_TITLE = "switchyard-worker tp0"
+PROCESS_TITLE = "switchyard-worker tp{rank}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +46,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="CPU threads (default: every core)"
+    )
+    group = parser.add_argument_group("tensor parallelism")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks in the group")
+    group.add_argument("--rank", type=int, default=0, help="this worker's rank in the group")
+    group.add_argument(
+        "--master-addr", default="127.0.0.1", help="the host of rank 0, where the ranks meet"
+    )
+    group.add_argument("--master-port", type=int, default=29500, help="rank 0's rendezvous port")
     add_transport_flags(parser, binds=False)
     add_log_flags(parser)
     return parser.parse_args(argv)
@@ -50,21 +64,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Load the model, then serve until Shutdown or a signal. Returns the exit code."""
     args = parse_args(argv)
-    setproctitle.setproctitle(PROCESS_TITLE)
-    configure_logging("worker-tp0", args.log_level, args.log_format)
+    setproctitle.setproctitle(PROCESS_TITLE.format(rank=args.rank))
+    configure_logging(f"worker-tp{args.rank}", args.log_level, args.log_format)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _exit_while_loading)
     try:
         security = transport_from_args(args)  # before the model: bad keys fail fast
-        runner = _load(args)
-    except ValueError as error:
+        config = _config(args)
+        init_tensor_parallel(
+            config.rank,
+            config.tensor_parallel_size,
+            config.master_addr,
+            config.master_port,
+            config.torch_device,
+        )
+        runner = ModelRunner(config)
+    except (ValueError, dist.DistError, GroupBroken) as error:
         logger.error("cannot start the worker: %s", error)
         return 1
-    return WorkerServer(runner, args.scheduler_addr, security).serve()
+    code = WorkerServer(runner, args.scheduler_addr, security).serve()
+    if code == 0:  # a broken group's communicators may block in teardown: the exit frees them
+        destroy_tensor_parallel()
+    return code
 
 
-def _load(args: argparse.Namespace) -> ModelRunner:
-    config = WorkerConfig(
+def _config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
         model_dir=resolve_model(args.model),
         device=args.device,
         dtype=args.dtype,
@@ -73,8 +98,12 @@ def _load(args: argparse.Namespace) -> ModelRunner:
         max_model_len=args.max_model_len,
         seed=args.seed,
         served_model_name=args.served_model_name or model_name_for(args.model),
+        num_threads=args.num_threads,
+        rank=args.rank,
+        tensor_parallel_size=args.tensor_parallel_size,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
-    return ModelRunner(config)
 
 
 def _exit_while_loading(signum: int, _frame: FrameType | None) -> None:

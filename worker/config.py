@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from worker.parallel import check_rank
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.8
@@ -25,6 +27,9 @@ class WorkerConfig:
     ``max_model_len`` None means the model's ``max_position_embeddings``.
     ``seed`` seeds sampling for requests that bring no seed of their own; None draws fresh.
     ``served_model_name`` None means the model directory's name.
+    ``num_threads`` is torch's CPU threads; None means every core this process may run on.
+    ``rank`` and ``tensor_parallel_size`` place the worker in its tensor-parallel group;
+    ``master_addr``:``master_port`` is where the ranks meet (rank 0 listens there).
     """
 
     model_dir: Path
@@ -35,6 +40,11 @@ class WorkerConfig:
     max_model_len: int | None = None
     seed: int | None = None
     served_model_name: str | None = None
+    num_threads: int | None = None
+    rank: int = 0
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -48,13 +58,29 @@ class WorkerConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        check_rank(self.rank, self.tensor_parallel_size)
+        if self.device.startswith("cuda:") and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"device {self.device!r} names one GPU for {self.tensor_parallel_size} ranks; "
+                "use device cuda (rank r takes GPU r modulo the GPUs on its host)"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
 
     @property
     def torch_device(self) -> torch.device:
-        """The device the model and KV cache live on."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """The device the model and KV cache live on. Tensor-parallel ranks given "auto" or
+        "cuda" take GPU ``rank`` modulo the GPUs this host has."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA device is available")
+        if device == "cuda" and self.tensor_parallel_size > 1:
+            device = f"cuda:{self.rank % torch.cuda.device_count()}"
+        return torch.device(device)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -4,6 +4,12 @@ The runner decides nothing about scheduling. It caches each request's tokens and
 computes exactly the tokens the scheduler named, and samples a token for every request whose
 computed tokens thereby reach the end of its known tokens (prompt plus outputs so far), along with
 the log probabilities and grammar masks the request asked for.
+
+Tensor-parallel, every rank runs the same step on its share of the model (``worker.parallel``).
+Before the forward pass the ranks agree on which new requests are refused and whether the step
+failed, so their batches stay identical; after it, rank 0 alone samples and sends the tokens to
+the others, which need them as the next step's inputs. A collective that fails leaves the ranks
+out of step, which no step can repair: it raises ``GroupBroken`` and the worker exits.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 
 from interfaces import LogProbabilities, RequestID, TextGenerationOutput
 from interfaces.scheduler_to_worker import NewRequestData, SchedulerOutput
+from worker import parallel
 from worker.attention import build_batch_layout
 from worker.config import WorkerConfig, default_num_threads
 from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_blocks_for_budget
@@ -22,6 +29,7 @@ from worker.logits_processors import build_logits_processors
 from worker.logprobs import as_log_probabilities, check_logprob_counts, token_logprobs
 from worker.models.config import ModelConfig
 from worker.models.llama import load_model
+from worker.parallel import tensor_parallel
 from worker.prompt_logprobs import plan_prompt_logprob_rows, record_prompt_logprobs
 from worker.request_state import RequestState
 from worker.sampler import Sampler, SamplingBatch, check_supported
@@ -40,24 +48,30 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        self.tensor_parallel = tensor_parallel()
         if self.device.type == "cpu":
-            torch.set_num_threads(default_num_threads())
+            torch.set_num_threads(config.num_threads or default_num_threads())
         self.model = load_model(config.model_dir, self.device, self.dtype)
         self.model_config: ModelConfig = self.model.config
         self._max_model_len = _max_model_len(config, self.model_config)
         self.kv_cache = self._allocate_kv_cache()
         _check_kv_capacity(self.kv_cache.num_blocks * self.block_size, self._max_model_len)
         self.sampler = Sampler(self.device, config.seed)
-        self.grammars = GrammarCompiler(
-            config.model_dir, self.model_config.vocab_size, default_num_threads()
-        )
+        self.grammars: GrammarCompiler | None = None
+        """Rank 0's: only it samples, so only it follows grammars."""
+        if self.tensor_parallel.is_driver:
+            self.grammars = GrammarCompiler(
+                config.model_dir, self.model_config.vocab_size, default_num_threads()
+            )
         self.requests: dict[RequestID, RequestState] = {}
         self._refusals: dict[RequestID, str] = {}
         logger.info(
-            "loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
+            "loaded %s on %s (%s), rank %d of %d: %d KV blocks of %d tokens, max_model_len %d",
             config.model_dir,
             self.device,
             self.dtype,
+            self.tensor_parallel.rank,
+            self.tensor_parallel.world_size,
             self.num_kv_blocks,
             self.block_size,
             self.max_model_len,
@@ -81,16 +95,18 @@ class ModelRunner:
         return self.config.model_name
 
     def _allocate_kv_cache(self) -> KVCache:
-        model = self.model_config
-        shape = (model.num_hidden_layers, self.config.block_size, model.num_key_value_heads)
+        """This rank's pool: its key-value heads, and as many blocks as every rank can hold,
+        so that a block id means the same slots on each."""
+        model, num_kv_heads = self.model_config, self.model.num_kv_heads
+        shape = (model.num_hidden_layers, self.config.block_size, num_kv_heads)
         block_bytes = bytes_per_block(*shape, model.head_dim, self.dtype)
         budget = kv_cache_budget(self.config.kv_cache_memory, self.device)
-        num_blocks = num_blocks_for_budget(budget, block_bytes)
+        num_blocks = parallel.all_reduce_min(num_blocks_for_budget(budget, block_bytes))
         return KVCache(
             model.num_hidden_layers,
             num_blocks,
             self.config.block_size,
-            model.num_key_value_heads,
+            num_kv_heads,
             model.head_dim,
             self.dtype,
             self.device,
@@ -105,10 +121,15 @@ class ModelRunner:
         A new request the worker cannot serve (a bad grammar, logit_bias outside the vocabulary)
         is refused alone: see ``take_refusals``. If the step raises (``ValueError`` for an
         inconsistent step), every request it named is released, so no half-applied state
-        outlives it.
+        outlives it. Ranks other than 0 return no outputs.
         """
         try:
-            self._update_states(scheduler_output)
+            failure = None
+            try:
+                self._update_states(scheduler_output)
+            except Exception as error:  # every rank must still take part in the agreement
+                failure = error
+            self._agree_on_refusals(scheduler_output, failure)
             outputs = self._execute(scheduler_output.num_scheduled_tokens)
         except Exception:
             for request_id in _named_request_ids(scheduler_output):
@@ -151,19 +172,39 @@ class ModelRunner:
             check_supported(context.sampling_params, self.model_config.vocab_size)
             check_logprob_counts(context)
             grammar = None
-            if context.structured_output is not None:
+            if context.structured_output is not None and self.grammars is not None:
                 grammar = self.grammars.grammar_for(context)
         except ValueError as error:
-            plain = NewRequestData(
-                msgspec.structs.replace(context, logprobs=None, prompt_logprobs=None),
-                new.block_ids,
-                new.num_computed_tokens,
-                new.output_token_ids,
-            )
-            state = RequestState.from_new_request(plain, self.device)
-            state.refusal = str(error)
-            return state
+            return self._refused_state(new, str(error))
         return RequestState.from_new_request(new, self.device, grammar)
+
+    def _refused_state(self, new: NewRequestData, reason: str) -> RequestState:
+        plain = NewRequestData(
+            msgspec.structs.replace(new.context, logprobs=None, prompt_logprobs=None),
+            new.block_ids,
+            new.num_computed_tokens,
+            new.output_token_ids,
+        )
+        state = RequestState.from_new_request(plain, self.device)
+        state.refusal = reason
+        return state
+
+    def _agree_on_refusals(self, step: SchedulerOutput, failure: Exception | None) -> None:
+        """Raise ``failure``, or a failure on another rank; then refuse on every rank each new
+        request that some rank refused (rank 0 alone compiles grammars)."""
+        refused = [
+            failure is None and self.requests[new.context.request_id].refusal is not None
+            for new in step.new_requests
+        ]
+        anyone_failed, anyone_refused = parallel.agree_on_step(failure is not None, refused)
+        if failure is not None:
+            raise failure
+        if anyone_failed:
+            raise RuntimeError("another tensor-parallel rank failed this step")
+        for new, mine, anyone in zip(step.new_requests, refused, anyone_refused, strict=True):
+            if anyone and not mine:
+                request_id = new.context.request_id
+                self.requests[request_id] = self._refused_state(new, "refused by rank 0")
 
     def _execute(
         self, num_scheduled: dict[RequestID, int]
@@ -188,17 +229,36 @@ class ModelRunner:
         ]
         prompt_rows = plan_prompt_logprob_rows(states, counts)
         prompt_indices = torch.tensor(prompt_rows.flat_indices, dtype=torch.int64)
-        logits = self.model(
-            self._input_ids(states, counts),
-            layout.positions,
-            self.kv_cache,
-            layout.metadata,
-            torch.cat([layout.last_token_indices[sampling], prompt_indices.to(self.device)]),
-        )  # (len(sampling) + len(prompt_indices), vocab_size)
+        with parallel.group_breaks_on_error("run a forward pass"):
+            logits = self.model(
+                self._input_ids(states, counts),
+                layout.positions,
+                self.kv_cache,
+                layout.metadata,
+                torch.cat([layout.last_token_indices[sampling], prompt_indices.to(self.device)]),
+            )  # (len(sampling) + len(prompt_indices), vocab_size)
         for state, count in zip(states, counts, strict=True):
             state.num_computed_tokens += count
-        record_prompt_logprobs(logits[len(sampling) :], prompt_rows)
-        return self._sample(logits[: len(sampling)], [states[i] for i in sampling])
+        sampled = [states[i] for i in sampling]
+        if not self.tensor_parallel.is_driver:
+            return self._follow(sampled)
+        try:
+            record_prompt_logprobs(logits[len(sampling) :], prompt_rows)
+            outputs = self._sample(logits[: len(sampling)], sampled)
+        except Exception:
+            parallel.share_tokens(None, len(sampled))
+            raise
+        parallel.share_tokens([outputs[s.request_id].tokens[0] for s in sampled], len(sampled))
+        return outputs
+
+    def _follow(self, sampled: list[RequestState]) -> dict[RequestID, TextGenerationOutput]:
+        """Ranks other than 0: take rank 0's tokens for the states it sampled; no outputs."""
+        tokens = parallel.share_tokens(None, len(sampled))
+        if tokens is None:
+            raise RuntimeError("rank 0 failed to sample this step")
+        for state, token in zip(sampled, tokens, strict=True):
+            state.append_output(token)
+        return {}
 
     def _sample(
         self, logits: torch.Tensor, states: list[RequestState]

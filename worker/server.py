@@ -8,6 +8,10 @@ timeout so signals are noticed between steps; a step in progress always finishes
 If the connection to the scheduler drops (the scheduler died, or over TCP went silent past
 ZeroMQ's heartbeat timeout), the worker exits with code 1 at once: its requests and KV cache
 belong to that scheduler, and a fresh worker is what a restarted scheduler needs.
+
+Each rank of a tensor-parallel group has its own connection and receives every step; only rank
+0 answers. A rank whose collectives fail (``GroupBroken``: a peer died) exits with code 1, and
+the scheduler stops the rest of the group.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from interfaces.worker_to_scheduler import (
     WorkerReady,
     WorkerToSchedulerMessage,
 )
+from worker.parallel import GroupBroken, tensor_parallel
 
 if TYPE_CHECKING:
     from worker.model_runner import ModelRunner
@@ -90,7 +95,15 @@ class WorkerServer:
                     logger.info("shutdown requested by the scheduler")
                     return 0
                 if isinstance(message, SchedulerOutput):
-                    self._send(socket, self.run_step(message))
+                    try:
+                        answer = self.run_step(message)
+                    except GroupBroken:
+                        logger.exception(
+                            "left the tensor-parallel group in step %d", message.step_id
+                        )
+                        return 1
+                    if tensor_parallel().is_driver:
+                        self._send(socket, answer)
             elif monitor in events:
                 endpoint = recv_monitor_message(monitor)["endpoint"].decode()
                 logger.error("lost the connection to the scheduler at %s; exiting", endpoint)
@@ -99,10 +112,13 @@ class WorkerServer:
         return 0
 
     def run_step(self, step: SchedulerOutput) -> ModelOutput | WorkerFailure:
-        """Run one step; a step that raises becomes a WorkerFailure and the worker serves on."""
+        """Run one step; a step that raises becomes a WorkerFailure and the worker serves on,
+        unless its group broke (``GroupBroken`` propagates)."""
         try:
             outputs = self.runner.next_token(step)
             return ModelOutput(step.step_id, outputs, self.runner.take_refusals())
+        except GroupBroken:
+            raise
         except Exception as error:
             logger.exception("step %d failed", step.step_id)
             return WorkerFailure(step.step_id, str(error) or type(error).__name__)
@@ -120,9 +136,14 @@ class WorkerServer:
             return None
 
     def _ready(self) -> WorkerReady:
-        runner = self.runner
+        runner, group = self.runner, tensor_parallel()
         return WorkerReady(
-            runner.model_name, runner.num_kv_blocks, runner.block_size, runner.max_model_len
+            runner.model_name,
+            runner.num_kv_blocks,
+            runner.block_size,
+            runner.max_model_len,
+            group.rank,
+            group.world_size,
         )
 
     def _send(self, socket: zmq.Socket, message: WorkerToSchedulerMessage) -> None:

@@ -2,7 +2,9 @@
 
 Module names follow Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``...) so weights
 load by name. One forward pass takes every request's scheduled tokens concatenated; attention
-finds each token's request and cache blocks in ``AttentionMetadata``.
+finds each token's request and cache blocks in ``AttentionMetadata``. The layers come from
+``worker.models.linear``, which splits them over tensor-parallel ranks; this file reads as if
+on one device (head counts come from the layers).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 from worker.attention import AttentionMetadata, paged_attention, write_kv
 from worker.kv_cache import KVCache
 from worker.models.config import ModelConfig
-from worker.models.linear import Linear, prepack_linears
+from worker.models.linear import Linear, Split, VocabEmbedding, prepack_linears
 from worker.models.rotary import RotaryEmbedding
 
 
@@ -43,14 +45,16 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(hidden, self.qkv_sizes, bias=config.qkv_bias)
-        self.o_proj = Linear(q_size, hidden, bias=config.o_proj_bias)
+        self.head_dim = head_dim = config.head_dim
+        heads = Split(config.num_attention_heads, head_dim, "attention heads")
+        kv_heads = Split(config.num_key_value_heads, head_dim, "key-value heads", replicate=True)
+        self.qkv_proj = Linear.column(
+            config.hidden_size, [heads, kv_heads, kv_heads], bias=config.qkv_bias
+        )
+        self.o_proj = Linear.row(heads, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_sizes = self.qkv_proj.output_sizes  # this worker's heads (all, on one device)
+        self.num_heads = self.qkv_sizes[0] // head_dim
+        self.num_kv_heads = self.qkv_sizes[1] // head_dim
 
     def forward(
         self,
@@ -78,9 +82,10 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = Linear(hidden, [inner, inner], bias=config.mlp_bias)
-        self.down_proj = Linear(inner, hidden, bias=config.mlp_bias)
+        hidden = config.hidden_size
+        inner = Split(config.intermediate_size, 1, "intermediate features")
+        self.gate_up_proj = Linear.column(hidden, [inner, inner], bias=config.mlp_bias)
+        self.down_proj = Linear.row(inner, hidden, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (num_tokens, intermediate_size) each
@@ -114,7 +119,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         # None once a tied LM head's packed weight serves the lookups (``load_model``).
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: VocabEmbedding | None = VocabEmbedding(
+            config.vocab_size, config.hidden_size
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
@@ -129,7 +136,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.rotary_emb = RotaryEmbedding(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear.vocab(config.hidden_size, config.vocab_size)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key-value heads per layer in this worker's KV cache."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     def forward(
         self,
@@ -158,6 +170,9 @@ STACKED_PROJECTIONS = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 """Stacked layers and the checkpoint projections they hold, in row order."""
+
+SHARDED_LAYERS = (Linear, VocabEmbedding)
+"""Layers that cut their part of a checkpoint tensor themselves (``load_shard``)."""
 
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -199,16 +214,18 @@ def _checkpoint_loaders(model: LlamaForCausalLM) -> dict[str, Callable[[torch.Te
     """For each checkpoint tensor name the model needs, what copies it into place."""
     loaders: dict[str, Callable[[torch.Tensor], None]] = {}
     for prefix, module in model.named_modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, SHARDED_LAYERS):
             continue
         parent, _, local_name = prefix.rpartition(".")
         names = STACKED_PROJECTIONS.get(local_name, (local_name,))
         for shard, checkpoint_name in enumerate(names):
             base = f"{parent}.{checkpoint_name}" if parent else checkpoint_name
-            for kind in ("weight", "bias") if module.bias is not None else ("weight",):
+            for kind in (
+                ("weight", "bias") if getattr(module, "bias", None) is not None else ("weight",)
+            ):
                 loaders[f"{base}.{kind}"] = partial(module.load_shard, shard, kind)
     for name, parameter in model.named_parameters():
-        if not isinstance(model.get_submodule(name.rpartition(".")[0]), Linear):
+        if not isinstance(model.get_submodule(name.rpartition(".")[0]), SHARDED_LAYERS):
             loaders[name] = partial(_copy_weight, parameter, name=name)
     if model.config.tie_word_embeddings:
         loaders.pop("lm_head.weight")

@@ -94,17 +94,23 @@ def reference(model_dir: Path):
 
     @cache
     def generate(prompt: tuple[int, ...]) -> list[int]:
-        with torch.inference_mode():
-            input_ids = torch.tensor([prompt])
-            output = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=False,
-                max_new_tokens=NUM_NEW_TOKENS,
-            )
-        return output[0, len(prompt) :].tolist()
+        return greedy_tokens(model, list(prompt), NUM_NEW_TOKENS)
 
     return generate
+
+
+def greedy_tokens(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """``model``'s (transformers) greedy continuation of ``prompt``, with an explicit attention
+    mask (see ``reference``)."""
+    with torch.inference_mode():
+        input_ids = torch.tensor([prompt])
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+        )
+    return output[0, len(prompt) :].tolist()
 
 
 def expected_for(reference, prompts):

@@ -30,6 +30,7 @@ from tests.serve_process import (
     wait_until_ready,
 )
 from tests.tensor_parallel_ranks import ScriptedRequest, run_group, scripted_steps
+from tests.test_engine_parity import greedy_tokens
 from tests.test_faults import in_background, wait_until
 from tests.test_roles_standalone import free_port
 from worker import parallel
@@ -128,15 +129,7 @@ def reference():
         return model
 
     def generate(model_dir: Path, prompt: list[int]) -> list[int]:
-        with torch.inference_mode():
-            input_ids = torch.tensor([prompt])
-            output = model_for(model_dir).generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=False,
-                max_new_tokens=NUM_NEW_TOKENS,
-            )
-        return output[0, len(prompt) :].tolist()
+        return greedy_tokens(model_for(model_dir), prompt, NUM_NEW_TOKENS)
 
     return generate
 

@@ -343,8 +343,13 @@ def test_a_tensor_parallel_group_gets_every_step_and_ends_when_any_rank_dies(sys
     tokens, finals = collect(client, ["a"])
     rank_1.join(5)
     assert finals["a"].error == "the worker serving this request died"
-    assert 1 <= len(tokens["a"]) <= 4  # answered by rank 0 until rank 1 died in step 4
     assert rank_0.got_shutdown.wait(5)  # the group is over: the survivor is told to stop
-    assert [step.step_id for step in rank_0.steps] == [step.step_id for step in rank_1.steps]
-    assert rank_0.steps == rank_1.steps and len(rank_1.steps) == 4
+    # Every step rank 1 lived to see went to rank 0 too, in the same order. The disconnect is
+    # reported by a socket monitor, asynchronously, so rank 0 may get one more step before the
+    # scheduler learns rank 1 is gone; that step's answer is dropped, never streamed.
+    sent_to_both = len(rank_1.steps)
+    assert sent_to_both == 4
+    assert rank_0.steps[:sent_to_both] == rank_1.steps
+    assert len(rank_0.steps) <= sent_to_both + 1
+    assert 1 <= len(tokens["a"]) <= sent_to_both  # answered by rank 0 until rank 1 died
     assert not stats(client).workers_ready

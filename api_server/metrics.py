@@ -37,7 +37,11 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
 
 from interfaces import RequestTimings, envs
-from interfaces.scheduler_to_api import ITERATION_TOKENS_BUCKETS, SchedulerStats
+from interfaces.scheduler_to_api import (
+    ITERATION_TOKENS_BUCKETS,
+    KV_TRANSFER_SECONDS_BUCKETS,
+    SchedulerStats,
+)
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -69,6 +73,10 @@ SCHEDULER_METRIC_NAMES = (
     "switchyard:prefix_cache_queries_total",
     "switchyard:prefix_cache_hits_total",
     "switchyard:iteration_tokens_total",
+    "switchyard:num_requests_running_by_role",
+    "switchyard:num_requests_waiting_by_role",
+    "switchyard:kv_transfer_bytes_total",
+    "switchyard:kv_transfer_seconds",
 )
 """The scheduler's series (histogram series add _bucket, _sum, _count): the same on every API
 server of one scheduler. deploy/prometheus/prometheus.yml scrapes them from one replica only."""
@@ -356,19 +364,55 @@ class SchedulerCollector(Collector):
             "Of those, tokens found cached.",
             stats.prefix_cache_hits_total,
         )
-        yield self._iteration_tokens(stats)
-
-    def _iteration_tokens(self, stats: SchedulerStats) -> HistogramMetricFamily:
-        counts = stats.iteration_tokens_counts
-        bounds = [str(float(bound)) for bound in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
-        cumulative, buckets = 0, []
-        for bound, count in zip(bounds, counts, strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        metric = HistogramMetricFamily(
+        yield self._histogram(
             "switchyard:iteration_tokens_total",
             "Tokens computed per scheduler step.",
-            labels=["model_name"],
+            ITERATION_TOKENS_BUCKETS,
+            stats.iteration_tokens_counts,
+            stats.iteration_tokens_sum,
         )
-        metric.add_metric([self.model_name], buckets, stats.iteration_tokens_sum)
+        for state, by_role in (
+            ("running", stats.num_requests_running_by_role),
+            ("waiting", stats.num_requests_waiting_by_role),
+        ):
+            metric = GaugeMetricFamily(
+                f"switchyard:num_requests_{state}_by_role",
+                f"Requests {state} on the worker groups of each role (hybrid, prefill, decode).",
+                labels=["model_name", "role"],
+            )
+            for role, value in sorted(by_role.items()):
+                metric.add_metric([self.model_name, role], value)
+            yield metric
+        yield family(
+            CounterMetricFamily,
+            "switchyard:kv_transfer_bytes",
+            "Bytes of KV cache blocks sent from prefill to decode worker groups.",
+            stats.kv_transfer_bytes_total,
+        )
+        yield self._histogram(
+            "switchyard:kv_transfer_seconds",
+            "Seconds from a prefill group starting to send a request's KV blocks to its decode "
+            "group holding them all.",
+            KV_TRANSFER_SECONDS_BUCKETS,
+            stats.kv_transfer_seconds_counts,
+            stats.kv_transfer_seconds_sum,
+        )
+
+    def _histogram(
+        self,
+        name: str,
+        documentation: str,
+        bounds: tuple[float, ...],
+        counts: list[int],
+        total: float,
+    ) -> HistogramMetricFamily:
+        """A histogram family from per-bucket (not cumulative) ``counts``, the last above
+        every bound."""
+        labels = [str(float(bound)) for bound in bounds] + ["+Inf"]
+        cumulative, buckets = 0, []
+        for bound, count in zip(labels, counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        metric = HistogramMetricFamily(name, documentation, labels=["model_name"])
+        metric.add_metric([self.model_name], buckets, total)
         return metric

@@ -39,8 +39,8 @@ from interfaces.scheduler_to_api import SchedulerResults
 from interfaces.scheduler_to_worker import SchedulerOutput
 from interfaces.worker_to_scheduler import ModelOutput, WorkerToSchedulerMessage
 from scheduler.config import KVCacheConfig, SchedulerConfig
+from scheduler.coordinator import new_scheduler
 from scheduler.scheduler import Scheduler
-from scheduler.server import new_scheduler
 
 CLIENT_ID = b"api-server-0"
 TARGET_MS = 1.0

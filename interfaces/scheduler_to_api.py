@@ -20,6 +20,12 @@ ITERATION_TOKENS_BUCKETS: tuple[int, ...] = (
 """Upper bounds (inclusive) of the ``iteration_tokens_total`` histogram's buckets, vLLM's."""
 
 
+KV_TRANSFER_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+"""Upper bounds (inclusive) of the ``kv_transfer_seconds`` histogram's buckets."""
+
+
 class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     """A snapshot of the scheduler's state, in reply to ``StatsRequest``.
 
@@ -28,6 +34,12 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     already cached. ``iteration_tokens_counts[i]`` counts the steps that computed at most
     ``ITERATION_TOKENS_BUCKETS[i]`` tokens (and more than the bound before it); the last entry,
     the steps above every bound. ``iteration_tokens_sum`` adds every step's tokens.
+
+    With disaggregation, the ``*_by_role`` gauges split running and waiting requests by the role
+    of the group holding them (requests waiting for a decode reservation count as waiting for
+    prefill; a request whose KV is in transfer counts as running in the total only). The
+    ``kv_transfer_*`` fields count the KV blocks sent from prefill to decode groups: bytes,
+    and the transfers' durations as a histogram over ``KV_TRANSFER_SECONDS_BUCKETS``.
     """
 
     num_requests_running: int
@@ -42,6 +54,13 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
         default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
     )
     iteration_tokens_sum: int = 0
+    num_requests_running_by_role: dict[str, int] = {}
+    num_requests_waiting_by_role: dict[str, int] = {}
+    kv_transfer_bytes_total: int = 0
+    kv_transfer_seconds_counts: list[int] = msgspec.field(
+        default_factory=lambda: [0] * (len(KV_TRANSFER_SECONDS_BUCKETS) + 1)
+    )
+    kv_transfer_seconds_sum: float = 0.0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -33,6 +33,19 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     num_computed_tokens: int
 
 
+class KVSend(msgspec.Struct, array_like=True, omit_defaults=True):
+    """After the step, send the KV of ``block_ids`` (the request's prompt blocks, in order) to
+    the decode group whose ranks receive at ``destinations`` (rank r at index r).
+
+    Every rank of the prefill group sends the key-value heads it holds that some decode rank
+    needs (``worker.kv_transfer.transfer_plan``)."""
+
+    transfer_id: int
+    request_id: RequestID
+    block_ids: list[int]
+    destinations: list[str]
+
+
 class SchedulerOutput(msgspec.Struct, tag="step", array_like=True, omit_defaults=True):
     """One step: which requests run and how many of their tokens to compute.
 
@@ -46,14 +59,37 @@ class SchedulerOutput(msgspec.Struct, tag="step", array_like=True, omit_defaults
     cached_requests: list[CachedRequestData] = []
     num_scheduled_tokens: dict[RequestID, int] = {}
     finished_request_ids: list[RequestID] = []
+    kv_sends: list[KVSend] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
 
-class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    """Ask the worker to exit cleanly."""
+class KVReceive(msgspec.Struct, array_like=True):
+    """Expect transfer ``transfer_id`` from a prefill group of ``source_size`` ranks, into
+    ``block_ids`` (reserved for the request until the transfer ends)."""
+
+    transfer_id: int
+    request_id: RequestID
+    block_ids: list[int]
+    source_size: int
 
 
-SchedulerToWorkerMessage = SchedulerOutput | Shutdown
+class KVTransfers(msgspec.Struct, tag="kv_transfers", array_like=True, omit_defaults=True):
+    """To every rank of a decode group, whenever the scheduler has news: transfers to expect,
+    and transfers to give up (their blocks go back to the scheduler, so data that arrives
+    later for them is dropped)."""
+
+    receive: list[KVReceive] = []
+    cancel: list[int] = []
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, omit_defaults=True):
+    """Ask the worker to exit: cleanly, or, with a ``reason``, because the scheduler refused
+    it (the worker logs the reason and exits 1)."""
+
+    reason: str | None = None
+
+
+SchedulerToWorkerMessage = SchedulerOutput | KVTransfers | Shutdown

@@ -2,16 +2,54 @@
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from interfaces.outputs import TextGenerationOutput
 from interfaces.requests import RequestID
 
 
+class WorkerRole(enum.Enum):
+    """What a worker group does (lmdeploy's EngineRole; MAX's prefill_only / decode_only).
+
+    A ``hybrid`` group runs requests from prompt to last token. With disaggregation, a
+    ``prefill`` group computes prompts and their first token, its KV blocks are sent to a
+    ``decode`` group, and that group generates the rest.
+    """
+
+    HYBRID = "hybrid"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class KVLayout(msgspec.Struct, array_like=True, frozen=True):
+    """The shape of a group's KV cache, which a transfer between groups must agree on.
+
+    ``num_kv_heads`` counts the model's key-value heads (every rank of a tensor-parallel group
+    holds its share of them); ``dtype`` is torch's name without the prefix ("bfloat16").
+    Each block holds ``block_size`` tokens of keys and values of every layer.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block across all layers and heads, keys and values together."""
+        element_size = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+
+
 class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
-    """Sent once after the model is loaded and the KV pool allocated, by every rank of a
-    tensor-parallel group: the scheduler serves the group once all ``tensor_parallel_size``
-    ranks have registered (with the same model and KV pool)."""
+    """The handshake: sent once after the model is loaded and the KV pool allocated, by every
+    rank of a worker group. The scheduler serves the group once all ``tensor_parallel_size``
+    ranks have registered alike (model, KV pool, role, layout).
+
+    ``group`` names the group its ranks belong to (a group that registers again under the same
+    name replaced the old one). A ``decode`` rank receives KV blocks at ``transfer_addr``.
+    """
 
     model_name: str
     num_kv_blocks: int
@@ -19,6 +57,10 @@ class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
     max_model_len: int
     rank: int = 0
     tensor_parallel_size: int = 1
+    role: WorkerRole = WorkerRole.HYBRID
+    group: str = ""
+    kv_layout: KVLayout | None = None
+    transfer_addr: str = ""
 
 
 class ModelOutput(msgspec.Struct, tag="output", array_like=True):
@@ -43,4 +85,18 @@ class WorkerFailure(msgspec.Struct, tag="failure", array_like=True):
     error: str
 
 
-WorkerToSchedulerMessage = WorkerReady | ModelOutput | WorkerFailure
+class KVReceived(msgspec.Struct, tag="kv_received", array_like=True):
+    """A decode rank holds its share of transfer ``transfer_id``'s blocks (every rank of the
+    decode group sends one; the request may decode once all have).
+
+    ``num_bytes`` were received; ``seconds`` ran from the first sender starting to gather the
+    blocks to the last of them written here (wall clocks: across hosts, as exact as their
+    synchronization)."""
+
+    transfer_id: int
+    rank: int
+    num_bytes: int
+    seconds: float
+
+
+WorkerToSchedulerMessage = WorkerReady | ModelOutput | WorkerFailure | KVReceived

@@ -36,6 +36,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="do not reuse the KV blocks of identical prompt prefixes",
     )
+    parser.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=SchedulerConfig.kv_transfer_timeout_s,
+        metavar="SECONDS",
+        help="with prefill and decode groups: fail a request whose KV blocks have not reached "
+        "its decode group this long after its first token",
+    )
     add_queue_flags(parser)
     add_transport_flags(parser, binds=True)
     add_log_flags(parser)
@@ -53,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             enable_prefix_caching=args.enable_prefix_caching,
             max_queued_requests=args.max_queued_requests,
             max_queued_tokens=args.max_queued_tokens,
+            kv_transfer_timeout_s=args.kv_transfer_timeout,
         )
         security = transport_from_args(args)
         server = SchedulerServer(config, args.frontend_addr, args.backend_addr, security)

@@ -28,8 +28,15 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_queued_requests: int = 2048
     max_queued_tokens: int = 1 << 20
+    kv_transfer_timeout_s: float = 30.0
+    """With disaggregation: how long after its hand-off a request's KV may take to reach its
+    decode group before the request fails."""
 
     def __post_init__(self) -> None:
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(
+                f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

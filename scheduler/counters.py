@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from interfaces.scheduler_to_api import ITERATION_TOKENS_BUCKETS
+from interfaces.scheduler_to_api import ITERATION_TOKENS_BUCKETS, KV_TRANSFER_SECONDS_BUCKETS
 
 
 @dataclass
@@ -24,6 +24,19 @@ class SchedulerCounters:
     )
     """Steps per bucket of ``ITERATION_TOKENS_BUCKETS`` (not cumulative; the last: above all)."""
     iteration_tokens_sum: int = 0
+    kv_transfer_bytes: int = 0
+    """Bytes of KV blocks that decode groups received from prefill groups."""
+    kv_transfer_seconds_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(KV_TRANSFER_SECONDS_BUCKETS) + 1)
+    )
+    kv_transfer_seconds_sum: float = 0.0
+
+    def observe_kv_transfer(self, num_bytes: int, seconds: float) -> None:
+        """Count one finished transfer of a request's blocks."""
+        self.kv_transfer_bytes += num_bytes
+        index = bisect.bisect_left(KV_TRANSFER_SECONDS_BUCKETS, seconds)
+        self.kv_transfer_seconds_counts[index] += 1
+        self.kv_transfer_seconds_sum += seconds
 
     def observe_step(self, num_tokens: int) -> None:
         """Count one step that computed ``num_tokens`` tokens."""

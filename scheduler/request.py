@@ -13,6 +13,8 @@ from scheduler.block_hash import BlockHash
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    RESERVED = "reserved"
+    """Holding blocks for KV computed elsewhere, not yet running (disaggregation)."""
     FINISHED = "finished"
 
 

@@ -6,6 +6,12 @@ waiting requests are admitted while budget, sequence slots and KV blocks last. A
 than the remaining budget is computed in chunks over several steps. When a running request needs
 a block and none is free, the newest running request is preempted: it gives its blocks back,
 returns to the front of the queue, and is recomputed later with the same output.
+
+With disaggregation the same class schedules each side. A ``prefill_only`` scheduler hands a
+request off after its first token: the request leaves it (its blocks stay in the prefix cache)
+and ``take_handoffs`` returns it. A decode group's scheduler ``reserve``s blocks for a request
+before its prompt is computed elsewhere, and ``start_decoding`` runs it once its KV arrived;
+the request starts on the worker with its prompt already computed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from interfaces import (
 from interfaces.scheduler_to_api import SchedulerStats
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
 from interfaces.worker_to_scheduler import ModelOutput
+from scheduler.admission import admission_problem, queue_overload, refusal
 from scheduler.block_manager import BlockManager
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.counters import SchedulerCounters
@@ -45,9 +52,11 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache: KVCacheConfig,
         counters: SchedulerCounters | None = None,
+        prefill_only: bool = False,
     ) -> None:
         """``counters``: where to count preemptions, prefix-cache lookups and steps (kept
         across the schedulers of one process); a fresh set by default."""
+        self.prefill_only = prefill_only
         self.config = config
         self.kv_cache = kv_cache
         self.block_manager = BlockManager(
@@ -57,7 +66,10 @@ class Scheduler:
         self.num_waiting_tokens = 0
         """Tokens (prompt plus output so far) of the requests in ``waiting``."""
         self.running: list[Request] = []
+        self.reserved: dict[RequestID, Request] = {}
+        """Requests holding blocks for KV that is on its way (a decode group's)."""
         self.requests: dict[RequestID, Request] = {}
+        self._handoffs: list[Request] = []
         self.counters = counters if counters is not None else SchedulerCounters()
         self._released_request_ids: list[RequestID] = []
         self._next_step_id = 0
@@ -67,32 +79,71 @@ class Scheduler:
     def add_request(self, context: TextContext, client_id: bytes) -> TextResult | None:
         """Queue a request. Returns a CANCELLED result with an error if it can never run
         (INVALID_REQUEST) or the queue is full (OVERLOADED)."""
-        problem = self._admission_problem(context)
-        if problem is not None:
-            logger.warning(
-                "rejected request %s: %s",
-                context.request_id,
-                problem,
-                extra={"request_id": context.request_id},
-            )
-            return SchedulerResult.rejected_request(problem)
-        overload = self._overload(len(context.prompt_token_ids))
-        if overload is not None:
-            logger.warning(
-                "refused request %s: %s",
-                context.request_id,
-                overload,
-                extra={"request_id": context.request_id},
-            )
-            return SchedulerResult.cancelled(overload, ErrorKind.OVERLOADED)
+        refusal = self.refusal(context, self._overload(len(context.prompt_token_ids)))
+        if refusal is not None:
+            return refusal
+        self.accept(context, client_id)
+        return None
+
+    def refusal(self, context: TextContext, overload: str | None) -> TextResult | None:
+        """The result refusing ``context`` (``scheduler.admission``): it can never run here, or
+        ``overload`` says why the queue is full; None to accept it."""
+        problem = None
+        if context.request_id in self.requests:
+            problem = f"request id {context.request_id!r} is already in use"
+        else:
+            problem = admission_problem(context, self.kv_cache.max_model_len, self.block_manager)
+        return refusal(context, problem, overload)
+
+    def accept(self, context: TextContext, client_id: bytes) -> None:
+        """Queue a request that ``refusal`` accepted."""
         request = Request(context, client_id, self.kv_cache.max_model_len)
         self.requests[request.request_id] = request
         self._enqueue(request)
-        return None
+
+    def can_reserve(self, num_prompt_tokens: int) -> bool:
+        """Whether ``reserve`` would succeed now. Never while requests wait here (preempted
+        ones, to be recomputed): freed blocks go to them first."""
+        num_blocks = self.block_manager.num_blocks_for(num_prompt_tokens + 1)
+        return (
+            not self.waiting
+            and len(self.running) + len(self.reserved) < self.config.max_num_seqs
+            and num_blocks <= self.block_manager.num_free_blocks
+        )
+
+    def reserve(self, context: TextContext, client_id: bytes) -> list[int] | None:
+        """Hold blocks for ``context``'s prompt and first output token, to be filled by a KV
+        transfer; returns the prompt's block ids, or None (nothing changed) if ``can_reserve``
+        is false."""
+        if not self.can_reserve(len(context.prompt_token_ids)):
+            return None
+        request = Request(context, client_id, self.kv_cache.max_model_len)
+        self.block_manager.allocate_slots(request, request.num_prompt_tokens + 1)
+        request.status = RequestStatus.RESERVED
+        self.requests[request.request_id] = request
+        self.reserved[request.request_id] = request
+        num_prompt_blocks = self.block_manager.num_blocks_for(request.num_prompt_tokens)
+        return request.block_ids[:num_prompt_blocks]
+
+    def start_decoding(self, request_id: RequestID, first_token: int) -> None:
+        """The reserved request's prompt KV arrived and the prefill produced ``first_token``:
+        it runs from the next step (a running request the worker does not know yet)."""
+        request = self.reserved.pop(request_id)
+        request.append_token(first_token)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def take_handoffs(self) -> list[Request]:
+        """Requests a ``prefill_only`` scheduler finished after their first token, since the
+        last call (their first token is their last in ``all_token_ids``)."""
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
 
     def abort_requests(self, request_ids: list[RequestID]) -> ResultsByClient:
         """Drop requests wherever they are and free their blocks; unknown ids are ignored."""
-        return self._cancel(request_ids, error=None)
+        return self.cancel(request_ids, error=None)
 
     def abort_client(self, client_id: bytes) -> int:
         """Drop every request of the API server ``client_id`` (it went away); returns how many.
@@ -100,7 +151,7 @@ class Scheduler:
         No results are produced: there is nobody left to send them to.
         """
         request_ids = [r.request_id for r in self.requests.values() if r.client_id == client_id]
-        self._cancel(request_ids, error=None)
+        self.cancel(request_ids, error=None)
         return len(request_ids)
 
     @property
@@ -108,6 +159,7 @@ class Scheduler:
         return self.counters.num_preemptions
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a step has anything to run (reserved requests wait for their KV)."""
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
@@ -122,7 +174,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` if the KV block or queue bookkeeping is inconsistent (tests)."""
-        self.block_manager.check_integrity(holders=self.running)
+        self.block_manager.check_integrity(holders=[*self.running, *self.reserved.values()])
         num_waiting_tokens = sum(request.num_tokens for request in self.waiting)
         if num_waiting_tokens != self.num_waiting_tokens:
             raise RuntimeError(
@@ -180,6 +232,9 @@ class Scheduler:
                 results[request.client_id][request_id] = SchedulerResult.complete(result, timings)
             else:
                 results[request.client_id][request_id] = SchedulerResult.active(result, timings)
+                if self.prefill_only:
+                    self._finish(request)
+                    self._handoffs.append(request)
         return results
 
     def fail_step(self, step: SchedulerOutput, error: str) -> ResultsByClient:
@@ -188,7 +243,7 @@ class Scheduler:
         Blocks were registered in the prefix cache when the step was scheduled; their contents
         may never have been written, so the whole prefix cache is dropped.
         """
-        results = self._cancel(list(step.num_scheduled_tokens), error)
+        results = self.cancel(list(step.num_scheduled_tokens), error)
         self.block_manager.reset_prefix_cache()
         for request in self.running:  # their blocks were computed in earlier steps: re-register
             request.num_cached_blocks = 0
@@ -197,16 +252,18 @@ class Scheduler:
 
     def fail_all(self, error: str, kind: ErrorKind = ErrorKind.UNAVAILABLE) -> ResultsByClient:
         """Fail every unfinished request (the worker group went away)."""
-        return self._cancel(list(self.requests), error, kind)
+        return self.cancel(list(self.requests), error, kind)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _cancel(
+    def cancel(
         self,
         request_ids: list[RequestID],
         error: str | None,
         kind: ErrorKind = ErrorKind.INTERNAL,
     ) -> ResultsByClient:
+        """End ``request_ids`` wherever they are (unknown ids are ignored), freeing their
+        blocks; each gets a CANCELLED result with ``error`` and ``kind``."""
         results: ResultsByClient = defaultdict(dict)
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -215,6 +272,8 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:
                 self.waiting.remove(request)
                 self.num_waiting_tokens -= request.num_tokens
+            elif request.status is RequestStatus.RESERVED:
+                del self.reserved[request_id]
             self._finish(request)
             results[request.client_id][request_id] = SchedulerResult.cancelled(error, kind)
         return results
@@ -224,16 +283,9 @@ class Scheduler:
         if not self.waiting:
             return None
         # Requests that will start at the next step, into free sequence slots, are not queued.
-        free_slots = self.config.max_num_seqs - len(self.running)
+        free_slots = self.config.max_num_seqs - len(self.running) - len(self.reserved)
         num_queued = len(self.waiting) - max(free_slots, 0)
-        if num_queued >= self.config.max_queued_requests:
-            return f"{num_queued} requests are already waiting; try again later"
-        if self.num_waiting_tokens + num_prompt_tokens > self.config.max_queued_tokens:
-            return (
-                f"{self.num_waiting_tokens} tokens are already waiting, and the queue holds at "
-                f"most {self.config.max_queued_tokens}; try again later"
-            )
-        return None
+        return queue_overload(self.config, num_queued, self.num_waiting_tokens, num_prompt_tokens)
 
     def _enqueue(self, request: Request, at_front: bool = False) -> None:
         if at_front:
@@ -241,27 +293,6 @@ class Scheduler:
         else:
             self.waiting.append(request)
         self.num_waiting_tokens += request.num_tokens
-
-    def _admission_problem(self, context: TextContext) -> str | None:
-        if context.request_id in self.requests:
-            return f"request id {context.request_id!r} is already in use"
-        num_prompt = len(context.prompt_token_ids)
-        max_model_len = self.kv_cache.max_model_len
-        if num_prompt == 0:
-            return "the prompt is empty"
-        if num_prompt >= max_model_len:
-            return (
-                f"the prompt has {num_prompt} tokens, but the model's context length is "
-                f"{max_model_len}; no room is left to generate"
-            )
-        max_tokens = min(context.max_length, max_model_len)
-        num_blocks = self.block_manager.num_blocks_for(max_tokens)
-        if num_blocks > self.block_manager.num_blocks:
-            return (
-                f"the request may need {max_tokens} tokens of KV cache, more than the "
-                f"{self.block_manager.num_blocks * self.kv_cache.block_size} the pool holds"
-            )
-        return None
 
     def _schedule_running(self, step: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Give running requests their next tokens, oldest first; preempt when blocks run out."""
@@ -272,9 +303,15 @@ class Scheduler:
             new_block_ids = self._allocate_or_preempt(request, num_new)
             if new_block_ids is None:
                 return budget, True
-            step.cached_requests.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            )
+            if request.worker_has_state:
+                step.cached_requests.append(
+                    CachedRequestData(
+                        request.request_id, new_block_ids, request.num_computed_tokens
+                    )
+                )
+            else:  # its KV was computed elsewhere (``start_decoding``)
+                step.new_requests.append(self._new_request_data(request))
+                request.worker_has_state = True
             self._commit(step, request, num_new)
             budget -= num_new
             index += 1
@@ -282,7 +319,8 @@ class Scheduler:
 
     def _schedule_waiting(self, step: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in arrival order while budget, slots and blocks last."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        max_running = self.config.max_num_seqs - len(self.reserved)
+        while self.waiting and budget > 0 and len(self.running) < max_running:
             request = self.waiting[0]
             cached_prefix = []
             if request.context.prompt_logprobs is None:  # cached positions get no logprobs
@@ -300,17 +338,18 @@ class Scheduler:
             self.num_waiting_tokens -= request.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.new_requests.append(
-                NewRequestData(
-                    context=request.context,
-                    block_ids=list(request.block_ids),
-                    num_computed_tokens=request.num_computed_tokens,
-                    output_token_ids=list(request.output_token_ids),
-                )
-            )
+            step.new_requests.append(self._new_request_data(request))
             request.worker_has_state = True
             self._commit(step, request, num_new)
             budget -= num_new
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            context=request.context,
+            block_ids=list(request.block_ids),
+            num_computed_tokens=request.num_computed_tokens,
+            output_token_ids=list(request.output_token_ids),
+        )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
         """Allocate blocks for ``request``, preempting the newest running requests as needed.
@@ -364,7 +403,9 @@ class Scheduler:
             request.worker_has_state = False
 
 
-def counter_stats(counters: SchedulerCounters, **state: int | bool) -> SchedulerStats:
+def counter_stats(
+    counters: SchedulerCounters, **state: int | bool | dict[str, int]
+) -> SchedulerStats:
     """``SchedulerStats`` of ``counters`` and the scheduler's ``state`` (its gauges)."""
     return SchedulerStats(
         **state,
@@ -373,6 +414,9 @@ def counter_stats(counters: SchedulerCounters, **state: int | bool) -> Scheduler
         prefix_cache_hits_total=counters.prefix_cache_hits,
         iteration_tokens_counts=list(counters.iteration_tokens_counts),
         iteration_tokens_sum=counters.iteration_tokens_sum,
+        kv_transfer_bytes_total=counters.kv_transfer_bytes,
+        kv_transfer_seconds_counts=list(counters.kv_transfer_seconds_counts),
+        kv_transfer_seconds_sum=counters.kv_transfer_seconds_sum,
     )
 
 

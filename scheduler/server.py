@@ -1,28 +1,28 @@
 """The scheduler process's event loop: API servers on one ROUTER, the workers on another.
 
-One thread, one loop: drain API-server messages, collect worker outputs, and whenever the workers
-are idle and there is work, schedule the next step and send it. Results go back to the API server
-that owns each request, identified by its ZeroMQ identity. A tensor-parallel group's ranks each
-receive every step; rank 0 answers (``scheduler.worker_group``).
+One thread, one loop: drain API-server messages, collect worker outputs, and whenever a worker
+group is idle and has work, schedule its next step and send it (each group has at most one step
+in flight; where requests run is ``scheduler.coordinator``'s call). Results go back to the API
+server that owns each request, identified by its ZeroMQ identity. A tensor-parallel group's
+ranks each receive every step; rank 0 answers (``scheduler.worker_group``).
 
 Peers that go away are noticed at once (``scheduler.peers.PeerTracker``). A worker (any rank)
-that disconnects fails every request with an UNAVAILABLE error, the rest of its group is told to
-shut down, and new requests are refused the same way until a whole group registers; an API
-server that disconnects has its requests aborted and their blocks freed. Nothing is dropped for
-being queued: the high-water marks are off, so results wait for a busy API server instead of
-vanishing; a peer that dies takes its queue with it.
+that disconnects fails every request its group held with an UNAVAILABLE error, and the rest of
+the group is told to shut down; while no group can serve, new requests are refused the same way.
+An API server that disconnects has its requests aborted and their blocks freed. Nothing is
+dropped for being queued: the high-water marks are off, so results wait for a busy API server
+instead of vanishing; a peer that dies takes its queue with it.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 
 import msgspec
 import zmq
 
-from interfaces import ErrorKind, SchedulerResult, msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.api_to_scheduler import (
     AbortRequests,
     ApiToSchedulerMessage,
@@ -33,15 +33,17 @@ from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats
 from interfaces.scheduler_to_worker import SchedulerOutput, Shutdown
 from interfaces.transport import TransportSecurity
 from interfaces.worker_to_scheduler import (
+    KVReceived,
     ModelOutput,
     WorkerFailure,
     WorkerReady,
     WorkerToSchedulerMessage,
 )
-from scheduler.config import KVCacheConfig, SchedulerConfig
+from scheduler.config import SchedulerConfig
+from scheduler.coordinator import Coordinator
 from scheduler.counters import SchedulerCounters
 from scheduler.peers import PeerTracker
-from scheduler.scheduler import ResultsByClient, Scheduler, counter_stats
+from scheduler.scheduler import ResultsByClient
 from scheduler.worker_group import Registration, WorkerGroups
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,6 @@ MAX_API_MESSAGE_BYTES = 64 << 20
 """A bigger inbound frame from an API server drops its connection (a prompt of a million tokens
 is about 5 MB; images travel by shared memory)."""
 MAX_WORKER_MESSAGE_BYTES = 256 << 20
-NO_WORKER = "no worker is ready to serve requests"
 
 
 class SchedulerServer:
@@ -75,12 +76,12 @@ class SchedulerServer:
         self._encode = msgpack_numpy_encoder()
         self._decode_api = msgpack_numpy_decoder(ApiToSchedulerMessage)
         self._decode_worker = msgpack_numpy_decoder(WorkerToSchedulerMessage)
-        self.scheduler: Scheduler | None = None
-        """None until a whole worker group registers, and again after one of it disconnects."""
-        self._counters = SchedulerCounters()
-        """Shared by every ``Scheduler`` this process makes, so /metrics counters only grow."""
+        self.coordinator = Coordinator(config, SchedulerCounters())
+        """Its counters are shared by every group's ``Scheduler``, for the life of this process,
+        so /metrics counters only grow."""
         self._workers = WorkerGroups()
-        self._in_flight: SchedulerOutput | None = None
+        self._in_flight: dict[str, SchedulerOutput] = {}
+        """The step each group is running, by group name."""
         self._stopping = threading.Event()
 
     def _bind(self, address: str, max_message_bytes: int) -> zmq.Socket:
@@ -113,7 +114,8 @@ class SchedulerServer:
                     self._drain(self._frontend, self._api_peers, self._on_api_message)
                 if self._backend in events:
                     self._drain(self._backend, self._worker_peers, self._on_worker_message)
-                self._maybe_send_step()
+                self._send_results(self.coordinator.check_timeouts())
+                self._send_worker_messages()
         finally:
             self._shutdown()
 
@@ -145,38 +147,22 @@ class SchedulerServer:
         if isinstance(message, SubmitRequest):
             self._on_submit(client_id, message)
         elif isinstance(message, AbortRequests):
-            if self.scheduler is not None:
-                self._send_results(self.scheduler.abort_requests(message.request_ids))
+            self._send_results(self.coordinator.abort_requests(message.request_ids))
         elif isinstance(message, StatsRequest):
-            self._frontend.send_multipart([client_id, self._encode(self._stats())])
+            self._frontend.send_multipart([client_id, self._encode(self.stats())])
 
     def _on_submit(self, client_id: bytes, message: SubmitRequest) -> None:
-        request_id = message.context.request_id
-        if self.scheduler is None:
-            refusal = SchedulerResult.cancelled(NO_WORKER, ErrorKind.UNAVAILABLE)
-        else:
-            refusal = self.scheduler.add_request(message.context, client_id)
+        refusal = self.coordinator.add_request(message.context, client_id)
         if refusal is not None:
-            self._send_results({client_id: {request_id: refusal}})
+            self._send_results({client_id: {message.context.request_id: refusal}})
 
     def _on_api_disconnect(self, client_id: bytes) -> None:
-        if self.scheduler is None:
-            return
-        num_aborted = self.scheduler.abort_client(client_id)
+        num_aborted = self.coordinator.abort_client(client_id)
         if num_aborted:
             logger.warning("an API server went away; aborted its %d requests", num_aborted)
 
-    def _stats(self) -> SchedulerStats:
-        if self.scheduler is None:
-            return counter_stats(
-                self._counters,
-                num_requests_running=0,
-                num_requests_waiting=0,
-                num_kv_blocks_total=0,
-                num_kv_blocks_used=0,
-                workers_ready=False,
-            )
-        return self.scheduler.stats()
+    def stats(self) -> SchedulerStats:
+        return self.coordinator.stats()
 
     def _send_results(self, results: ResultsByClient) -> None:
         for client_id, by_request in results.items():
@@ -192,29 +178,37 @@ class SchedulerServer:
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
             logger.warning("dropped a malformed frame from a worker: %s", error)
             return
-        group = self._workers.serving
         if isinstance(message, WorkerReady):
             self._on_worker_ready(worker_id, message)
-        elif group is None or worker_id != group.driver or self._in_flight is None:
+            return
+        group = self._workers.group_of(worker_id)
+        serving = group is not None and group.name in self.coordinator.groups
+        if isinstance(message, KVReceived):
+            if serving:
+                self.coordinator.on_kv_received(group.name, message)
+            return
+        step = self._in_flight.get(group.name) if serving else None
+        if step is None or worker_id != group.driver:
             logger.warning("dropped an unexpected %s from a worker", type(message).__name__)
-        elif message.step_id != self._in_flight.step_id:
-            logger.warning(
-                "dropped output of step %d, expected %d", message.step_id, self._in_flight.step_id
-            )
+        elif message.step_id != step.step_id:
+            logger.warning("dropped output of step %d, expected %d", message.step_id, step.step_id)
         elif isinstance(message, ModelOutput):
-            self._in_flight = None
-            self._send_results(self.scheduler.update_from_output(message))
+            del self._in_flight[group.name]
+            self._send_results(self.coordinator.update_from_output(group.name, message))
         elif isinstance(message, WorkerFailure):
-            logger.error("worker failed step %d: %s", message.step_id, message.error)
-            step, self._in_flight = self._in_flight, None
-            self._send_results(self.scheduler.fail_step(step, f"worker error: {message.error}"))
+            logger.error("group %r failed step %d: %s", group.name, message.step_id, message.error)
+            del self._in_flight[group.name]
+            error = f"worker error: {message.error}"
+            self._send_results(self.coordinator.fail_step(group.name, step, error))
 
     def _on_worker_disconnect(self, worker_id: bytes) -> None:
         registration = self._workers.leave(worker_id)
         if registration is None:
             return
         if registration.was_serving:
-            logger.error("a worker disconnected; failing every request until workers register")
+            logger.error(
+                "a worker of group %r disconnected; failing its requests", registration.group
+            )
         self._retire(registration, "the worker serving this request died")
 
     def _on_worker_ready(self, worker_id: bytes, ready: WorkerReady) -> None:
@@ -222,50 +216,55 @@ class SchedulerServer:
         if registration.error is not None:
             logger.error("%s", registration.error)
         elif registration.was_serving:
-            logger.error("a worker registered again; failing the requests of the old group")
+            logger.error(
+                "group %r registered again; failing the requests of the old one", ready.group
+            )
         self._retire(registration, "the worker restarted")
         if registration.now_serving:
-            kv_cache = KVCacheConfig(ready.num_kv_blocks, ready.block_size, ready.max_model_len)
-            logger.info(
-                "workers ready: %s on %d rank(s), %d KV blocks of %d tokens, context %d",
-                ready.model_name,
-                ready.tensor_parallel_size,
-                ready.num_kv_blocks,
-                ready.block_size,
-                ready.max_model_len,
-            )
-            self.scheduler = new_scheduler(self.config, kv_cache, self._counters)
+            group = self._workers.groups[ready.group]
+            refusal = self.coordinator.add_group(group)
+            if refusal is not None:
+                logger.error("%s", refusal)
+                for identity in self._workers.remove(group.name):
+                    self._backend.send_multipart([identity, self._encode(Shutdown(refusal))])
         elif registration.error is None:
-            size = ready.tensor_parallel_size
-            logger.info("worker rank %d of %d registered; waiting for the rest", ready.rank, size)
+            logger.info(
+                "worker rank %d of %d of group %r (%s) registered; waiting for the rest",
+                ready.rank,
+                ready.tensor_parallel_size,
+                ready.group,
+                ready.role.value,
+            )
 
     def _retire(self, registration: Registration, reason: str) -> None:
-        """Fail the requests of a group that stopped serving, and shut down its survivors."""
-        if registration.was_serving and self.scheduler is not None:
-            self._send_results(self.scheduler.fail_all(reason))
+        """Fail the requests of a group that stopped serving, and shut down its survivors (a
+        refused registration is told why)."""
         if registration.was_serving:
-            self.scheduler = self._in_flight = None
+            self._in_flight.pop(registration.group, None)
+            self._send_results(self.coordinator.remove_group(registration.group, reason))
+        shutdown = Shutdown(registration.error) if registration.error else Shutdown()
         for identity in registration.retired:
-            self._backend.send_multipart([identity, self._encode(Shutdown())])
+            self._backend.send_multipart([identity, self._encode(shutdown)])
 
-    def _maybe_send_step(self) -> None:
-        if self.scheduler is None or self._in_flight is not None:
+    def _send_worker_messages(self) -> None:
+        """Send the coordinator's transfer news and the next step of every idle group."""
+        idle = [name for name in self.coordinator.groups if name not in self._in_flight]
+        if not self.coordinator.has_work(idle):
             return
-        if not self.scheduler.has_unfinished_requests():
-            return
-        step = self.scheduler.schedule()
-        if not step.num_scheduled_tokens:
-            return
-        self._in_flight = step
-        payload = self._encode(step)
-        for identity in self._workers.serving.members:
-            self._backend.send_multipart([identity, payload])
+        for name, message in self.coordinator.schedule(idle):
+            group = self._workers.groups.get(name)
+            if group is None:
+                continue  # it left while the message waited
+            if isinstance(message, SchedulerOutput):
+                self._in_flight[name] = message
+            payload = self._encode(message)
+            for identity in group.members:
+                self._backend.send_multipart([identity, payload])
 
     def _shutdown(self) -> None:
-        if self.scheduler is not None:
-            self._send_results(self.scheduler.fail_all("the scheduler is shutting down"))
-        if self._workers.group is not None:
-            for identity in self._workers.group.members:
+        self._send_results(self.coordinator.fail_all("the scheduler is shutting down"))
+        for group in self._workers.groups.values():
+            for identity in group.members:
                 self._backend.send_multipart([identity, self._encode(Shutdown())])
         self._api_peers.close()
         self._worker_peers.close()
@@ -273,15 +272,3 @@ class SchedulerServer:
         self._backend.close()
         self._binder.close()
         self._context.term()
-
-
-def new_scheduler(
-    config: SchedulerConfig, kv_cache: KVCacheConfig, counters: SchedulerCounters | None = None
-) -> Scheduler:
-    """A ``Scheduler`` whose long-lived objects (one per KV block: tens of thousands) are moved
-    out of the garbage collector's reach with ``gc.freeze()``, so full collections stay short
-    and do not stall steps (they took 14-34 ms each with 16k blocks)."""
-    scheduler = Scheduler(config, kv_cache, counters)
-    gc.collect()
-    gc.freeze()
-    return scheduler

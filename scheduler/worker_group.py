@@ -1,18 +1,19 @@
-"""The workers the scheduler serves: one worker, or the ranks of one tensor-parallel group.
+"""The worker groups registered with the scheduler, each one worker or a tensor-parallel group.
 
-Every rank registers with ``WorkerReady`` on its own connection. The group serves once all
-``tensor_parallel_size`` ranks have registered with the same model and KV pool; steps then go to
-every rank and rank 0 (the driver) answers. ``WorkerGroups.register`` decides what each
-registration means, so the server only acts on the outcome.
+Every rank registers with ``WorkerReady`` on its own connection, naming its group. A group
+serves once all ``tensor_parallel_size`` ranks have registered alike (model, KV pool, role,
+layout); steps then go to every rank and rank 0 (the driver) answers. ``WorkerGroups.register``
+decides what each registration means, so the server only acts on the outcome; whether a complete
+group fits beside the others (roles, KV layouts) is the coordinator's call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from interfaces.worker_to_scheduler import WorkerReady
+from interfaces.worker_to_scheduler import WorkerReady, WorkerRole
 
-SHARED_FIELDS = ("model_name", "num_kv_blocks", "block_size", "max_model_len")
+SHARED_FIELDS = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "role", "kv_layout")
 """What every rank of a group must report alike."""
 
 
@@ -22,10 +23,23 @@ class WorkerGroup:
 
     ready: WorkerReady
     identities: dict[int, bytes] = field(default_factory=dict)
+    transfer_addrs: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.ready.group
+
+    @property
+    def role(self) -> WorkerRole:
+        return self.ready.role
+
+    @property
+    def size(self) -> int:
+        return self.ready.tensor_parallel_size
 
     @property
     def is_complete(self) -> bool:
-        return len(self.identities) == self.ready.tensor_parallel_size
+        return len(self.identities) == self.size
 
     @property
     def driver(self) -> bytes:
@@ -36,13 +50,19 @@ class WorkerGroup:
     def members(self) -> list[bytes]:
         return list(self.identities.values())
 
+    @property
+    def destinations(self) -> list[str]:
+        """Where each rank receives KV transfers, by rank (a decode group's)."""
+        return [self.transfer_addrs[rank] for rank in range(self.size)]
+
+    def add(self, identity: bytes, ready: WorkerReady) -> None:
+        self.identities[ready.rank] = identity
+        self.transfer_addrs[ready.rank] = ready.transfer_addr
+
     def mismatch(self, ready: WorkerReady) -> str | None:
         """Why rank ``ready.rank`` cannot join this group, or None."""
-        if ready.tensor_parallel_size != self.ready.tensor_parallel_size:
-            return (
-                f"tensor_parallel_size {ready.tensor_parallel_size} != "
-                f"{self.ready.tensor_parallel_size}"
-            )
+        if ready.tensor_parallel_size != self.size:
+            return f"tensor_parallel_size {ready.tensor_parallel_size} != {self.size}"
         for name in SHARED_FIELDS:
             if getattr(ready, name) != getattr(self.ready, name):
                 return f"{name} {getattr(ready, name)!r} != {getattr(self.ready, name)!r}"
@@ -51,11 +71,15 @@ class WorkerGroup:
 
 @dataclass(frozen=True)
 class Registration:
-    """What a ``WorkerReady`` did. ``retired`` lost their group: the scheduler fails the old
-    group's requests (if it was serving) and tells these identities to shut down.
-    ``now_serving`` is true when this registration completed the group. ``error`` says why
-    a registration was refused (logged by the caller)."""
+    """What a ``WorkerReady`` (or a departure) did to group ``group``.
 
+    ``retired`` lost their group: the scheduler tells these identities to shut down. When
+    ``was_serving``, the group had been serving and is over: the scheduler fails its requests.
+    ``now_serving`` is true when this registration completed the group. ``error`` says why a
+    registration was refused or replaced a group (logged by the caller).
+    """
+
+    group: str
     retired: list[bytes]
     was_serving: bool
     now_serving: bool
@@ -63,52 +87,69 @@ class Registration:
 
 
 class WorkerGroups:
-    """The group that is forming or serving (at most one), and its members' fate."""
+    """Every group forming or serving, by name, and the fate of their members."""
 
     def __init__(self) -> None:
-        self.group: WorkerGroup | None = None
+        self.groups: dict[str, WorkerGroup] = {}
+        self._group_of: dict[bytes, str] = {}
 
-    @property
-    def serving(self) -> WorkerGroup | None:
-        """The complete group, or None while none is."""
-        group = self.group
-        return group if group is not None and group.is_complete else None
+    def serving(self) -> list[WorkerGroup]:
+        """The complete groups."""
+        return [group for group in self.groups.values() if group.is_complete]
 
-    def is_member(self, identity: bytes) -> bool:
-        return self.group is not None and identity in self.group.identities.values()
+    def group_of(self, identity: bytes) -> WorkerGroup | None:
+        name = self._group_of.get(identity)
+        return self.groups.get(name) if name is not None else None
 
     def register(self, identity: bytes, ready: WorkerReady) -> Registration:
-        """Add ``identity`` as rank ``ready.rank``.
+        """Add ``identity`` as rank ``ready.rank`` of group ``ready.group``.
 
         A rank that joins a forming group it matches is added. Otherwise the newest registration
-        wins: one while a group serves, from a rank the forming group already has (a restarted
-        worker), or that does not match the forming group (``error`` says how) starts a new
-        group, and the old group's members are retired.
+        wins: one for a group that serves, from a rank the forming group already has (a
+        restarted worker), or that does not match the forming group (``error`` says how)
+        starts the group anew, and the old group's members are retired.
         """
-        group, was_serving = self.group, self.serving is not None
+        name = ready.group
         if not 0 <= ready.rank < ready.tensor_parallel_size:
-            return Registration([identity], False, False, f"rank {ready.rank} is out of range")
-        if group is None or was_serving or ready.rank in group.identities:
-            retired = [m for m in group.members if m != identity] if group is not None else []
-            self.group = WorkerGroup(ready, {ready.rank: identity})
-            return Registration(retired, was_serving, self.group.is_complete)
-        mismatch = group.mismatch(ready)
-        if mismatch is not None:
-            self.group = WorkerGroup(ready, {ready.rank: identity})
+            error = f"rank {ready.rank} is out of range"
+            return Registration(name, [identity], False, False, error)
+        group = self.groups.get(name)
+        if group is not None and not group.is_complete and ready.rank not in group.identities:
+            mismatch = group.mismatch(ready)
+            if mismatch is None:
+                group.add(identity, ready)
+                self._group_of[identity] = name
+                return Registration(name, [], False, group.is_complete)
             error = (
-                f"worker rank {ready.rank} does not match rank(s) {sorted(group.identities)}: "
-                f"{mismatch}; retired them and started a new group"
+                f"worker rank {ready.rank} of group {name!r} does not match rank(s) "
+                f"{sorted(group.identities)}: {mismatch}; retired them and started the group anew"
             )
-            return Registration(group.members, False, self.group.is_complete, error)
-        group.identities[ready.rank] = identity
-        return Registration([], False, group.is_complete)
+        else:
+            error = None
+        retired = self.remove(name)
+        was_serving = group is not None and group.is_complete
+        new_group = WorkerGroup(ready)
+        new_group.add(identity, ready)
+        self.groups[name] = new_group
+        self._group_of[identity] = name
+        return Registration(
+            name, [m for m in retired if m != identity], was_serving, new_group.is_complete, error
+        )
 
     def leave(self, identity: bytes) -> Registration | None:
-        """``identity`` disconnected. If it belonged to the group, the group is over: returns
+        """``identity`` disconnected. If it belonged to a group, the group is over: returns
         the members left to retire (and whether it was serving); else None."""
-        group = self.group
-        if group is None or identity not in group.identities.values():
+        group = self.group_of(identity)
+        if group is None:
             return None
-        self.group = None
-        survivors = [member for member in group.members if member != identity]
-        return Registration(survivors, group.is_complete, False)
+        survivors = [member for member in self.remove(group.name) if member != identity]
+        return Registration(group.name, survivors, group.is_complete, False)
+
+    def remove(self, name: str) -> list[bytes]:
+        """Forget group ``name``; returns its members."""
+        group = self.groups.pop(name, None)
+        if group is None:
+            return []
+        for member in group.members:
+            self._group_of.pop(member, None)
+        return group.members

@@ -37,7 +37,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensor-parallel-size",
         type=int,
         default=1,
-        help="worker processes that split the model (one per GPU on CUDA)",
+        help="worker processes that split the model (one per GPU on CUDA), in each group",
+    )
+    serve.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        help="disaggregate: this many prefill worker groups (with --decode-workers)",
+    )
+    serve.add_argument(
+        "--decode-workers",
+        type=int,
+        default=0,
+        help="disaggregate: this many decode worker groups (with --prefill-workers)",
+    )
+    serve.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=SchedulerConfig.kv_transfer_timeout_s,
+        metavar="SECONDS",
+        help="disaggregated: fail a request whose KV blocks take longer to reach its decode group",
     )
     add_log_flags(serve)
     serve.add_argument("--max-model-len", type=int, help="context length (default: model's)")
@@ -137,6 +156,9 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_servers=args.api_servers,
         tensor_parallel_size=args.tensor_parallel_size,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,

@@ -1,8 +1,9 @@
 """Start every Switchyard process on one machine, watch them, and stop them all together.
 
 The launcher binds the HTTP socket itself and hands it to each API server process (so several
-share one port), starts the scheduler and the worker (or ``tensor_parallel_size`` worker ranks,
-which meet on a free loopback port) on ``ipc://`` sockets in a private temporary directory, and
+share one port), starts the scheduler and the worker group (``tensor_parallel_size`` ranks,
+which meet on a free loopback port) or, disaggregated, ``prefill_workers`` prefill groups and
+``decode_workers`` decode groups, on ``ipc://`` sockets in a private temporary directory, and
 waits until ``/ready`` answers. Children get ``PR_SET_PDEATHSIG`` so that even a
 ``kill -9`` of the launcher leaves no orphan.
 
@@ -60,6 +61,11 @@ class ServeConfig:
     port: int = 8000
     api_servers: int = 1
     tensor_parallel_size: int = 1
+    prefill_workers: int = 0
+    """Prefill groups (each of ``tensor_parallel_size`` ranks); 0 with ``decode_workers`` 0
+    serves one hybrid group."""
+    decode_workers: int = 0
+    kv_transfer_timeout_s: float = SchedulerConfig.kv_transfer_timeout_s
     max_model_len: int | None = None
     kv_cache_memory: str | None = None
     block_size: int = 16
@@ -80,12 +86,28 @@ class ServeConfig:
     log_format: str = "text"
     """Every child logs this way (interfaces.logs), told through its environment."""
 
+    @property
+    def worker_groups(self) -> list[tuple[str, str]]:
+        """(group name, role) of every worker group to start."""
+        if not self.prefill_workers:
+            return [("hybrid", "hybrid")]
+        return [(f"prefill-{i}", "prefill") for i in range(self.prefill_workers)] + [
+            (f"decode-{i}", "decode") for i in range(self.decode_workers)
+        ]
+
     def __post_init__(self) -> None:
         if self.api_servers < 1:
             raise ValueError(f"--api-servers must be at least 1, got {self.api_servers}")
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.prefill_workers < 0 or self.decode_workers < 0:
+            raise ValueError("--prefill-workers and --decode-workers cannot be negative")
+        if (self.prefill_workers == 0) != (self.decode_workers == 0):
+            raise ValueError(
+                "disaggregated serving needs both --prefill-workers and --decode-workers "
+                f"(got {self.prefill_workers} and {self.decode_workers})"
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
@@ -181,10 +203,17 @@ class Launcher:
         self._metrics_dir.mkdir()
         self._spawn("scheduler", self._scheduler_argv(self._ipc("frontend.sock"), backend))
         size = self.config.tensor_parallel_size
-        master_port = _free_port() if size > 1 else None
-        for rank in range(size):
-            name = "worker" if size == 1 else f"worker-{rank}"
-            self._spawn(name, self._worker_argv(backend, rank, master_port))
+        groups = self.config.worker_groups
+        for group, role in groups:
+            master_port = _free_port() if size > 1 else None
+            for rank in range(size):
+                name = "worker" if len(groups) == 1 else group
+                name += "" if size == 1 else f"-{rank}"
+                argv = self._worker_argv(backend, rank, master_port)
+                if role != "hybrid":
+                    transfer_addr = self._ipc(f"kv-{group}-{rank}.sock")
+                    argv += ["--role", role, "--group", group, "--kv-transfer-addr", transfer_addr]
+                self._spawn(name, argv)
         for index in range(config.api_servers):
             self._spawn_api_server(f"api-server-{index}")
         self._wait_until_ready()
@@ -204,6 +233,7 @@ class Launcher:
             *("--max-num-batched-tokens", str(config.max_num_batched_tokens)),
             *("--max-queued-requests", str(config.max_queued_requests)),
             *("--max-queued-tokens", str(config.max_queued_tokens)),
+            *("--kv-transfer-timeout", str(config.kv_transfer_timeout_s)),
             *(() if config.enable_prefix_caching else ("--no-prefix-caching",)),
         ]
 
@@ -215,12 +245,14 @@ class Launcher:
             *("--served-model-name", config.served_model_name),
             *("--block-size", str(config.block_size)),
         ]
+        size = config.tensor_parallel_size
+        num_ranks = size * len(config.worker_groups)
+        if num_ranks > 1:  # the cores are shared out among every rank of every group
+            argv += ["--num-threads", str(max(1, len(os.sched_getaffinity(0)) // num_ranks))]
         if master_port is not None:
-            size = config.tensor_parallel_size
             argv += [
                 *("--tensor-parallel-size", str(size), "--rank", str(rank)),
                 *("--master-addr", "127.0.0.1", "--master-port", str(master_port)),
-                *("--num-threads", str(max(1, len(os.sched_getaffinity(0)) // size))),
             ]
         optional = {
             "--max-model-len": config.max_model_len,

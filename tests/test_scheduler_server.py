@@ -187,7 +187,15 @@ def test_requests_from_two_api_servers_are_routed_back_to_their_owner(system):
         stats, iteration_tokens_counts=no_steps, iteration_tokens_sum=0
     )
     assert without_steps == SchedulerStats(
-        0, 0, 64, 0, workers_ready=True, prefix_cache_queries_total=5, prefix_cache_hits_total=0
+        0,
+        0,
+        64,
+        0,
+        workers_ready=True,
+        prefix_cache_queries_total=5,
+        prefix_cache_hits_total=0,
+        num_requests_running_by_role={"hybrid": 0},
+        num_requests_waiting_by_role={"hybrid": 0},
     )
     server.stop()
     assert worker.got_shutdown.wait(5)

@@ -226,14 +226,14 @@ def test_a_group_serves_once_every_rank_registered_and_ends_with_any_rank():
     groups = WorkerGroups()
     first = groups.register(b"r1", ready(1))
     assert (first.retired, first.was_serving, first.now_serving) == ([], False, False)
-    assert groups.serving is None
+    assert groups.serving() == []
     second = groups.register(b"r0", ready(0))
-    assert second.now_serving and groups.serving.driver == b"r0"
-    assert groups.serving.members == [b"r1", b"r0"]
+    assert second.now_serving and groups.serving()[0].driver == b"r0"
+    assert groups.serving()[0].members == [b"r1", b"r0"]
 
     left = groups.leave(b"r1")
     assert (left.retired, left.was_serving) == ([b"r0"], True)
-    assert groups.group is None and groups.leave(b"r0") is None
+    assert groups.groups == {} and groups.leave(b"r0") is None
 
 
 def test_a_restarted_rank_starts_a_new_group_and_retires_the_old_one():
@@ -242,9 +242,21 @@ def test_a_restarted_rank_starts_a_new_group_and_retires_the_old_one():
     groups.register(b"r1", ready(1))
     again = groups.register(b"new-r0", ready(0))
     assert (again.retired, again.was_serving, again.now_serving) == ([b"r0", b"r1"], True, False)
-    assert groups.group.identities == {0: b"new-r0"}
+    assert groups.groups[""].identities == {0: b"new-r0"}
     forming_again = groups.register(b"newer-r0", ready(0))
     assert forming_again.retired == [b"new-r0"] and not forming_again.was_serving
+
+
+def test_groups_with_other_names_form_and_serve_side_by_side():
+    groups = WorkerGroups()
+    groups.register(b"a0", ready(0, group="a"))
+    groups.register(b"b1", ready(1, group="b"))
+    assert groups.register(b"a1", ready(1, group="a")).now_serving
+    assert groups.register(b"b0", ready(0, group="b")).now_serving
+    assert [group.name for group in groups.serving()] == ["a", "b"]
+    left = groups.leave(b"a0")
+    assert (left.group, left.retired, left.was_serving) == ("a", [b"a1"], True)
+    assert groups.group_of(b"b1").name == "b" and groups.group_of(b"a1") is None
 
 
 def test_a_rank_that_does_not_match_its_group_starts_a_new_one_and_says_why():
@@ -253,10 +265,10 @@ def test_a_rank_that_does_not_match_its_group_starts_a_new_one_and_says_why():
     mismatch = groups.register(b"r1", ready(1, max_model_len=1024))
     assert mismatch.retired == [b"r0"] and not mismatch.now_serving
     assert mismatch.error == (
-        "worker rank 1 does not match rank(s) [0]: max_model_len 1024 != 512; "
-        "retired them and started a new group"
+        "worker rank 1 of group '' does not match rank(s) [0]: max_model_len 1024 != 512; "
+        "retired them and started the group anew"
     )
-    assert groups.group.identities == {1: b"r1"}
+    assert groups.groups[""].identities == {1: b"r1"}
     assert groups.register(b"new-r0", ready(0, max_model_len=1024)).now_serving
     other_size = WorkerGroups()
     other_size.register(b"r0", ready(0, size=2))
@@ -311,8 +323,9 @@ def test_two_hosts_on_loopback_serve_through_an_explicit_rendezvous(
         expected = reference(tiny_llama_dir, prompt)
         assert tokens == [tokenizer.decode([token]) for token in expected]
         scheduler_log = logs["scheduler"].read_text()
-        assert re.search(r"worker rank [01] of 2 registered; waiting for the rest", scheduler_log)
-        assert "workers ready: tiny-llama0 on 2 rank(s)" in scheduler_log
+        waiting = r"worker rank [01] of 2 of group '\S+' \(hybrid\) registered; waiting"
+        assert re.search(waiting, scheduler_log)
+        assert "(hybrid): tiny-llama0 on 2 rank(s)" in scheduler_log
     finally:
         for process in processes.values():
             process.terminate()

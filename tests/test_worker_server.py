@@ -26,6 +26,7 @@ from interfaces.scheduler_to_worker import (
     Shutdown,
 )
 from interfaces.worker_to_scheduler import (
+    KVLayout,
     ModelOutput,
     WorkerFailure,
     WorkerReady,
@@ -90,7 +91,9 @@ def test_worker_serves_steps_survives_hostile_frames_and_shuts_down(
 ):
     socket, _ = router
     identity, ready = receive(socket, STARTUP_TIMEOUT_MS)
-    assert ready == WorkerReady("tiny", 128, 16, 512)
+    assert ready.group.startswith("hybrid@")  # the role, the host and the pid
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
+    assert ready == WorkerReady("tiny", 128, 16, 512, group=ready.group, kv_layout=layout)
     expected = expected_greedy_tokens(tiny_llama_dir, 2)
 
     context = TextContext("r1", PROMPT, 64, eos_token_ids=[2])

@@ -1,12 +1,15 @@
 """``python -m worker``: load a model and serve it to the scheduler, alone or as one rank of a
 tensor-parallel group (``--tensor-parallel-size N --rank R``; the ranks meet at
-``--master-addr``:``--master-port``, where rank 0 listens)."""
+``--master-addr``:``--master-port``, where rank 0 listens), in a ``--role``: hybrid (the
+default), or prefill or decode for disaggregated serving."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import socket
 import sys
 from types import FrameType
 
@@ -15,6 +18,7 @@ import torch.distributed as dist
 
 from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import add_transport_flags, transport_from_args
+from interfaces.worker_to_scheduler import WorkerRole
 from worker.config import DTYPES, WorkerConfig, parse_memory
 from worker.model_files import model_name_for, resolve_model
 from worker.model_runner import ModelRunner
@@ -56,7 +60,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--master-addr", default="127.0.0.1", help="the host of rank 0, where the ranks meet"
     )
     group.add_argument("--master-port", type=int, default=29500, help="rank 0's rendezvous port")
-    add_transport_flags(parser, binds=False)
+    group = parser.add_argument_group("disaggregation")
+    group.add_argument(
+        "--role",
+        type=WorkerRole,
+        default=WorkerRole.HYBRID,
+        choices=list(WorkerRole),
+        metavar="{" + ",".join(role.value for role in WorkerRole) + "}",
+        help="hybrid runs whole requests; prefill and decode groups split them (default: hybrid)",
+    )
+    group.add_argument(
+        "--group",
+        default=None,
+        help="the worker group's name, alike on its ranks and unique among groups (default: "
+        "the role and, with tensor parallelism, the rendezvous address; else host and pid)",
+    )
+    group.add_argument(
+        "--kv-transfer-addr",
+        default="tcp://127.0.0.1:*",
+        help="a decode rank receives KV blocks here; prefill ranks connect to it, so on "
+        "several hosts give an address they reach (tcp://HOST:PORT, or :* for a free port)",
+    )
+    add_transport_flags(parser, binds=True)
     add_log_flags(parser)
     return parser.parse_args(argv)
 
@@ -82,7 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, dist.DistError, GroupBroken) as error:
         logger.error("cannot start the worker: %s", error)
         return 1
-    code = WorkerServer(runner, args.scheduler_addr, security).serve()
+    server = WorkerServer(
+        runner,
+        args.scheduler_addr,
+        security,
+        args.role,
+        args.group or _default_group(args),
+        args.kv_transfer_addr,
+    )
+    code = server.serve()
     if code == 0:  # a broken group's communicators may block in teardown: the exit frees them
         destroy_tensor_parallel()
     return code
@@ -104,6 +137,12 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         master_addr=args.master_addr,
         master_port=args.master_port,
     )
+
+
+def _default_group(args: argparse.Namespace) -> str:
+    if args.tensor_parallel_size > 1:  # the ranks share their rendezvous, and only they do
+        return f"{args.role.value}@{args.master_addr}:{args.master_port}"
+    return f"{args.role.value}@{socket.gethostname()}:{os.getpid()}"
 
 
 def _exit_while_loading(signum: int, _frame: FrameType | None) -> None:

@@ -21,10 +21,12 @@ import torch
 
 from interfaces import LogProbabilities, RequestID, TextGenerationOutput
 from interfaces.scheduler_to_worker import NewRequestData, SchedulerOutput
+from interfaces.worker_to_scheduler import KVLayout
 from worker import parallel
 from worker.attention import build_batch_layout
 from worker.config import WorkerConfig, default_num_threads
 from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_blocks_for_budget
+from worker.kv_transfer import kv_layout
 from worker.logits_processors import build_logits_processors
 from worker.logprobs import as_log_probabilities, check_logprob_counts, token_logprobs
 from worker.models.config import ModelConfig
@@ -93,6 +95,11 @@ class ModelRunner:
     @property
     def model_name(self) -> str:
         return self.config.model_name
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The KV cache's shape, for the handshake and KV transfers."""
+        return kv_layout(self.kv_cache, self.model_config.num_key_value_heads)
 
     def _allocate_kv_cache(self) -> KVCache:
         """This rank's pool: its key-value heads, and as many blocks as every rank can hold,

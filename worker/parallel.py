@@ -121,13 +121,19 @@ def check_rank(rank: int, world_size: int) -> None:
 
 
 def shard_units(num_units: int, what: str, replicate: bool = False) -> tuple[int, int]:
-    """(first unit, number of units) of ``num_units`` that this rank holds.
+    """(first unit, number of units) of ``num_units`` that this rank holds (``units_of_rank``)."""
+    return units_of_rank(num_units, _current.rank, _current.world_size, what, replicate)
+
+
+def units_of_rank(
+    num_units: int, rank: int, size: int, what: str, replicate: bool = False
+) -> tuple[int, int]:
+    """(first unit, number of units) of ``num_units`` that rank ``rank`` of ``size`` holds.
 
     ``replicate`` allows fewer units than ranks (each rank then holds unit rank * n // p);
     otherwise the ranks must split the units evenly. ``ValueError`` naming ``what`` when the
     units cannot be split this way.
     """
-    rank, size = _current.rank, _current.world_size
     if num_units % size == 0:
         per_rank = num_units // size
         return rank * per_rank, per_rank

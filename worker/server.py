@@ -12,6 +12,11 @@ belong to that scheduler, and a fresh worker is what a restarted scheduler needs
 Each rank of a tensor-parallel group has its own connection and receives every step; only rank
 0 answers. A rank whose collectives fail (``GroupBroken``: a peer died) exits with code 1, and
 the scheduler stops the rest of the group.
+
+With disaggregation (``worker.kv_transfer``), a prefill rank sends the KV blocks a step names in
+``kv_sends`` once the step has run (after answering it, so the first token streams at once); a
+decode rank also polls its transfer socket, writes arriving blocks between steps, and reports
+each finished transfer with ``KVReceived``.
 """
 
 from __future__ import annotations
@@ -26,14 +31,21 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from interfaces import msgpack_numpy_decoder, msgpack_numpy_encoder
-from interfaces.scheduler_to_worker import SchedulerOutput, SchedulerToWorkerMessage, Shutdown
-from interfaces.transport import TransportSecurity
+from interfaces.scheduler_to_worker import (
+    KVTransfers,
+    SchedulerOutput,
+    SchedulerToWorkerMessage,
+    Shutdown,
+)
+from interfaces.transport import Binder, TransportSecurity
 from interfaces.worker_to_scheduler import (
     ModelOutput,
     WorkerFailure,
     WorkerReady,
+    WorkerRole,
     WorkerToSchedulerMessage,
 )
+from worker.kv_transfer import KVReceiver, KVSender
 from worker.parallel import GroupBroken, tensor_parallel
 
 if TYPE_CHECKING:
@@ -48,7 +60,8 @@ LINGER_MS = 1000
 class WorkerServer:
     """Serves one ModelRunner to the scheduler at ``scheduler_addr`` (e.g. ``ipc:///tmp/b.ipc``).
 
-    Owns its ZeroMQ context and socket; ``serve`` returns the process exit code.
+    Owns its ZeroMQ context and sockets; ``serve`` returns the process exit code. A ``decode``
+    worker receives KV blocks at ``transfer_addr`` (``tcp://HOST:*`` picks a free port).
     """
 
     def __init__(
@@ -56,19 +69,35 @@ class WorkerServer:
         runner: ModelRunner,
         scheduler_addr: str,
         security: TransportSecurity | None = None,
+        role: WorkerRole = WorkerRole.HYBRID,
+        group: str = "",
+        transfer_addr: str = "tcp://127.0.0.1:*",
     ) -> None:
         self.runner = runner
         self.scheduler_addr = scheduler_addr
         self.security = security or TransportSecurity()
+        self.role = role
+        self.group = group or role.value
+        self.transfer_addr = transfer_addr
         self.stop_requested = False
         self.encode = msgpack_numpy_encoder()
         self.decode = msgpack_numpy_decoder(SchedulerToWorkerMessage)
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
 
     def serve(self) -> int:
         """Run until Shutdown (exit code 0) or SIGTERM/SIGINT (also 0, after the current step)."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._request_stop)
         context = zmq.Context()
+        binder = self.security.binder(context)
+        try:
+            self._open_transfers(context, binder)
+        except (ValueError, zmq.ZMQError) as error:
+            logger.error("cannot receive KV transfers at %s: %s", self.transfer_addr, error)
+            binder.close()
+            context.term()
+            return 1
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
@@ -76,40 +105,102 @@ class WorkerServer:
         self.security.connect(socket, self.scheduler_addr)
         try:
             self._send(socket, self._ready())
-            logger.info("worker ready; serving the scheduler at %s", self.scheduler_addr)
+            logger.info(
+                "worker ready (%s, group %s); serving the scheduler at %s",
+                self.role.value,
+                self.group,
+                self.scheduler_addr,
+            )
             return self._loop(socket, monitor)
         finally:
             monitor.close(linger=0)
             socket.close(linger=LINGER_MS)
+            for transfers in (self.sender, self.receiver):
+                if transfers is not None:
+                    transfers.close()
+            binder.close()
             context.term()
+
+    def _open_transfers(self, context: zmq.Context, binder: Binder) -> None:
+        runner, group = self.runner, tensor_parallel()
+        layout = runner.kv_layout
+        if self.role is WorkerRole.PREFILL:
+            self.sender = KVSender(
+                context, self.security, runner.kv_cache, layout, group.rank, group.world_size
+            )
+        elif self.role is WorkerRole.DECODE:
+            self.receiver = KVReceiver(
+                context,
+                binder,
+                self.transfer_addr,
+                runner.kv_cache,
+                layout,
+                group.rank,
+                group.world_size,
+            )
+            logger.info("receiving KV transfers at %s", self.receiver.address)
 
     def _loop(self, socket: zmq.Socket, monitor: zmq.Socket) -> int:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        if self.receiver is not None:
+            poller.register(self.receiver.socket, zmq.POLLIN)
         while not self.stop_requested:
             events = dict(poller.poll(POLL_INTERVAL_MS))
             if socket in events:  # before the monitor: a Shutdown may precede the disconnect
                 message = self._receive(socket)
                 if isinstance(message, Shutdown):
+                    if message.reason is not None:
+                        logger.error("the scheduler refused this worker: %s", message.reason)
+                        return 1
                     logger.info("shutdown requested by the scheduler")
                     return 0
                 if isinstance(message, SchedulerOutput):
                     try:
-                        answer = self.run_step(message)
+                        self._step(socket, message)
                     except GroupBroken:
                         logger.exception(
                             "left the tensor-parallel group in step %d", message.step_id
                         )
                         return 1
-                    if tensor_parallel().is_driver:
-                        self._send(socket, answer)
+                elif isinstance(message, KVTransfers):
+                    self._on_transfers(socket, message)
             elif monitor in events:
                 endpoint = recv_monitor_message(monitor)["endpoint"].decode()
                 logger.error("lost the connection to the scheduler at %s; exiting", endpoint)
                 return 1
+            # After the scheduler's messages, which may announce what is arriving here.
+            if self.receiver is not None and self.receiver.socket in events:
+                for report in self.receiver.receive():
+                    self._send(socket, report)
         logger.info("stopping on signal")
         return 0
+
+    def _step(self, socket: zmq.Socket, step: SchedulerOutput) -> None:
+        answer = self.run_step(step)
+        if tensor_parallel().is_driver:
+            self._send(socket, answer)
+        if not step.kv_sends or not isinstance(answer, ModelOutput):
+            return
+        if self.sender is None:
+            logger.error("step %d asks a %s worker to send KV", step.step_id, self.role.value)
+            return
+        sends = [send for send in step.kv_sends if send.request_id not in answer.refused]
+        try:
+            self.sender.send(sends)
+        except (RuntimeError, ValueError, zmq.ZMQError):  # the scheduler's timeout fails them
+            logger.exception("could not send the KV blocks of step %d", step.step_id)
+
+    def _on_transfers(self, socket: zmq.Socket, transfers: KVTransfers) -> None:
+        if self.receiver is None:
+            logger.error("dropped KV transfer news sent to a %s worker", self.role.value)
+            return
+        self.receiver.cancel(transfers.cancel)
+        for receive in transfers.receive:
+            report = self.receiver.expect(receive)
+            if report is not None:
+                self._send(socket, report)
 
     def run_step(self, step: SchedulerOutput) -> ModelOutput | WorkerFailure:
         """Run one step; a step that raises becomes a WorkerFailure and the worker serves on,
@@ -144,6 +235,10 @@ class WorkerServer:
             runner.max_model_len,
             group.rank,
             group.world_size,
+            self.role,
+            self.group,
+            runner.kv_layout,
+            self.receiver.address if self.receiver is not None else "",
         )
 
     def _send(self, socket: zmq.Socket, message: WorkerToSchedulerMessage) -> None:

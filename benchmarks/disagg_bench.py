@@ -33,10 +33,8 @@ import argparse
 import asyncio
 import itertools
 import random
-import shlex
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import load_generator
@@ -48,10 +46,13 @@ from server_process import LaunchedServer
 from workload import (
     DEFAULT_VOCAB_SIZE,
     BenchmarkError,
+    check_output_json,
+    docstring_parser,
     random_prompts,
     read_model_config,
     resolve_model_dir,
     run_benchmark,
+    split_serve_args,
 )
 
 MODES = ("hybrid", "disaggregated")
@@ -74,11 +75,7 @@ SentRequest = tuple[float, RequestResult]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description="\n\n".join(__doc__.split("\n\n")[:3]),
-        epilog="\n\n".join(__doc__.split("\n\n")[3:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = docstring_parser(__doc__, 3)
     parser.add_argument("--model", help="model directory or .gguf (default: Switchyard's default)")
     parser.add_argument(
         "--serve-args",
@@ -113,12 +110,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{flag.replace('_', '-')} must be positive")
     if args.settle_s < 0 or min(args.prefill_workers, args.decode_workers) < 1:
         parser.error("--settle-s cannot be negative; --prefill/decode-workers must be at least 1")
-    if args.output_json not in (None, "-") and not Path(args.output_json).parent.is_dir():
-        parser.error(f"--output-json: no folder {Path(args.output_json).parent}")
-    try:
-        args.serve_args = shlex.split(args.serve_args)
-    except ValueError as error:
-        parser.error(f"--serve-args: {error}")
+    check_output_json(parser, args.output_json)
+    args.serve_args = split_serve_args(parser, args.serve_args)
 
 
 def make_prompts(args: argparse.Namespace, vocab_size: int) -> dict[str, list[list[int]]]:

@@ -37,6 +37,8 @@ from serve_bench import code_version, machine_info
 from workload import (
     DEFAULT_VOCAB_SIZE,
     BenchmarkError,
+    check_output_json,
+    docstring_parser,
     random_prompts,
     read_model_config,
     resolve_model_dir,
@@ -68,11 +70,7 @@ class InstantWorkerLauncher(Launcher):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description="\n\n".join(__doc__.split("\n\n")[:3]),
-        epilog="\n\n".join(__doc__.split("\n\n")[3:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = docstring_parser(__doc__, 3)
     parser.add_argument("--model-path", help="model directory (default: Switchyard's default)")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=256, help="output tokens per request")
@@ -96,8 +94,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for flag in ("input_len", "output_len", "num_prompts", "concurrency"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.output_json not in (None, "-") and not Path(args.output_json).parent.is_dir():
-        parser.error(f"--output-json: no folder {Path(args.output_json).parent}")
+    check_output_json(parser, args.output_json)
 
 
 def put_repo_on_pythonpath() -> None:

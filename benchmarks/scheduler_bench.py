@@ -32,7 +32,13 @@ from collections.abc import Callable
 
 from instant_worker import DEFAULT_NUM_KV_BLOCKS, InstantTokenGenerator
 from metrics import distribution_ms
-from workload import DEFAULT_VOCAB_SIZE, BenchmarkError, random_prompts, run_benchmark
+from workload import (
+    DEFAULT_VOCAB_SIZE,
+    BenchmarkError,
+    docstring_parser,
+    random_prompts,
+    run_benchmark,
+)
 
 from interfaces import SamplingParams, TextContext, msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.scheduler_to_api import SchedulerResults
@@ -49,11 +55,7 @@ STATISTICS = ("mean", "median", "p99", "max")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = docstring_parser(__doc__, 1)
     parser.add_argument("--num-requests", type=int, default=256, help="requests running")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--num-steps", type=int, default=500, help="decode steps timed")

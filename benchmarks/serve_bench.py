@@ -25,7 +25,6 @@ import importlib.metadata
 import json
 import math
 import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,22 +39,21 @@ from server_process import LaunchedServer
 from workload import (
     DEFAULT_VOCAB_SIZE,
     BenchmarkError,
+    check_output_json,
+    docstring_parser,
     num_cores,
     random_prompts,
     read_model_config,
     resolve_model_dir,
     run_benchmark,
+    split_serve_args,
 )
 
 HERE = Path(__file__).resolve().parent
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description="\n\n".join(__doc__.split("\n\n")[:2]),
-        epilog="\n\n".join(__doc__.split("\n\n")[2:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = docstring_parser(__doc__, 2)
     server = parser.add_mutually_exclusive_group(required=True)
     server.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
     server.add_argument(
@@ -105,12 +103,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--request-rate must be positive (inf: send all at once)")
     if args.vocab_size is not None and args.vocab_size <= 100:
         parser.error("--vocab-size must be above 100 (ids below 100 are left to special tokens)")
-    if args.output_json not in (None, "-") and not Path(args.output_json).parent.is_dir():
-        parser.error(f"--output-json: no folder {Path(args.output_json).parent}")
-    try:
-        args.serve_args = shlex.split(args.serve_args)
-    except ValueError as error:
-        parser.error(f"--serve-args: {error}")
+    check_output_json(parser, args.output_json)
+    args.serve_args = split_serve_args(parser, args.serve_args)
     if args.base_url:  # accept the OpenAI client's form, http://host:port/v1, too
         args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
 

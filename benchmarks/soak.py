@@ -24,7 +24,6 @@ import json
 import os
 import random
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -38,7 +37,12 @@ from cpu_accounting import CpuWatch
 from load_generator import new_client
 from serve_bench import code_version, machine_info
 from server_process import LaunchedServer
-from workload import BenchmarkError, run_benchmark
+from workload import (
+    BenchmarkError,
+    docstring_parser,
+    run_benchmark,
+    split_serve_args,
+)
 
 CHAT_PATH = "/v1/chat/completions"
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
@@ -308,11 +312,7 @@ def report(result: dict) -> tuple[str, bool]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = docstring_parser(__doc__, 1)
     add = parser.add_argument
     add("--model", help="model directory or .gguf to serve (default: Switchyard's default)")
     add("--serve-args", default="", help='more `switchyard serve` flags: --serve-args="--x y"')
@@ -335,10 +335,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--requests, --concurrency and --duration-s must be positive")
     if not 0 <= args.abort_fraction <= 1:
         parser.error("--abort-fraction must be between 0 and 1")
-    try:
-        args.serve_args = shlex.split(args.serve_args)
-    except ValueError as error:
-        parser.error(f"--serve-args: {error}")
+    args.serve_args = split_serve_args(parser, args.serve_args)
     default = Path(__file__).parent / "results" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
     args.output = args.output or str(default)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,11 @@ baseline see the same prompts for the same seed. Imports neither torch nor httpx
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -108,3 +110,28 @@ def run_benchmark(
     if args.output_json:
         write_json(args.output_json, result)
     return 0 if succeeded else 1
+
+
+def docstring_parser(doc: str, num_description_paragraphs: int) -> argparse.ArgumentParser:
+    """A parser described by ``doc``'s first paragraphs, the rest as its epilog, as written."""
+    paragraphs = doc.split("\n\n")
+    return argparse.ArgumentParser(
+        description="\n\n".join(paragraphs[:num_description_paragraphs]),
+        epilog="\n\n".join(paragraphs[num_description_paragraphs:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def check_output_json(parser: argparse.ArgumentParser, output_json: str | None) -> None:
+    """Reject an ``--output-json`` path whose folder does not exist (before the run, not
+    after it)."""
+    if output_json not in (None, "-") and not Path(output_json).parent.is_dir():
+        parser.error(f"--output-json: no folder {Path(output_json).parent}")
+
+
+def split_serve_args(parser: argparse.ArgumentParser, serve_args: str) -> list[str]:
+    """``--serve-args`` as an argv list, split as a shell would."""
+    try:
+        return shlex.split(serve_args)
+    except ValueError as error:
+        parser.error(f"--serve-args: {error}")

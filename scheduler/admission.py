@@ -21,23 +21,14 @@ TextResult = SchedulerResult[TextGenerationOutput]
 def refusal(context: TextContext, problem: str | None, overload: str | None) -> TextResult | None:
     """The result refusing ``context`` (logged): INVALID_REQUEST for a ``problem`` that keeps
     it from ever running, else OVERLOADED for an ``overload``; None to accept it."""
+    if problem is None and overload is None:
+        return None
+    verb, reason = ("rejected", problem) if problem is not None else ("refused", overload)
+    request_id = context.request_id
+    logger.warning("%s request %s: %s", verb, request_id, reason, extra={"request_id": request_id})
     if problem is not None:
-        logger.warning(
-            "rejected request %s: %s",
-            context.request_id,
-            problem,
-            extra={"request_id": context.request_id},
-        )
         return SchedulerResult.rejected_request(problem)
-    if overload is not None:
-        logger.warning(
-            "refused request %s: %s",
-            context.request_id,
-            overload,
-            extra={"request_id": context.request_id},
-        )
-        return SchedulerResult.cancelled(overload, ErrorKind.OVERLOADED)
-    return None
+    return SchedulerResult.cancelled(overload, ErrorKind.OVERLOADED)
 
 
 def admission_problem(

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import httpx
@@ -141,3 +141,23 @@ def wait_until_ready(
             pass
         time.sleep(0.1)
     raise AssertionError(f"{url} was not ready within {timeout_s:g} s")
+
+
+@contextlib.contextmanager
+def role_processes(
+    commands: Mapping[str, list[str]], log_dir: Path
+) -> Iterator[tuple[dict[str, subprocess.Popen], dict[str, Path]]]:
+    """Each ``python -m`` argv of ``commands`` as its own process, started in order, its stderr
+    in ``log_dir/NAME.log``; yields (processes, logs) and terminates them all on the way out."""
+    logs = {name: log_dir / f"{name}.log" for name in commands}
+    processes: dict[str, subprocess.Popen] = {}
+    try:
+        for name, argv in commands.items():
+            with logs[name].open("w") as log:
+                processes[name] = subprocess.Popen([sys.executable, "-m", *argv], stderr=log)
+        yield processes, logs
+    finally:
+        for process in processes.values():
+            process.terminate()
+        for process in processes.values():
+            process.wait(timeout=30)

@@ -7,8 +7,6 @@ from the prefill group to the decode group, over groups of different tensor-para
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -17,7 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.serve_process import DEFAULT_MODEL_NAME, ServeProcess, wait_until_ready
+from tests.serve_process import (
+    DEFAULT_MODEL_NAME,
+    ServeProcess,
+    role_processes,
+    wait_until_ready,
+)
 from tests.test_engine_parity import greedy_tokens
 from tests.test_faults import gauges_settle
 from tests.test_metrics import scrape
@@ -82,12 +85,7 @@ def test_a_two_rank_prefill_group_hands_off_to_a_one_rank_decode_group(tiny_llam
             *("--served-model-name", "tiny", "--max-model-len", "512"),
         ],
     }
-    logs = {name: tmp_path / f"{name}.log" for name in commands}
-    processes = {}
-    try:
-        for name, argv in commands.items():
-            with logs[name].open("w") as log:
-                processes[name] = subprocess.Popen([sys.executable, "-m", *argv], stderr=log)
+    with role_processes(commands, tmp_path) as (processes, logs):
         url = f"http://127.0.0.1:{http_port}"
         wait_until_ready(url, processes, 120, logs)
         prompts = [[1, 450, 7000, 12, 901, 33, 2048], [(37 * i) % 8000 + 3 for i in range(45)]]
@@ -103,11 +101,6 @@ def test_a_two_rank_prefill_group_hands_off_to_a_one_rank_decode_group(tiny_llam
         assert "serving group 'prefill-a' (prefill): tiny-llama0 on 2 rank(s)" in scheduler_log
         assert "(decode): tiny-llama0 on 1 rank(s)" in scheduler_log
         assert f"receiving KV transfers at {decode_addr}" in logs["decode"].read_text()
-    finally:
-        for process in processes.values():
-            process.terminate()
-        for process in processes.values():
-            process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from functools import cache
 from pathlib import Path
@@ -27,6 +25,7 @@ from tests.serve_process import (
     alive,
     chat_messages,
     long_chat,
+    role_processes,
     wait_until_ready,
 )
 from tests.tensor_parallel_ranks import ScriptedRequest, run_group, scripted_steps
@@ -304,13 +303,7 @@ def test_two_hosts_on_loopback_serve_through_an_explicit_rendezvous(
             *("--served-model-name", "tiny", "--max-model-len", "512"),
         ],
     }
-    logs = {name: tmp_path / f"{name}.log" for name in commands}
-    processes = {}
-    try:
-        for name, argv in commands.items():
-            with logs[name].open("w") as log:
-                command = [sys.executable, "-m", *argv]
-                processes[name] = subprocess.Popen(command, stderr=log)
+    with role_processes(commands, tmp_path) as (processes, logs):
         url = f"http://127.0.0.1:{http_port}"
         wait_until_ready(url, processes, 120, logs)
         prompt = [1, 450, 7000, 12, 901, 33, 2048]
@@ -326,11 +319,6 @@ def test_two_hosts_on_loopback_serve_through_an_explicit_rendezvous(
         waiting = r"worker rank [01] of 2 of group '\S+' \(hybrid\) registered; waiting"
         assert re.search(waiting, scheduler_log)
         assert "(hybrid): tiny-llama0 on 2 rank(s)" in scheduler_log
-    finally:
-        for process in processes.values():
-            process.terminate()
-        for process in processes.values():
-            process.wait(timeout=30)
 
 
 def test_killing_one_rank_fails_the_group_within_seconds(default_model_dir, tmp_path):

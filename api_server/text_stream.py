@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tokenizers import Tokenizer
@@ -71,6 +71,8 @@ class TextDelta:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    """The tokens this result produced (a stop token included), for the offline API."""
 
 
 class GenerationStream:
@@ -158,7 +160,7 @@ class GenerationStream:
             self._metrics.generated(len(output.tokens))
         logprobs = output_logprobs(output) if self.context.logprobs is not None else None
         text, finish_reason = self._add_text(output, is_done)
-        return TextDelta(text, finish_reason, logprobs, prompt)
+        return TextDelta(text, finish_reason, logprobs, prompt, list(output.tokens))
 
     def _prompt_logprobs(self, output: TextGenerationOutput) -> list[TokenLogprob] | None:
         if self.context.prompt_logprobs is None or output.prompt_log_probabilities is None:

@@ -197,10 +197,18 @@ class Launcher:
     def start(self) -> None:
         """Start all processes; returns once the API answers ``/ready`` with 200."""
         config = self.config
-        backend = self._ipc("backend.sock")
         self._listener = _bind_listener(config.host, config.port)
         self.port = self._listener.getsockname()[1]
         self._metrics_dir.mkdir()
+        self.start_engine()
+        for index in range(config.api_servers):
+            self._spawn_api_server(f"api-server-{index}")
+        self._wait_until_ready()
+
+    def start_engine(self) -> str:
+        """Start the scheduler and the worker groups (no API server); returns the scheduler's
+        frontend address, where clients connect (the offline API, ``switchyard.offline``, does)."""
+        backend = self._ipc("backend.sock")
         self._spawn("scheduler", self._scheduler_argv(self._ipc("frontend.sock"), backend))
         size = self.config.tensor_parallel_size
         groups = self.config.worker_groups
@@ -214,9 +222,7 @@ class Launcher:
                     transfer_addr = self._ipc(f"kv-{group}-{rank}.sock")
                     argv += ["--role", role, "--group", group, "--kv-transfer-addr", transfer_addr]
                 self._spawn(name, argv)
-        for index in range(config.api_servers):
-            self._spawn_api_server(f"api-server-{index}")
-        self._wait_until_ready()
+        return self._ipc("frontend.sock")
 
     def _spawn_api_server(self, name: str) -> None:
         fd = self._listener.fileno()

@@ -1,0 +1,449 @@
+"""The offline Python API, in lmdeploy's shape: ``pipeline()`` returns a ``Pipeline``.
+
+    from switchyard import pipeline, GenerationConfig
+
+    with pipeline() as pipe:                       # the default model; or pipeline("DIR")
+        print(pipe(["Hello", "The capital of France is"]))
+        for response in pipe.stream_infer("Tell me a story"):
+            print(response.text, end="")
+
+A ``Pipeline`` starts the scheduler and worker processes (``switchyard.launcher``, no HTTP
+server) or connects to a running scheduler's frontend (``scheduler_addr``), and talks to it as an
+API server does: the same tokenizer, chat template, continuous batching, detokenization and stop
+strings. Its asyncio client runs in a thread of its own, so the API is synchronous. ``close()``
+(or leaving the ``with`` block) stops every process it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Queue
+from typing import Any
+
+from api_server.config import EngineClientConfig, resolve_max_model_len
+from api_server.engine_client import EngineClient
+from api_server.text_stream import GenerationStream, TextOptions
+from api_server.tokenizer import HuggingFaceTokenizer
+from interfaces import SamplingParams, TextGenerationRequest, TextGenerationRequestMessage
+from interfaces.requests import StructuredOutput
+from interfaces.scheduler_to_api import SchedulerStats
+from switchyard.launcher import Launcher, ServeConfig
+
+READY_TIMEOUT_S = 600.0
+
+Prompt = str | list[dict[str, Any]]
+"""A prompt: text, or an OpenAI-style list of messages (``{"role": ..., "content": ...}``)."""
+
+
+@dataclass
+class GenerationConfig:
+    """lmdeploy's generation parameters. ``do_sample=False`` (the default) is greedy whatever
+    the temperature; ``top_k`` 0 means no top-k cut."""
+
+    n: int = 1
+    max_new_tokens: int = 512
+    do_sample: bool = False
+    top_p: float = 1.0
+    top_k: int = 50
+    min_p: float = 0.0
+    temperature: float = 0.8
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    random_seed: int | None = None
+    stop_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_new_tokens: int | None = None
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        """These parameters for the engine; ``ValueError`` names the one that is invalid."""
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (one response per prompt), got {self.n}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        sampled = self.do_sample and self.temperature > 0
+        return SamplingParams(
+            top_k=(self.top_k if self.top_k > 0 else -1) if sampled else 1,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            temperature=self.temperature if sampled else 1.0,
+            repetition_penalty=self.repetition_penalty,
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens or 0,
+            ignore_eos=self.ignore_eos,
+            stop=self.stop_words or None,
+            stop_token_ids=self.stop_token_ids or None,
+            seed=self.random_seed,
+        )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """``response_format`` as the engine's constraint: ``{"type": "json_object"}``,
+        ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` or
+        ``{"type": "regex_schema", "regex_schema": "..."}``."""
+        response_format = self.response_format
+        if response_format is None or response_format.get("type") == "text":
+            return None
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return StructuredOutput("json_object")
+        if kind == "json_schema":
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            if schema is None:
+                return StructuredOutput("json_object")
+            return _json_schema(schema)
+        if kind == "regex_schema" and isinstance(response_format.get("regex_schema"), str):
+            return StructuredOutput("regex", response_format["regex_schema"])
+        raise ValueError(f"unsupported response_format: {response_format!r}")
+
+
+def _json_schema(schema: Any) -> StructuredOutput:
+    from api_server.errors import OpenAIError
+    from api_server.structured_output import json_schema_output
+
+    try:
+        return json_schema_output(schema, "response_format")
+    except OpenAIError as error:
+        raise ValueError(error.message) from None
+
+
+@dataclass
+class EngineConfig:
+    """The engine's settings, named as lmdeploy's ``PytorchEngineConfig`` where it has them.
+
+    ``session_len`` is the context length (prompt plus output; default: the model's);
+    ``max_batch_size`` the most requests per step; ``max_prefill_token_num`` the token budget
+    per step; ``cache_max_entry_count`` the KV cache size, as a fraction of free memory or as
+    bytes with a unit ("2GiB"); ``tp`` the tensor-parallel size.
+    """
+
+    tp: int = 1
+    session_len: int | None = None
+    max_batch_size: int = ServeConfig.max_num_seqs
+    cache_max_entry_count: float | str | None = None
+    block_size: int = 16
+    max_prefill_token_num: int = ServeConfig.max_num_batched_tokens
+    enable_prefix_caching: bool = True
+    device_type: str | None = None
+    dtype: str | None = None
+
+
+@dataclass
+class Response:
+    """One prompt's generation (so far, when streamed): lmdeploy's ``Response``.
+
+    ``token_ids`` are the generated tokens, without a stop token that ended generation;
+    ``logprobs`` has one ``{token_id: logprob}`` per generated token (the chosen token and the
+    top ones) when ``GenerationConfig.logprobs`` asked. ``finish_reason`` is "stop", "length"
+    or "abort" once done, else None; ``index`` the prompt's position.
+    """
+
+    text: str
+    generate_token_len: int
+    input_token_len: int
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+
+
+@dataclass
+class Session:
+    """A multi-turn chat: the messages so far. Each turn's prompt starts with the last turn's
+    prompt and answer, so the engine's prefix cache serves them again."""
+
+    session_id: int
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    response: Response | None = None
+
+
+class Pipeline:
+    """A synchronous client of the Switchyard engine for offline batch and chat use."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        backend_config: EngineConfig | None = None,
+        scheduler_addr: str | None = None,
+        log_level: str = "WARNING",
+    ) -> None:
+        """Start the engine for ``model_path`` (a Hugging Face directory or .gguf file; None:
+        the default model), or connect to the scheduler at ``scheduler_addr`` serving it."""
+        from worker.model_files import model_name_for, resolve_model
+
+        config = backend_config or EngineConfig()
+        model_dir = resolve_model(model_path)
+        self.model_name = model_name_for(model_path)
+        self.tokenizer = HuggingFaceTokenizer(
+            model_dir, resolve_max_model_len(model_dir, config.session_len)
+        )
+        self._launcher: Launcher | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._session_ids = itertools.count()
+        try:
+            if scheduler_addr is None:
+                self._launcher = Launcher(
+                    _serve_config(model_dir, self.model_name, config, log_level)
+                )
+                scheduler_addr = self._launcher.start_engine()
+            self._engine = EngineClient(EngineClientConfig(scheduler_addr))
+            self._run(self._engine.start())
+            self._wait_until_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the lmdeploy API ----------------------------------------------------------------------
+
+    def __call__(
+        self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None, **kwargs
+    ) -> Response | list[Response]:
+        return self.infer(prompts, gen_config, **kwargs)
+
+    def infer(
+        self,
+        prompts: Prompt | list[Prompt],
+        gen_config: GenerationConfig | list[GenerationConfig] | None = None,
+        use_tqdm: bool = False,
+    ) -> Response | list[Response]:
+        """Every prompt's final ``Response``, in input order (one for a single prompt). All of
+        them run at once, batched by the engine; ``use_tqdm`` shows a progress bar."""
+        single, batch = _as_batch(prompts)
+        configs = _configs(gen_config, len(batch))
+        progress = _progress_bar(len(batch)) if use_tqdm else None
+        finals: list[Response | None] = [None] * len(batch)
+        for response in self._stream(batch, configs):
+            if response.finish_reason is not None:
+                finals[response.index] = response
+                if progress is not None:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        return finals[0] if single else finals
+
+    def stream_infer(
+        self,
+        prompts: Prompt | list[Prompt],
+        gen_config: GenerationConfig | list[GenerationConfig] | None = None,
+    ) -> Iterator[Response]:
+        """Incremental ``Response``s as tokens arrive, each with its prompt's ``index``: the
+        text and tokens new since that prompt's previous one."""
+        _, batch = _as_batch(prompts)
+        yield from self._stream(batch, _configs(gen_config, len(batch)), incremental=True)
+
+    def chat(
+        self,
+        prompt: str,
+        session: Session | None = None,
+        gen_config: GenerationConfig | None = None,
+    ) -> Session:
+        """One turn of a multi-turn chat; returns the session, with this turn's ``response``."""
+        session = session or Session(next(self._session_ids))
+        session.messages.append({"role": "user", "content": prompt})
+        response = self.infer([list(session.messages)], gen_config)[0]
+        session.messages.append({"role": "assistant", "content": response.text})
+        session.response = response
+        return session
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters and gauges (running requests, prefix-cache hits, ...)."""
+        return self._run(self._engine.stats())
+
+    def close(self) -> None:
+        """Disconnect, and stop every process this pipeline started (idempotent)."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None and self._loop.is_running():
+            self._run(engine.close())
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if self._launcher is not None:
+            self._launcher.shutdown()
+            self._launcher = None
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *_exc_info: object) -> None:
+        self.close()
+
+    # -- running requests ----------------------------------------------------------------------
+
+    def _run(self, coroutine, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            launcher = self._launcher
+            if launcher is not None and (dead := launcher.dead_child()) is not None:
+                raise RuntimeError(f"the engine's {dead} process exited while starting")
+            try:
+                if self.stats().workers_ready:
+                    return
+            except Exception:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the engine was not ready within {READY_TIMEOUT_S:.0f} s")
+
+    def _stream(
+        self, prompts: list[Prompt], configs: list[GenerationConfig], incremental: bool = False
+    ) -> Iterator[Response]:
+        """Responses of every prompt as they come: cumulative, or only what is new."""
+        updates: Queue[Response | BaseException | None] = Queue()
+        futures: list[Future] = []
+        for index, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
+            coroutine = self._generate(index, prompt, config, incremental, updates)
+            futures.append(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
+        remaining = len(futures)
+        try:
+            while remaining:
+                update = updates.get()
+                if update is None:
+                    remaining -= 1
+                elif isinstance(update, BaseException):
+                    raise update
+                else:
+                    yield update
+        finally:
+            for future in futures:
+                future.cancel()  # a consumer that stops early aborts what still runs
+
+    async def _generate(
+        self,
+        index: int,
+        prompt: Prompt,
+        config: GenerationConfig,
+        incremental: bool,
+        updates: Queue,
+    ) -> None:
+        try:
+            async for response in self._responses(index, prompt, config, incremental):
+                updates.put(response)
+        except BaseException as error:  # handed to the caller's thread
+            updates.put(error)
+        finally:
+            updates.put(None)
+
+    async def _responses(
+        self, index: int, prompt: Prompt, config: GenerationConfig, incremental: bool
+    ) -> AsyncIterator[Response]:
+        context = await self.tokenizer.new_context(
+            self._request(prompt, config), logprobs=config.logprobs,
+            structured_output=config.structured_output(),
+        )  # fmt: skip
+        options = TextOptions(
+            stop=tuple(config.stop_words or ()),
+            skip_special_tokens=config.skip_special_tokens,
+            include_stop_str_in_output=config.include_stop_str_in_output,
+        )
+        stop_ids = {*context.eos_token_ids, *(config.stop_token_ids or ())}
+        total = Response("", 0, context.num_prompt_tokens, index=index)
+        total.logprobs = [] if config.logprobs is not None else None
+        stream = GenerationStream(self._engine, context, self.tokenizer.backend, options)
+        async for delta in stream.deltas():
+            token_ids = list(delta.token_ids)
+            if delta.finish_reason == "stop" and token_ids and token_ids[-1] in stop_ids:
+                token_ids = token_ids[:-1]
+            logprobs = [_logprob_entry(entry) for entry in delta.logprobs or ()]
+            total.text += delta.text
+            total.token_ids += token_ids
+            total.generate_token_len = stream.num_output_tokens
+            total.finish_reason = delta.finish_reason
+            if total.logprobs is not None:
+                total.logprobs += logprobs[: len(token_ids)]
+            if incremental:
+                yield Response(
+                    delta.text, total.generate_token_len, total.input_token_len,
+                    delta.finish_reason, token_ids,
+                    logprobs[: len(token_ids)] if total.logprobs is not None else None, index,
+                )  # fmt: skip
+        if not incremental:
+            yield total
+
+    def _request(self, prompt: Prompt, config: GenerationConfig) -> TextGenerationRequest:
+        params = config.sampling_params()
+        fields: dict[str, Any] = {"prompt": prompt}
+        if not isinstance(prompt, str):
+            fields = {"messages": [TextGenerationRequestMessage(**m) for m in prompt]}
+        return TextGenerationRequest(
+            request_id=f"pipeline-{uuid.uuid4().hex}",
+            index=0,
+            model_name=self.model_name,
+            timestamp_ns=time.time_ns(),
+            stop=config.stop_words,
+            sampling_params=params,
+            **fields,
+        )
+
+
+def pipeline(
+    model_path: str | None = None,
+    backend_config: EngineConfig | None = None,
+    scheduler_addr: str | None = None,
+    log_level: str = "WARNING",
+) -> Pipeline:
+    """lmdeploy's ``pipeline()``: a ``Pipeline`` for ``model_path`` (see ``Pipeline``)."""
+    return Pipeline(model_path, backend_config, scheduler_addr, log_level)
+
+
+def _serve_config(model_dir: Path, name: str, config: EngineConfig, log_level: str) -> ServeConfig:
+    memory = config.cache_max_entry_count
+    return ServeConfig(
+        model_dir=model_dir,
+        served_model_name=name,
+        tensor_parallel_size=config.tp,
+        max_model_len=config.session_len,
+        kv_cache_memory=None if memory is None else str(memory),
+        block_size=config.block_size,
+        max_num_seqs=config.max_batch_size,
+        max_num_batched_tokens=config.max_prefill_token_num,
+        enable_prefix_caching=config.enable_prefix_caching,
+        device=config.device_type,
+        dtype=config.dtype,
+        log_level=log_level,
+    )
+
+
+def _as_batch(prompts: Prompt | list[Prompt]) -> tuple[bool, list[Prompt]]:
+    """(whether ``prompts`` is one prompt, the prompts as a list)."""
+    if isinstance(prompts, str):
+        return True, [prompts]
+    if prompts and isinstance(prompts[0], dict):
+        return True, [prompts]  # one conversation
+    return False, list(prompts)
+
+
+def _configs(
+    gen_config: GenerationConfig | list[GenerationConfig] | None, count: int
+) -> list[GenerationConfig]:
+    if isinstance(gen_config, list):
+        if len(gen_config) != count:
+            raise ValueError(f"{len(gen_config)} generation configs for {count} prompts")
+        return gen_config
+    return [gen_config or GenerationConfig()] * count
+
+
+def _logprob_entry(entry) -> dict[int, float]:
+    """lmdeploy's per-token log probabilities: the chosen token's and the top ones'."""
+    top = dict(entry.top or {})
+    top[entry.token_id] = entry.logprob
+    return top
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="prompt")

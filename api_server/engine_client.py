@@ -27,13 +27,20 @@ from zmq.utils.monitor import parse_monitor_message
 from api_server.config import EngineClientConfig
 from api_server.stats_tickets import StatsTickets, StatsWaiter
 from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
-from interfaces.api_to_scheduler import AbortRequests, StatsRequest, SubmitRequest
+from interfaces.api_to_scheduler import (
+    AbortRequests,
+    StatsRequest,
+    SubmitEmbeddings,
+    SubmitRequest,
+)
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
 from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats, SchedulerToApiMessage
 
 logger = logging.getLogger(__name__)
 
 Result = SchedulerResult[TextGenerationOutput]
+EmbeddingsResult = SchedulerResult[EmbeddingsOutput]
 
 
 class SchedulerUnavailable(Exception):
@@ -133,6 +140,32 @@ class EngineClient:
             self._queues.pop(request_id, None)
             if submitted and not finished:
                 self.abort([request_id])
+
+    async def embed(self, contexts: list[EmbeddingsContext]) -> dict[RequestID, EmbeddingsResult]:
+        """Submit every input for embedding; each one's result, by id. Raises
+        ``SchedulerUnavailable`` like ``generate``; if cancelled, the inputs are aborted."""
+        request_ids = [context.request_id for context in contexts]
+        if any(request_id in self._queues for request_id in request_ids):
+            raise ValueError("an embedding input's id is already in flight")
+        if self._lost_connection is not None:
+            raise SchedulerUnavailable(self._lost_connection)
+        queues: dict[RequestID, asyncio.Queue] = {rid: asyncio.Queue() for rid in request_ids}
+        self._queues.update(queues)
+        results: dict[RequestID, EmbeddingsResult] = {}
+        try:
+            await self._send(SubmitEmbeddings(contexts), self.config.submit_timeout_s)
+            for request_id, queue in queues.items():
+                item = await queue.get()
+                if isinstance(item, SchedulerUnavailable):
+                    raise item
+                results[request_id] = item
+            return results
+        finally:
+            for request_id in request_ids:
+                self._queues.pop(request_id, None)
+            unfinished = [rid for rid in request_ids if rid not in results]
+            if unfinished and self._socket is not None:
+                self.abort(unfinished)
 
     def abort_all(self) -> int:
         """End every request in flight now, as aborted (finish reason "abort"), and tell the

@@ -206,7 +206,7 @@ async def _respond(
     return await _full_response(generation, response_format)
 
 
-def _as_openai_error(error: RequestFailed | SchedulerUnavailable) -> OpenAIError:
+def as_openai_error(error: RequestFailed | SchedulerUnavailable) -> OpenAIError:
     if isinstance(error, SchedulerUnavailable):
         return service_unavailable(str(error))
     if error.kind is ErrorKind.INVALID_REQUEST:
@@ -222,7 +222,7 @@ async def _full_response(generation: Generation, response_format: ResponseFormat
     try:
         choices = await generation.collect()
     except (RequestFailed, SchedulerUnavailable) as error:
-        raise _as_openai_error(error) from error
+        raise as_openai_error(error) from error
     body = response_format.response(choices, generation.usage())
     return JSONResponse(body.model_dump(mode="json"))
 
@@ -236,7 +236,7 @@ async def _stream_response(
     try:
         first = await anext(deltas)
     except (RequestFailed, SchedulerUnavailable) as error:
-        raise _as_openai_error(error) from error
+        raise as_openai_error(error) from error
     events = _sse_events(generation, deltas, first, response_format, include_usage)
     # Starlette does not close the body iterator when the client goes away mid-send; closing it
     # in the background task aborts the request at once instead of whenever it is collected.
@@ -268,7 +268,7 @@ async def _sse_events(
         if include_usage:
             yield _sse(response_format.usage_chunk(generation.usage()))
     except (RequestFailed, SchedulerUnavailable) as error:
-        yield _sse(_as_openai_error(error).body())
+        yield _sse(as_openai_error(error).body())
     finally:
         await deltas.aclose()
     yield SSE_DONE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from interfaces.embeddings import EmbeddingsContext
 from interfaces.requests import RequestID, TextContext
 
 
@@ -11,6 +12,13 @@ class SubmitRequest(msgspec.Struct, tag="submit", array_like=True):
     """Schedule ``context``; results stream back to the sending API server."""
 
     context: TextContext
+
+
+class SubmitEmbeddings(msgspec.Struct, tag="embed", array_like=True):
+    """Embed each of ``contexts`` on an embedding worker group; one result per context comes
+    back (``EmbeddingsResults``) to the sending API server."""
+
+    contexts: list[EmbeddingsContext]
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -23,4 +31,4 @@ class StatsRequest(msgspec.Struct, tag="stats", array_like=True):
     """Ask for a ``SchedulerStats`` reply (health checks, metrics)."""
 
 
-ApiToSchedulerMessage = SubmitRequest | AbortRequests | StatsRequest
+ApiToSchedulerMessage = SubmitRequest | SubmitEmbeddings | AbortRequests | StatsRequest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from interfaces.embeddings import EmbeddingsOutput
 from interfaces.outputs import SchedulerResult, TextGenerationOutput
 from interfaces.requests import RequestID
 
@@ -61,6 +62,8 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
         default_factory=lambda: [0] * (len(KV_TRANSFER_SECONDS_BUCKETS) + 1)
     )
     kv_transfer_seconds_sum: float = 0.0
+    embedding_workers_ready: bool = False
+    """An embedding worker group serves /v1/embeddings."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -70,4 +73,10 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
         )
 
 
-SchedulerToApiMessage = SchedulerResults | SchedulerStats
+class EmbeddingsResults(msgspec.Struct, tag="embeddings", array_like=True):
+    """Embeddings (or why not) for inputs the receiving API server submitted."""
+
+    results: dict[RequestID, SchedulerResult[EmbeddingsOutput]]
+
+
+SchedulerToApiMessage = SchedulerResults | EmbeddingsResults | SchedulerStats

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from interfaces.embeddings import EmbeddingsContext
 from interfaces.requests import RequestID, TextContext
 
 
@@ -92,4 +93,11 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, omit_defaults=Tr
     reason: str | None = None
 
 
-SchedulerToWorkerMessage = SchedulerOutput | KVTransfers | Shutdown
+class EmbeddingsStep(msgspec.Struct, tag="embed_step", array_like=True):
+    """One batch for an embedding worker group: embed every context."""
+
+    step_id: int
+    contexts: list[EmbeddingsContext]
+
+
+SchedulerToWorkerMessage = SchedulerOutput | EmbeddingsStep | KVTransfers | Shutdown

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 import msgspec
+import numpy as np
 
 from interfaces.outputs import TextGenerationOutput
 from interfaces.requests import RequestID
@@ -21,6 +22,8 @@ class WorkerRole(enum.Enum):
     HYBRID = "hybrid"
     PREFILL = "prefill"
     DECODE = "decode"
+    EMBEDDING = "embedding"
+    """An encoder model that turns inputs into vectors (``EmbeddingsStep``), beside the others."""
 
 
 class KVLayout(msgspec.Struct, array_like=True, frozen=True):
@@ -99,4 +102,15 @@ class KVReceived(msgspec.Struct, tag="kv_received", array_like=True):
     seconds: float
 
 
-WorkerToSchedulerMessage = WorkerReady | ModelOutput | WorkerFailure | KVReceived
+class EmbeddingsModelOutput(msgspec.Struct, tag="embedded", array_like=True):
+    """An embedding group's answer to ``EmbeddingsStep``: one float32 vector per context, or,
+    in ``refused``, why a context could not be embedded (too long for the model)."""
+
+    step_id: int
+    embeddings: dict[RequestID, np.ndarray]
+    refused: dict[RequestID, str] = {}
+
+
+WorkerToSchedulerMessage = (
+    WorkerReady | ModelOutput | WorkerFailure | KVReceived | EmbeddingsModelOutput
+)

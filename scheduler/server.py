@@ -27,21 +27,25 @@ from interfaces.api_to_scheduler import (
     AbortRequests,
     ApiToSchedulerMessage,
     StatsRequest,
+    SubmitEmbeddings,
     SubmitRequest,
 )
-from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats
+from interfaces.scheduler_to_api import EmbeddingsResults, SchedulerResults, SchedulerStats
 from interfaces.scheduler_to_worker import SchedulerOutput, Shutdown
 from interfaces.transport import TransportSecurity
 from interfaces.worker_to_scheduler import (
+    EmbeddingsModelOutput,
     KVReceived,
     ModelOutput,
     WorkerFailure,
     WorkerReady,
+    WorkerRole,
     WorkerToSchedulerMessage,
 )
 from scheduler.config import SchedulerConfig
 from scheduler.coordinator import Coordinator
 from scheduler.counters import SchedulerCounters
+from scheduler.embeddings import Embeddings, EmbeddingsByClient
 from scheduler.peers import PeerTracker
 from scheduler.scheduler import ResultsByClient
 from scheduler.worker_group import Registration, WorkerGroups
@@ -79,6 +83,8 @@ class SchedulerServer:
         self.coordinator = Coordinator(config, SchedulerCounters())
         """Its counters are shared by every group's ``Scheduler``, for the life of this process,
         so /metrics counters only grow."""
+        self.embeddings = Embeddings(config)
+        """The embedding groups, apart: they run no generation and hold no KV cache."""
         self._workers = WorkerGroups()
         self._in_flight: dict[str, SchedulerOutput] = {}
         """The step each group is running, by group name."""
@@ -146,7 +152,10 @@ class SchedulerServer:
             return
         if isinstance(message, SubmitRequest):
             self._on_submit(client_id, message)
+        elif isinstance(message, SubmitEmbeddings):
+            self._send_embeddings(self.embeddings.submit(client_id, message.contexts))
         elif isinstance(message, AbortRequests):
+            self.embeddings.abort(message.request_ids)
             self._send_results(self.coordinator.abort_requests(message.request_ids))
         elif isinstance(message, StatsRequest):
             self._frontend.send_multipart([client_id, self._encode(self.stats())])
@@ -158,16 +167,25 @@ class SchedulerServer:
 
     def _on_api_disconnect(self, client_id: bytes) -> None:
         num_aborted = self.coordinator.abort_client(client_id)
+        num_aborted += self.embeddings.abort_client(client_id)
         if num_aborted:
             logger.warning("an API server went away; aborted its %d requests", num_aborted)
 
     def stats(self) -> SchedulerStats:
-        return self.coordinator.stats()
+        stats = self.coordinator.stats()
+        stats.embedding_workers_ready = bool(self.embeddings.groups)
+        return stats
 
     def _send_results(self, results: ResultsByClient) -> None:
         for client_id, by_request in results.items():
             if by_request:
                 message = SchedulerResults(by_request)
+                self._frontend.send_multipart([client_id, self._encode(message)])
+
+    def _send_embeddings(self, results: EmbeddingsByClient) -> None:
+        for client_id, by_request in results.items():
+            if by_request:
+                message = EmbeddingsResults(by_request)
                 self._frontend.send_multipart([client_id, self._encode(message)])
 
     # -- the workers ---------------------------------------------------------------------------
@@ -182,6 +200,9 @@ class SchedulerServer:
             self._on_worker_ready(worker_id, message)
             return
         group = self._workers.group_of(worker_id)
+        if group is not None and group.name in self.embeddings.groups:
+            self._on_embedding_worker_message(group.name, worker_id == group.driver, message)
+            return
         serving = group is not None and group.name in self.coordinator.groups
         if isinstance(message, KVReceived):
             if serving:
@@ -200,6 +221,19 @@ class SchedulerServer:
             del self._in_flight[group.name]
             error = f"worker error: {message.error}"
             self._send_results(self.coordinator.fail_step(group.name, step, error))
+
+    def _on_embedding_worker_message(self, name: str, from_driver: bool, message) -> None:
+        step_and_owners = self.embeddings.in_flight.get(name)
+        if step_and_owners is None or not from_driver or not hasattr(message, "step_id"):
+            logger.warning("dropped an unexpected %s from a worker", type(message).__name__)
+        elif message.step_id != step_and_owners[0].step_id:
+            logger.warning("dropped embeddings of step %d", message.step_id)
+        elif isinstance(message, EmbeddingsModelOutput):
+            self._send_embeddings(self.embeddings.on_output(name, message))
+        elif isinstance(message, WorkerFailure):
+            logger.error("group %r failed embedding step %d: %s", name, message.step_id,
+                         message.error)  # fmt: skip
+            self._send_embeddings(self.embeddings.fail_step(name, f"worker error: {message.error}"))
 
     def _on_worker_disconnect(self, worker_id: bytes) -> None:
         registration = self._workers.leave(worker_id)
@@ -220,7 +254,10 @@ class SchedulerServer:
                 "group %r registered again; failing the requests of the old one", ready.group
             )
         self._retire(registration, "the worker restarted")
-        if registration.now_serving:
+        if registration.now_serving and ready.role is WorkerRole.EMBEDDING:
+            self.embeddings.add_group(ready.group)
+            logger.info("serving embedding group %r: %s", ready.group, ready.model_name)
+        elif registration.now_serving:
             group = self._workers.groups[ready.group]
             refusal = self.coordinator.add_group(group)
             if refusal is not None:
@@ -239,7 +276,9 @@ class SchedulerServer:
     def _retire(self, registration: Registration, reason: str) -> None:
         """Fail the requests of a group that stopped serving, and shut down its survivors (a
         refused registration is told why)."""
-        if registration.was_serving:
+        if registration.was_serving and registration.group in self.embeddings.groups:
+            self._send_embeddings(self.embeddings.remove_group(registration.group, reason))
+        elif registration.was_serving:
             self._in_flight.pop(registration.group, None)
             self._send_results(self.coordinator.remove_group(registration.group, reason))
         shutdown = Shutdown(registration.error) if registration.error else Shutdown()
@@ -248,10 +287,11 @@ class SchedulerServer:
 
     def _send_worker_messages(self) -> None:
         """Send the coordinator's transfer news and the next step of every idle group."""
+        embedding_steps = self.embeddings.schedule(self.embeddings.groups)
         idle = [name for name in self.coordinator.groups if name not in self._in_flight]
-        if not self.coordinator.has_work(idle):
+        if not embedding_steps and not self.coordinator.has_work(idle):
             return
-        for name, message in self.coordinator.schedule(idle):
+        for name, message in [*embedding_steps, *self.coordinator.schedule(idle)]:
             group = self._workers.groups.get(name)
             if group is None:
                 continue  # it left while the message waited
@@ -263,6 +303,10 @@ class SchedulerServer:
 
     def _shutdown(self) -> None:
         self._send_results(self.coordinator.fail_all("the scheduler is shutting down"))
+        for name in list(self.embeddings.groups):
+            self._send_embeddings(
+                self.embeddings.remove_group(name, "the scheduler is shutting down")
+            )
         for group in self._workers.groups.values():
             for identity in group.members:
                 self._backend.send_multipart([identity, self._encode(Shutdown())])

@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker processes that split the model (one per GPU on CUDA), in each group",
     )
     serve.add_argument(
+        "--embedding-model",
+        metavar="NAME_OR_PATH",
+        help="also serve /v1/embeddings with this encoder model directory ('default': the "
+        "packaged all-MiniLM-L6-v2)",
+    )
+    serve.add_argument(
         "--prefill-workers",
         type=int,
         default=0,
@@ -157,6 +163,7 @@ def serve(args: argparse.Namespace) -> int:
         api_servers=args.api_servers,
         tensor_parallel_size=args.tensor_parallel_size,
         prefill_workers=args.prefill_workers,
+        **_embedding_model(args.embedding_model),
         decode_workers=args.decode_workers,
         kv_transfer_timeout_s=args.kv_transfer_timeout,
         max_model_len=args.max_model_len,
@@ -225,3 +232,20 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _embedding_model(name_or_path: str | None) -> dict:
+    """ServeConfig's embedding fields for ``--embedding-model`` (none without it)."""
+    if name_or_path is None:
+        return {}
+    from interfaces.embeddings import DEFAULT_EMBEDDING_MODEL, default_embedding_model_dir
+
+    if name_or_path == "default":
+        return {
+            "embedding_model_dir": default_embedding_model_dir(),
+            "embedding_model_name": DEFAULT_EMBEDDING_MODEL,
+        }
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--embedding-model {path} is not a model directory (no config.json)")
+    return {"embedding_model_dir": path, "embedding_model_name": path.resolve().name}

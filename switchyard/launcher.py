@@ -66,6 +66,9 @@ class ServeConfig:
     serves one hybrid group."""
     decode_workers: int = 0
     kv_transfer_timeout_s: float = SchedulerConfig.kv_transfer_timeout_s
+    embedding_model_dir: Path | None = None
+    """Also serve /v1/embeddings with this encoder, on a worker of its own."""
+    embedding_model_name: str | None = None
     max_model_len: int | None = None
     kv_cache_memory: str | None = None
     block_size: int = 16
@@ -222,7 +225,21 @@ class Launcher:
                     transfer_addr = self._ipc(f"kv-{group}-{rank}.sock")
                     argv += ["--role", role, "--group", group, "--kv-transfer-addr", transfer_addr]
                 self._spawn(name, argv)
+        if self.config.embedding_model_dir is not None:
+            self._spawn("embedding-worker", self._embedding_worker_argv(backend))
         return self._ipc("frontend.sock")
+
+    def _embedding_worker_argv(self, backend: str) -> list[str]:
+        config = self.config
+        argv = [
+            "worker",
+            *("--role", "embedding", "--group", "embedding"),
+            *("--model", str(config.embedding_model_dir), "--scheduler-addr", backend),
+            *("--served-model-name", config.embedding_model_name or ""),
+        ]
+        if config.device is not None:
+            argv += ["--device", config.device]
+        return argv
 
     def _spawn_api_server(self, name: str) -> None:
         fd = self._listener.fileno()
@@ -284,6 +301,9 @@ class Launcher:
             argv += ["--max-model-len", str(config.max_model_len)]
         if config.allowed_origins:
             argv += ["--allowed-origins", ",".join(config.allowed_origins)]
+        if config.embedding_model_dir is not None:
+            argv += ["--embedding-model", str(config.embedding_model_dir)]
+            argv += ["--embedding-model-name", config.embedding_model_name or ""]
         return argv
 
     def _wait_until_ready(self) -> None:

@@ -21,6 +21,7 @@ ERROR_KEYS = ["message", "type", "param", "code"]
 OPERATIONS = [
     "POST /v1/chat/completions",
     "POST /v1/completions",
+    "POST /v1/embeddings",
     "GET /v1/models",
     "GET /health",
     "GET /ready",

@@ -1,12 +1,30 @@
-"""The embedding model (worker.embeddings) against sentence-transformers, its reference."""
+"""The embedding model (worker.embeddings) against sentence-transformers, its reference, and
+embedding inputs batched by the scheduler onto an embedding worker process."""
 
 from __future__ import annotations
 
+import base64
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
 import numpy as np
 import pytest
+import zmq
 from tokenizers import Tokenizer
 
-from worker.embeddings import EmbeddingsGenerator, Pooling, default_embedding_model_dir
+from interfaces import ErrorKind, SchedulerStatus, msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces.api_to_scheduler import SubmitEmbeddings
+from interfaces.embeddings import EmbeddingsContext, Pooling, default_embedding_model_dir
+from interfaces.scheduler_to_api import EmbeddingsResults, SchedulerToApiMessage
+from interfaces.worker_to_scheduler import EmbeddingsModelOutput
+from scheduler.config import SchedulerConfig
+from scheduler.embeddings import Embeddings
+from scheduler.server import SchedulerServer
+from tests.serve_process import ServeProcess
+from worker.embeddings import EmbeddingsGenerator
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
          "seven", "wizards", "quietly", "hex")  # fmt: skip
@@ -59,3 +77,165 @@ def test_inputs_that_are_empty_or_too_long_are_refused(generator):
     with pytest.raises(ValueError, match="has 0 tokens"):
         generator.encode({"empty": []})
     assert generator.encode({}) == {}
+
+
+# -- served: a scheduler and an embedding worker process ------------------------------------------
+
+
+@pytest.fixture
+def scheduler_with_embedder(tmp_path, model_dir):
+    """A SchedulerServer thread, an embedding worker process, and an API-side DEALER."""
+    frontend, backend = f"ipc://{tmp_path}/frontend", f"ipc://{tmp_path}/backend"
+    server = SchedulerServer(SchedulerConfig(max_num_batched_tokens=512), frontend, backend)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(frontend)
+    refused = submit(client, [EmbeddingsContext("early", [101, 102])])
+    assert refused["early"].error == "no embedding model is being served"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "worker", "--role", "embedding", "--model", str(model_dir),
+         "--scheduler-addr", backend, "--device", "cpu", "--served-model-name", "minilm"]
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not server.embeddings.groups:
+            assert time.monotonic() < deadline and worker.poll() is None, "no embedding worker"
+            time.sleep(0.1)
+        yield server, client
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+        assert worker.wait(timeout=30) == 0  # told to shut down
+        context.destroy(linger=0)
+
+
+def submit(client, contexts: list[EmbeddingsContext], timeout_s: float = 60) -> dict:
+    """Send the inputs; every input's result, by id."""
+    client.send(msgpack_numpy_encoder()(SubmitEmbeddings(contexts)))
+    decode = msgpack_numpy_decoder(SchedulerToApiMessage)
+    results: dict = {}
+    while len(results) < len(contexts):
+        assert client.poll(timeout_s * 1000), "no reply from the scheduler"
+        message = decode(client.recv())
+        assert isinstance(message, EmbeddingsResults)
+        results.update(message.results)
+    return results
+
+
+def test_the_scheduler_batches_inputs_onto_the_embedding_worker(
+    scheduler_with_embedder, model_dir, generator
+):
+    _, client = scheduler_with_embedder
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    inputs = {f"e{i}": tokenizer.encode(text).ids for i, text in enumerate(texts(40))}
+    contexts = [EmbeddingsContext(rid, ids) for rid, ids in inputs.items()]
+    too_long = EmbeddingsContext("too-long", [101] + [1000] * 300 + [102])
+    results = submit(client, [*contexts, too_long])
+    expected = generator.encode(inputs)
+    for request_id in inputs:
+        result = results[request_id]
+        assert result.status is SchedulerStatus.COMPLETE
+        vector = result.result.embeddings
+        assert vector.dtype == np.float32 and np.allclose(vector, expected[request_id], atol=1e-5)
+    refusal = results["too-long"]
+    assert (refusal.status, refusal.error_kind) == (
+        SchedulerStatus.CANCELLED,
+        ErrorKind.INVALID_REQUEST,
+    )
+    assert refusal.error == "the input has 302 tokens; the embedding model takes 1 to 256"
+
+
+def test_the_queue_batches_under_the_token_budget_and_forgets_aborted_inputs():
+    embeddings = Embeddings(SchedulerConfig(max_num_batched_tokens=10))
+    embeddings.add_group("g")
+    inputs = [EmbeddingsContext(f"e{i}", [1] * n) for i, n in enumerate((4, 5, 20, 3))]
+    assert embeddings.submit(b"api", inputs) == {}
+    ((_, step),) = embeddings.schedule(["g"])
+    assert [c.request_id for c in step.contexts] == ["e0", "e1"]  # 4 + 5 fit in 10
+    assert embeddings.schedule(["g"]) == []  # one step in flight per group
+    embeddings.abort(["e1"])
+    vectors = {c.request_id: np.ones(2, dtype=np.float32) for c in step.contexts}
+    results = embeddings.on_output("g", EmbeddingsModelOutput(step.step_id, vectors))
+    assert list(results[b"api"]) == ["e0"]  # e1 was aborted while it ran
+    ((_, step),) = embeddings.schedule(["g"])
+    assert [c.request_id for c in step.contexts] == ["e2"]  # alone over budget: still runs
+    failed = embeddings.remove_group("g", "the worker serving this request died")
+    assert {rid: r.error_kind for rid, r in failed[b"api"].items()} == {
+        "e2": ErrorKind.UNAVAILABLE,
+        "e3": ErrorKind.UNAVAILABLE,  # queued, and no embedding group is left
+    }
+    assert embeddings.num_waiting == 0
+    refused = embeddings.submit(b"api", [EmbeddingsContext("late", [1])])
+    assert refused[b"api"]["late"].error == "no embedding model is being served"
+
+
+# -- end to end: switchyard serve --embedding-model default ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    serve = ServeProcess(
+        "--model", str(tiny_llama_dir), "--kv-cache-memory", "64MiB",
+        "--embedding-model", "default",
+    )  # fmt: skip
+    yield serve
+    serve.kill()
+
+
+def embed(serve: ServeProcess, **body) -> httpx.Response:
+    return httpx.post(f"{serve.base_url}/v1/embeddings", json=body, timeout=120)
+
+
+def test_v1_embeddings_matches_sentence_transformers_for_100_inputs(served, model_dir):
+    from sentence_transformers import SentenceTransformer
+
+    inputs = texts(100)
+    reply = embed(served, model="all-MiniLM-L6-v2", input=inputs)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["object"] == "list" and body["model"] == "all-MiniLM-L6-v2"
+    assert [item["index"] for item in body["data"]] == list(range(100))
+    got = np.array([item["embedding"] for item in body["data"]], dtype=np.float32)
+    reference = SentenceTransformer(str(model_dir), device="cpu").encode(inputs)
+    cosine = (got * reference).sum(axis=1) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(reference, axis=1)
+    )
+    assert cosine.min() >= 0.9999
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    num_tokens = sum(len(tokenizer.encode(text).ids) for text in inputs)
+    assert body["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+
+    models = httpx.get(f"{served.base_url}/v1/models", timeout=10).json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models][1] == ("all-MiniLM-L6-v2", 256)
+
+    as_base64 = embed(served, model="all-MiniLM-L6-v2", input=inputs[0], encoding_format="base64")
+    vector = np.frombuffer(base64.b64decode(as_base64.json()["data"][0]["embedding"]), "<f4")
+    assert vector.shape == (384,) and np.allclose(vector, got[0], atol=1e-6)  # batched apart
+    ids = tokenizer.encode(inputs[1]).ids
+    by_ids = embed(served, model="all-MiniLM-L6-v2", input=[ids])
+    assert np.allclose(by_ids.json()["data"][0]["embedding"], got[1], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"input": "word " * 300}, 400, "input 0 has 302 tokens; this model takes at most 256"),
+        ({"input": []}, 400, "input must not be empty"),
+        ({"input": ["fine", ""]}, 400, "input 1 is empty"),
+        ({"input": [[1, 99999999]]}, 400, "input 0 has token ids outside [0, 30522)"),
+        ({"input": "x", "dimensions": 8}, 400, "384 dimensions; it cannot shorten them"),
+        ({"input": "x", "model": "tiny-llama0"}, 404, "The model `tiny-llama0` does not exist."),
+        ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+    ],
+)
+def test_v1_embeddings_refuses_bad_input_with_openai_errors(served, body, status, message):
+    reply = embed(served, **{"model": "all-MiniLM-L6-v2", **body})
+    assert reply.status_code == status, reply.text
+    assert message in reply.json()["error"]["message"]

@@ -14,12 +14,14 @@ import sys
 from types import FrameType
 
 import setproctitle
+import torch
 import torch.distributed as dist
 
 from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import add_transport_flags, transport_from_args
 from interfaces.worker_to_scheduler import WorkerRole
-from worker.config import DTYPES, WorkerConfig, parse_memory
+from worker.config import DTYPES, WorkerConfig, default_num_threads, parse_memory
+from worker.embeddings import EmbeddingsGenerator
 from worker.model_files import model_name_for, resolve_model
 from worker.model_runner import ModelRunner
 from worker.parallel import GroupBroken, destroy_tensor_parallel, init_tensor_parallel
@@ -67,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=WorkerRole.HYBRID,
         choices=list(WorkerRole),
         metavar="{" + ",".join(role.value for role in WorkerRole) + "}",
-        help="hybrid runs whole requests; prefill and decode groups split them (default: hybrid)",
+        help="hybrid runs whole requests; prefill and decode groups split them; embedding "
+        "serves an encoder model's vectors (default: hybrid)",
     )
     group.add_argument(
         "--group",
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             config.master_port,
             config.torch_device,
         )
-        runner = ModelRunner(config)
+        runner = _runner(args.role, config)
     except (ValueError, dist.DistError, GroupBroken) as error:
         logger.error("cannot start the worker: %s", error)
         return 1
@@ -137,6 +140,17 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         master_addr=args.master_addr,
         master_port=args.master_port,
     )
+
+
+def _runner(role: WorkerRole, config: WorkerConfig) -> ModelRunner | EmbeddingsGenerator:
+    """The model this worker serves: a generator, or for ``embedding`` an encoder."""
+    if role is not WorkerRole.EMBEDDING:
+        return ModelRunner(config)
+    if config.tensor_parallel_size > 1:
+        raise ValueError("an embedding worker runs on one rank (--tensor-parallel-size 1)")
+    if config.torch_device.type == "cpu":
+        torch.set_num_threads(config.num_threads or default_num_threads())
+    return EmbeddingsGenerator(config.model_dir, config.torch_device, config.model_name)
 
 
 def _default_group(args: argparse.Namespace) -> str:

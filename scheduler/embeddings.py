@@ -1,0 +1,151 @@
+"""Embedding requests: a queue in arrival order, batched onto the embedding worker groups.
+
+Embedding is one forward pass per input, with no KV cache to manage, so the scheduler only
+batches: each idle embedding group gets the next inputs up to ``max_num_batched_tokens``
+tokens (always at least one), and every answer is final. Inputs are refused when no embedding
+group serves, when an id is in use, or when the queue is full.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from interfaces import ErrorKind, RequestID, SchedulerResult
+from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
+from interfaces.scheduler_to_worker import EmbeddingsStep
+from interfaces.worker_to_scheduler import EmbeddingsModelOutput
+from scheduler.config import SchedulerConfig
+
+EmbeddingsResult = SchedulerResult[EmbeddingsOutput]
+EmbeddingsByClient = dict[bytes, dict[RequestID, EmbeddingsResult]]
+NO_EMBEDDING_WORKER = "no embedding model is being served"
+
+
+@dataclass(frozen=True)
+class _Input:
+    client_id: bytes
+    context: EmbeddingsContext
+
+
+class Embeddings:
+    """The embedding groups, their queue, and the step each group is running."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.groups: set[str] = set()
+        self.queue: deque[_Input] = deque()
+        self.in_flight: dict[str, tuple[EmbeddingsStep, dict[RequestID, bytes]]] = {}
+        self._owners: dict[RequestID, bytes] = {}
+        self._next_step_id = 0
+
+    def add_group(self, name: str) -> None:
+        self.groups.add(name)
+
+    def remove_group(self, name: str, reason: str) -> EmbeddingsByClient:
+        """Group ``name`` is gone: its step's inputs fail, and the queue too if none is left."""
+        self.groups.discard(name)
+        results = self._fail_step(name, reason, ErrorKind.UNAVAILABLE)
+        if not self.groups:
+            for item in list(self.queue):
+                results[item.client_id][item.context.request_id] = _cancelled(reason)
+                del self._owners[item.context.request_id]
+            self.queue.clear()
+        return results
+
+    def submit(self, client_id: bytes, contexts: list[EmbeddingsContext]) -> EmbeddingsByClient:
+        """Queue the inputs; returns the refusals (an empty dict when all were taken)."""
+        refusals: EmbeddingsByClient = defaultdict(dict)
+        if not self.groups:
+            problem, kind = NO_EMBEDDING_WORKER, ErrorKind.UNAVAILABLE
+        elif len(self.queue) + len(contexts) > self.config.max_queued_requests:
+            problem = (
+                f"{len(self.queue)} inputs are already waiting to be embedded; try again later"
+            )
+            kind = ErrorKind.OVERLOADED
+        else:
+            problem = None
+        for context in contexts:
+            request_id = context.request_id
+            if problem is not None:
+                refusals[client_id][request_id] = _cancelled(problem, kind)
+            elif request_id in self._owners:
+                refusals[client_id][request_id] = SchedulerResult.rejected_request(
+                    f"request id {request_id!r} is already in use"
+                )
+            else:
+                self._owners[request_id] = client_id
+                self.queue.append(_Input(client_id, context))
+        return refusals
+
+    def abort(self, request_ids: Iterable[RequestID]) -> None:
+        """Drop queued inputs (one in a running step finishes; its result is not sent)."""
+        dropped = {request_id for request_id in request_ids if request_id in self._owners}
+        if dropped:
+            self.queue = deque(i for i in self.queue if i.context.request_id not in dropped)
+            for request_id in dropped:
+                del self._owners[request_id]
+
+    def abort_client(self, client_id: bytes) -> int:
+        mine = [rid for rid, owner in self._owners.items() if owner == client_id]
+        self.abort(mine)
+        return len(mine)
+
+    def schedule(self, idle: Iterable[str]) -> list[tuple[str, EmbeddingsStep]]:
+        """The next step of each idle embedding group, while inputs wait."""
+        steps = []
+        for name in idle:
+            if name not in self.groups or name in self.in_flight or not self.queue:
+                continue
+            budget, batch, owners = self.config.max_num_batched_tokens, [], {}
+            while self.queue and (not batch or len(self.queue[0].context.token_ids) <= budget):
+                item = self.queue.popleft()
+                budget -= len(item.context.token_ids)
+                batch.append(item.context)
+                owners[item.context.request_id] = item.client_id
+            step = EmbeddingsStep(self._next_step_id, batch)
+            self._next_step_id += 1
+            self.in_flight[name] = (step, owners)
+            steps.append((name, step))
+        return steps
+
+    def on_output(self, name: str, output: EmbeddingsModelOutput) -> EmbeddingsByClient:
+        """The results of group ``name``'s step (for inputs not aborted meanwhile)."""
+        step, owners = self.in_flight.pop(name)
+        results: EmbeddingsByClient = defaultdict(dict)
+        for context in step.contexts:
+            request_id = context.request_id
+            if self._owners.get(request_id) != owners[request_id]:
+                continue  # aborted while the step ran
+            del self._owners[request_id]
+            vector = output.embeddings.get(request_id)
+            if vector is not None:
+                result = SchedulerResult.complete(EmbeddingsOutput(vector))
+            else:
+                reason = output.refused.get(request_id, "the worker returned no embedding")
+                result = SchedulerResult.rejected_request(reason)
+            results[owners[request_id]][request_id] = result
+        return results
+
+    def fail_step(self, name: str, error: str) -> EmbeddingsByClient:
+        return self._fail_step(name, error, ErrorKind.INTERNAL)
+
+    def _fail_step(self, name: str, error: str, kind: ErrorKind) -> EmbeddingsByClient:
+        results: EmbeddingsByClient = defaultdict(dict)
+        step_and_owners = self.in_flight.pop(name, None)
+        if step_and_owners is None:
+            return results
+        step, owners = step_and_owners
+        for context in step.contexts:
+            if self._owners.pop(context.request_id, None) is not None:
+                results[owners[context.request_id]][context.request_id] = _cancelled(error, kind)
+        return results
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.queue)
+
+
+def _cancelled(error: str, kind: ErrorKind = ErrorKind.UNAVAILABLE) -> EmbeddingsResult:
+    return SchedulerResult.cancelled(error, kind)

@@ -9,6 +9,7 @@ float32, as OpenAI's ``encoding_format`` says.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import uuid
 from dataclasses import dataclass
@@ -16,11 +17,11 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, StrictInt
 from tokenizers import Tokenizer
 
 from api_server.engine_client import EngineClient, SchedulerUnavailable
-from api_server.errors import invalid_request, model_not_found
+from api_server.errors import invalid_request, model_not_found, service_unavailable
 from api_server.protocol import OpenAIBaseModel
 from api_server.serving import as_openai_error
 from api_server.text_stream import RequestFailed
@@ -33,7 +34,7 @@ MAX_INPUTS = 2048
 
 class EmbeddingRequest(OpenAIBaseModel):
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
@@ -48,6 +49,7 @@ class EmbeddingModel:
     tokenizer: Tokenizer
     max_input_tokens: int
     dimensions: int
+    vocab_size: int
 
     @classmethod
     def load(cls, model_dir: Path, name: str) -> EmbeddingModel:
@@ -57,7 +59,14 @@ class EmbeddingModel:
         config = _read_config(model_dir)
         max_positions = config.get("max_position_embeddings", 512)
         pooling = Pooling.of_model(model_dir, max_positions)
-        return cls(name, model_dir, tokenizer, pooling.max_seq_length, config["hidden_size"])
+        return cls(
+            name,
+            model_dir,
+            tokenizer,
+            pooling.max_seq_length,
+            config["hidden_size"],
+            config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True),
+        )
 
     def token_ids(self, body: EmbeddingRequest) -> list[list[int]]:
         """Each input's token ids; a 400 naming what is wrong with the input."""
@@ -68,7 +77,7 @@ class EmbeddingModel:
             raise invalid_request("input must not be empty", param="input")
         if len(inputs) > MAX_INPUTS:
             raise invalid_request(f"at most {MAX_INPUTS} inputs per request", param="input")
-        vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        vocab_size = self.vocab_size  # the model's embedding table, not the tokenizer's
         result = []
         for index, item in enumerate(inputs):
             if isinstance(item, str):
@@ -102,7 +111,7 @@ async def create_embeddings(
             f"this model's embeddings have {model.dimensions} dimensions; it cannot shorten them",
             param="dimensions",
         )
-    inputs = model.token_ids(body)
+    inputs = await asyncio.to_thread(model.token_ids, body)  # up to 2,048 of them
     prefix = f"embd-{uuid.uuid4().hex}"
     contexts = [EmbeddingsContext(f"{prefix}-{i}", ids) for i, ids in enumerate(inputs)]
     try:
@@ -112,6 +121,8 @@ async def create_embeddings(
     data = []
     for index, context in enumerate(contexts):
         result = results[context.request_id]
+        if result.status is SchedulerStatus.CANCELLED and result.error is None:
+            raise service_unavailable("the request was cancelled: the server is shutting down")
         if result.status is not SchedulerStatus.COMPLETE or result.result is None:
             failure = RequestFailed(result.error or "the input was not embedded")
             failure.kind = result.error_kind or failure.kind

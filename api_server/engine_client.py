@@ -149,7 +149,9 @@ class EngineClient:
             raise ValueError("an embedding input's id is already in flight")
         if self._lost_connection is not None:
             raise SchedulerUnavailable(self._lost_connection)
-        queues: dict[RequestID, asyncio.Queue] = {rid: asyncio.Queue() for rid in request_ids}
+        queues: dict[RequestID, asyncio.Queue] = {
+            request_id: asyncio.Queue() for request_id in request_ids
+        }
         self._queues.update(queues)
         results: dict[RequestID, EmbeddingsResult] = {}
         try:
@@ -163,7 +165,7 @@ class EngineClient:
         finally:
             for request_id in request_ids:
                 self._queues.pop(request_id, None)
-            unfinished = [rid for rid in request_ids if rid not in results]
+            unfinished = [request_id for request_id in request_ids if request_id not in results]
             if unfinished and self._socket is not None:
                 self.abort(unfinished)
 

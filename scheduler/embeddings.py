@@ -57,9 +57,13 @@ class Embeddings:
     def submit(self, client_id: bytes, contexts: list[EmbeddingsContext]) -> EmbeddingsByClient:
         """Queue the inputs; returns the refusals (an empty dict when all were taken)."""
         refusals: EmbeddingsByClient = defaultdict(dict)
+        limit = self.config.max_queued_requests
         if not self.groups:
             problem, kind = NO_EMBEDDING_WORKER, ErrorKind.UNAVAILABLE
-        elif len(self.queue) + len(contexts) > self.config.max_queued_requests:
+        elif len(contexts) > limit:  # would never fit: not worth retrying
+            problem = f"{len(contexts)} inputs at once; at most {limit} may wait to be embedded"
+            kind = ErrorKind.INVALID_REQUEST
+        elif len(self.queue) + len(contexts) > limit:
             problem = (
                 f"{len(self.queue)} inputs are already waiting to be embedded; try again later"
             )

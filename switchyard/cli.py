@@ -230,10 +230,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _embedding_model(name_or_path: str | None) -> dict:
     """ServeConfig's embedding fields for ``--embedding-model`` (none without it)."""
     if name_or_path is None:
@@ -249,3 +245,7 @@ def _embedding_model(name_or_path: str | None) -> dict:
     if not (path / "config.json").is_file():
         raise ValueError(f"--embedding-model {path} is not a model directory (no config.json)")
     return {"embedding_model_dir": path, "embedding_model_name": path.resolve().name}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

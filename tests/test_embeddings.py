@@ -174,6 +174,15 @@ def test_the_queue_batches_under_the_token_budget_and_forgets_aborted_inputs():
     assert refused[b"api"]["late"].error == "no embedding model is being served"
 
 
+def test_more_inputs_than_the_queue_ever_holds_are_a_client_error():
+    embeddings = Embeddings(SchedulerConfig(max_queued_requests=4))
+    embeddings.add_group("g")
+    refused = embeddings.submit(b"api", [EmbeddingsContext(f"e{i}", [1]) for i in range(5)])
+    result = refused[b"api"]["e0"]
+    assert result.error_kind is ErrorKind.INVALID_REQUEST
+    assert result.error == "5 inputs at once; at most 4 may wait to be embedded"
+
+
 # -- end to end: switchyard serve --embedding-model default ---------------------------------------
 
 
@@ -233,6 +242,7 @@ def test_v1_embeddings_matches_sentence_transformers_for_100_inputs(served, mode
         ({"input": "x", "dimensions": 8}, 400, "384 dimensions; it cannot shorten them"),
         ({"input": "x", "model": "tiny-llama0"}, 404, "The model `tiny-llama0` does not exist."),
         ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"input": [[True, 5]]}, 400, "input"),
     ],
 )
 def test_v1_embeddings_refuses_bad_input_with_openai_errors(served, body, status, message):

@@ -35,20 +35,35 @@ from interfaces.api_to_scheduler import (
     AbortRequests,
     ApiToSchedulerMessage,
     StatsRequest,
+    SubmitEmbeddings,
     SubmitRequest,
 )
-from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats, SchedulerToApiMessage
+from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
+from interfaces.scheduler_to_api import (
+    EmbeddingsResults,
+    SchedulerResults,
+    SchedulerStats,
+    SchedulerToApiMessage,
+)
 from interfaces.scheduler_to_worker import (
     CachedRequestData,
+    EmbeddingsStep,
+    KVReceive,
+    KVSend,
+    KVTransfers,
     NewRequestData,
     SchedulerOutput,
     SchedulerToWorkerMessage,
     Shutdown,
 )
 from interfaces.worker_to_scheduler import (
+    EmbeddingsModelOutput,
+    KVLayout,
+    KVReceived,
     ModelOutput,
     WorkerFailure,
     WorkerReady,
+    WorkerRole,
     WorkerToSchedulerMessage,
 )
 from tests.fake_worker import FakeTokenGenerator
@@ -115,6 +130,33 @@ MESSAGES = [
     (WorkerToSchedulerMessage, ModelOutput(9, {"req-1": OUTPUT})),
     (WorkerToSchedulerMessage, ModelOutput(9, {}, refused={"x": "invalid regex"})),
     (WorkerToSchedulerMessage, WorkerFailure(9, "CUDA out of memory")),
+    (ApiToSchedulerMessage, SubmitEmbeddings([EmbeddingsContext("e-1", [101, 7, 102])])),
+    (SchedulerToWorkerMessage, EmbeddingsStep(4, [EmbeddingsContext("e-1", [101, 102])])),
+    (SchedulerToWorkerMessage, Shutdown("block_size 8 differs from the served groups' 16")),
+    (
+        SchedulerToWorkerMessage,
+        KVTransfers(receive=[KVReceive(3, "req-1", [7, 8], 2)], cancel=[1, 2]),
+    ),
+    (
+        SchedulerToWorkerMessage,
+        SchedulerOutput(2, num_scheduled_tokens={"a": 1}, kv_sends=[KVSend(3, "a", [1], ["x"])]),
+    ),
+    (
+        WorkerToSchedulerMessage,
+        WorkerReady(
+            "m",
+            64,
+            16,
+            512,
+            1,
+            2,
+            WorkerRole.DECODE,
+            "decode-0",
+            KVLayout(30, 3, 64, "bfloat16"),
+            "tcp://10.0.0.5:7000",
+        ),
+    ),
+    (WorkerToSchedulerMessage, KVReceived(3, 1, 4096, 0.25)),
 ]
 
 
@@ -123,6 +165,21 @@ def test_wire_messages_round_trip(union, message):
     decoded = msgpack_numpy_decoder(union)(encode(message))
     assert decoded == message
     assert type(decoded) is type(message)
+
+
+def test_embeddings_travel_as_float32_arrays():
+    vector = np.linspace(-1, 1, 384, dtype=np.float32)
+    output = msgpack_numpy_decoder(WorkerToSchedulerMessage)(
+        encode(EmbeddingsModelOutput(4, {"e-1": vector}, refused={"e-2": "too long"}))
+    )
+    assert isinstance(output, EmbeddingsModelOutput) and output.refused == {"e-2": "too long"}
+    assert output.embeddings["e-1"].dtype == np.float32
+    assert np.array_equal(output.embeddings["e-1"], vector)
+    results = msgpack_numpy_decoder(SchedulerToApiMessage)(
+        encode(EmbeddingsResults({"e-1": SchedulerResult.complete(EmbeddingsOutput(vector))}))
+    )
+    assert isinstance(results, EmbeddingsResults)
+    assert np.array_equal(results.results["e-1"].result.embeddings, vector)
 
 
 def test_text_generation_request_round_trips_with_every_field():

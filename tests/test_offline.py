@@ -127,3 +127,5 @@ def test_close_stops_every_process_it_started(tiny_llama_dir):
     pipe.close()
     assert not any(alive(pid) for pid in children)
     pipe.close()  # idempotent
+    with pytest.raises(RuntimeError, match="the pipeline is closed"):
+        pipe("Hi")

@@ -44,6 +44,7 @@ class EmbeddingsGenerator:
         self.pooling = Pooling.of_model(self.model_dir, config.max_position_embeddings)
         self.dimensions: int = config.hidden_size
         self.pad_token_id: int = config.pad_token_id or 0
+        self.vocab_size: int = config.vocab_size
 
     @property
     def max_seq_length(self) -> int:
@@ -57,13 +58,16 @@ class EmbeddingsGenerator:
         """One step: every context that fits is embedded; the others are refused, with why."""
         refused, batch = {}, {}
         for context in step.contexts:
-            if 0 < len(context.token_ids) <= self.max_seq_length:
-                batch[context.request_id] = context.token_ids
-            else:
+            token_ids = context.token_ids
+            if not 0 < len(token_ids) <= self.max_seq_length:
                 refused[context.request_id] = (
-                    f"the input has {len(context.token_ids)} tokens; the embedding model "
+                    f"the input has {len(token_ids)} tokens; the embedding model "
                     f"takes 1 to {self.max_seq_length}"
                 )
+            elif not all(0 <= token < self.vocab_size for token in token_ids):
+                refused[context.request_id] = f"token ids must be in [0, {self.vocab_size})"
+            else:
+                batch[context.request_id] = token_ids
         return EmbeddingsModelOutput(step.step_id, self.encode(batch), refused)
 
     @torch.inference_mode()

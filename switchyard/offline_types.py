@@ -1,0 +1,136 @@
+"""The offline API's value types, in lmdeploy's vocabulary: ``GenerationConfig``,
+``EngineConfig``, ``Response`` and ``Session`` (``switchyard.offline`` runs them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from interfaces import SamplingParams
+from interfaces.requests import StructuredOutput
+from switchyard.launcher import ServeConfig
+
+
+@dataclass
+class GenerationConfig:
+    """lmdeploy's generation parameters. ``do_sample=False`` (the default) is greedy whatever
+    the temperature; ``top_k`` 0 means no top-k cut."""
+
+    n: int = 1
+    max_new_tokens: int | None = 512
+    """None: up to the context length."""
+    do_sample: bool = False
+    top_p: float = 1.0
+    top_k: int = 50
+    min_p: float = 0.0
+    temperature: float = 0.8
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    random_seed: int | None = None
+    stop_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_new_tokens: int | None = None
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        """These parameters for the engine; ``ValueError`` names the one that is invalid."""
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (one response per prompt), got {self.n}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        sampled = self.do_sample and self.temperature > 0
+        return SamplingParams(
+            top_k=(self.top_k if self.top_k > 0 else -1) if sampled else 1,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            temperature=self.temperature if sampled else 1.0,
+            repetition_penalty=self.repetition_penalty,
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens or 0,
+            ignore_eos=self.ignore_eos,
+            stop=self.stop_words or None,
+            stop_token_ids=self.stop_token_ids or None,
+            seed=self.random_seed,
+        )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """``response_format`` as the engine's constraint: ``{"type": "json_object"}``,
+        ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` or
+        ``{"type": "regex_schema", "regex_schema": "..."}``."""
+        response_format = self.response_format
+        if response_format is None or response_format.get("type") == "text":
+            return None
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return StructuredOutput("json_object")
+        if kind == "json_schema":
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            if schema is None:
+                return StructuredOutput("json_object")
+            return _json_schema(schema)
+        if kind == "regex_schema" and isinstance(response_format.get("regex_schema"), str):
+            return StructuredOutput("regex", response_format["regex_schema"])
+        raise ValueError(f"unsupported response_format: {response_format!r}")
+
+
+def _json_schema(schema: Any) -> StructuredOutput:
+    from api_server.errors import OpenAIError
+    from api_server.structured_output import json_schema_output
+
+    try:
+        return json_schema_output(schema, "response_format")
+    except OpenAIError as error:
+        raise ValueError(error.message) from None
+
+
+@dataclass
+class EngineConfig:
+    """The engine's settings, named as lmdeploy's ``PytorchEngineConfig`` where it has them.
+
+    ``session_len`` is the context length (prompt plus output; default: the model's);
+    ``max_batch_size`` the most requests per step; ``max_prefill_token_num`` the token budget
+    per step; ``cache_max_entry_count`` the KV cache size, as a fraction of free memory or as
+    bytes with a unit ("2GiB"); ``tp`` the tensor-parallel size.
+    """
+
+    tp: int = 1
+    session_len: int | None = None
+    max_batch_size: int = ServeConfig.max_num_seqs
+    cache_max_entry_count: float | str | None = None
+    block_size: int = 16
+    max_prefill_token_num: int = ServeConfig.max_num_batched_tokens
+    enable_prefix_caching: bool = True
+    device_type: str | None = None
+    dtype: str | None = None
+
+
+@dataclass
+class Response:
+    """One prompt's generation (so far, when streamed): lmdeploy's ``Response``.
+
+    ``token_ids`` are the generated tokens, without a stop token that ended generation;
+    ``logprobs`` has one ``{token_id: logprob}`` per generated token (the chosen token and the
+    top ones) when ``GenerationConfig.logprobs`` asked. ``finish_reason`` is "stop", "length"
+    or "abort" once done, else None; ``index`` the prompt's position.
+    """
+
+    text: str
+    generate_token_len: int
+    input_token_len: int
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+
+
+@dataclass
+class Session:
+    """A multi-turn chat: the messages so far. Each turn's prompt starts with the last turn's
+    prompt and answer, so the engine's prefix cache serves them again."""
+
+    session_id: int
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    response: Response | None = None

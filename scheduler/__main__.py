@@ -10,7 +10,7 @@ from setproctitle import setproctitle
 
 from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import add_transport_flags, transport_from_args
-from scheduler.config import SchedulerConfig, add_queue_flags
+from scheduler.config import SchedulerConfig, add_kv_transfer_flag, add_queue_flags
 from scheduler.server import SchedulerServer
 
 
@@ -36,14 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="do not reuse the KV blocks of identical prompt prefixes",
     )
-    parser.add_argument(
-        "--kv-transfer-timeout",
-        type=float,
-        default=SchedulerConfig.kv_transfer_timeout_s,
-        metavar="SECONDS",
-        help="with prefill and decode groups: fail a request whose KV blocks have not reached "
-        "its decode group this long after its first token",
-    )
+    add_kv_transfer_flag(parser)
     add_queue_flags(parser)
     add_transport_flags(parser, binds=True)
     add_log_flags(parser)

@@ -78,3 +78,15 @@ def add_queue_flags(parser: argparse.ArgumentParser) -> None:
         default=SchedulerConfig.max_queued_tokens,
         help="prompt tokens allowed to wait; more get 429 Too Many Requests",
     )
+
+
+def add_kv_transfer_flag(parser: argparse.ArgumentParser) -> None:
+    """``--kv-transfer-timeout``; ``switchyard serve`` takes the same flag."""
+    parser.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=SchedulerConfig.kv_transfer_timeout_s,
+        metavar="SECONDS",
+        help="with prefill and decode groups: fail a request whose KV blocks have not reached "
+        "its decode group this long after its first token",
+    )

@@ -16,7 +16,7 @@ from api_server.config import add_limit_flags, limit_flags
 from interfaces import envs
 from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import generate_curve_keys
-from scheduler.config import SchedulerConfig, add_queue_flags
+from scheduler.config import SchedulerConfig, add_kv_transfer_flag, add_queue_flags
 from switchyard.launcher import Launcher, ServeConfig
 from worker.model_files import model_name_for
 
@@ -57,13 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="disaggregate: this many decode worker groups (with --prefill-workers)",
     )
-    serve.add_argument(
-        "--kv-transfer-timeout",
-        type=float,
-        default=SchedulerConfig.kv_transfer_timeout_s,
-        metavar="SECONDS",
-        help="disaggregated: fail a request whose KV blocks take longer to reach its decode group",
-    )
+    add_kv_transfer_flag(serve)
     add_log_flags(serve)
     serve.add_argument("--max-model-len", type=int, help="context length (default: model's)")
     serve.add_argument(

@@ -1,14 +1,16 @@
 """``python -m api_server``: run one API server process.
 
-    python -m api_server --model DIR --scheduler-addr ADDR [--served-model-name NAME]
+    python -m api_server [--model DIR] [--embedding-model DIR [--embedding-model-name NAME]]
+        --scheduler-addr ADDR [--served-model-name NAME]
         [--host 127.0.0.1] [--port 8000] [--fd N] [--max-model-len N] [--log-level LEVEL]
         [--api-key KEY] [--allowed-origins ORIGIN[,ORIGIN...]]... [--curve-keys-dir DIR]
         [--max-request-body-bytes N] [--max-header-count N] [--max-header-bytes N]
         [--shutdown-timeout SECONDS] [--log-format text|json]
 
-``--fd N`` serves on an already-listening socket inherited as file descriptor N, so that the
-launcher can bind one port and start several API servers on it. SIGTERM drains before exiting
-(``api_server.shutdown``). The API key defaults to
+It serves a text generation model (``--model``), an embedding model (``--embedding-model``),
+or both. ``--fd N`` serves on an already-listening socket inherited as file descriptor N, so
+that the launcher can bind one port and start several API servers on it. SIGTERM drains before
+exiting (``api_server.shutdown``). The API key defaults to
 $SWITCHYARD_API_KEY, which is how the launcher passes it (a flag would show in ``ps``).
 """
 
@@ -49,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m api_server",
         description="Run one Switchyard API server process (OpenAI API in front of the scheduler).",
     )
-    parser.add_argument("--model", required=True, help="Hugging Face-format model directory")
+    parser.add_argument(
+        "--model", help="Hugging Face-format directory of the chat and completion model"
+    )
     parser.add_argument("--scheduler-addr", required=True, help="the scheduler's ZeroMQ address")
     parser.add_argument("--served-model-name", help="model name clients use (default: DIR's name)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -87,26 +91,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_config(args: argparse.Namespace) -> ApiServerConfig:
     """The process's config; ``ValueError`` with a message for the user on a bad model path."""
-    model_dir = Path(args.model).expanduser()
-    if model_dir.suffix == ".gguf":
-        raise ValueError(
-            f"{model_dir} is a GGUF file; the API server needs the Hugging Face-format directory "
-            "converted from it. `switchyard serve` converts it (or run "
-            "`python -m worker.model_files FILE.gguf` and pass the directory it prints)."
-        )
-    if not model_dir.is_dir():
-        raise ValueError(f"--model {model_dir} is not a directory")
+    model_dir = served_model_name = max_model_len = None
+    if args.model is not None:
+        model_dir = _generation_model_dir(args.model)
+        served_model_name = args.served_model_name or model_dir.resolve().name
+        max_model_len = resolve_max_model_len(model_dir, args.max_model_len)
+    elif args.served_model_name is not None or args.max_model_len is not None:
+        raise ValueError("--served-model-name and --max-model-len describe --model; give it")
     embedding_model_dir = None
     if args.embedding_model is not None:
         embedding_model_dir = Path(args.embedding_model).expanduser()
         if not (embedding_model_dir / "tokenizer.json").is_file():
             raise ValueError(f"--embedding-model {embedding_model_dir} has no tokenizer.json")
+    elif args.embedding_model_name is not None:
+        raise ValueError("--embedding-model-name names --embedding-model; give it")
     return ApiServerConfig(
         embedding_model_dir=embedding_model_dir,
         embedding_model_name=args.embedding_model_name,
         model_dir=model_dir,
-        served_model_name=args.served_model_name or model_dir.resolve().name,
-        max_model_len=resolve_max_model_len(model_dir, args.max_model_len),
+        served_model_name=served_model_name,
+        max_model_len=max_model_len,
         engine=EngineClientConfig(args.scheduler_addr, transport_from_args(args)),
         api_key=args.api_key or None,
         allowed_origins=split_origins(args.allowed_origins),
@@ -116,6 +120,19 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
             max_header_bytes=args.max_header_bytes,
         ),
     )
+
+
+def _generation_model_dir(model: str) -> Path:
+    model_dir = Path(model).expanduser()
+    if model_dir.suffix == ".gguf":
+        raise ValueError(
+            f"{model_dir} is a GGUF file; the API server needs the Hugging Face-format directory "
+            "converted from it. `switchyard serve` converts it (or run "
+            "`python -m worker.model_files FILE.gguf` and pass the directory it prints)."
+        )
+    if not model_dir.is_dir():
+        raise ValueError(f"--model {model_dir} is not a directory")
+    return model_dir
 
 
 def non_negative_seconds(text: str) -> float:

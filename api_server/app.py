@@ -42,12 +42,14 @@ def create_app(config: ApiServerConfig) -> FastAPI:
     """A FastAPI app serving the OpenAI routes, /tokenize, /detokenize, /version, /health, /ready
     and /metrics for ``config``, behind its API key and CORS settings (api_server.security) and
     its request limits (api_server.limits)."""
-    tokenizer = HuggingFaceTokenizer(config.model_dir, config.max_model_len)
-    metrics = ServerMetrics(config.served_model_name)
+    tokenizer = None
+    if config.model_dir is not None:
+        tokenizer = HuggingFaceTokenizer(config.model_dir, config.max_model_len)
     embedding_model = None
     if config.embedding_model_dir is not None:
         name = config.embedding_model_name or config.embedding_model_dir.name
         embedding_model = EmbeddingModel.load(config.embedding_model_dir, name)
+    metrics = ServerMetrics(config.served_model_name or embedding_model.name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,23 +91,25 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 
 @router.post("/v1/embeddings")
-async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state = _state(request)
     state.check_accepting()
-    result = await create_embeddings(body, request.app.state.embedding_model, state.engine)
-    return JSONResponse(result)
+    model = request.app.state.embedding_model
+    return await _cancel_on_disconnect(request, create_embeddings(body, model, state.engine))
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
-    state = _state(request)
-    cards = [
-        ModelCard(
-            id=state.model_name,
-            root=str(state.config.model_dir),
-            max_model_len=state.config.max_model_len,
+    config = _state(request).config
+    cards = []
+    if config.model_dir is not None:
+        cards.append(
+            ModelCard(
+                id=config.served_model_name,
+                root=str(config.model_dir),
+                max_model_len=config.max_model_len,
+            )
         )
-    ]
     embedding_model = request.app.state.embedding_model
     if embedding_model is not None:
         cards.append(
@@ -121,8 +125,8 @@ async def models(request: Request) -> JSONResponse:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """Liveness: 200 while this process serves and its peers live (the scheduler answers within
-    ``stats_timeout_s`` and has a worker); 503 otherwise, including while the model loads.
-    Draining for shutdown is still alive."""
+    ``stats_timeout_s`` and has a worker for each model served); 503 otherwise, including while
+    the model loads. Draining for shutdown is still alive."""
     problem = await _peer_problem(_state(request))
     if problem is not None:
         return service_unavailable(problem).response()
@@ -148,7 +152,7 @@ async def _peer_problem(state: ServerState) -> str | None:
         stats = await state.engine.stats()
     except SchedulerUnavailable as error:
         return str(error)
-    if not stats.workers_ready:
+    if state.config.model_dir is not None and not stats.workers_ready:
         return "the scheduler is up but its workers are not ready"
     if state.config.embedding_model_dir is not None and not stats.embedding_workers_ready:
         return "the scheduler is up but its embedding worker is not ready"

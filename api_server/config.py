@@ -60,12 +60,18 @@ class HttpLimits:
 
 @dataclass(frozen=True)
 class ApiServerConfig:
-    """Everything one API server process needs besides its listening socket."""
+    """Everything one API server process needs besides its listening socket.
 
-    model_dir: Path
-    served_model_name: str
-    max_model_len: int
-    """Prompt plus output tokens at most (see ``resolve_max_model_len``)."""
+    It serves a text generation model (``model_dir``, for the chat, completion and tokenizer
+    routes), an embedding model (``embedding_model_dir``, for /v1/embeddings), or both.
+    """
+
+    model_dir: Path | None
+    """The text generation model's directory; None when only embeddings are served."""
+    served_model_name: str | None
+    """Its name for clients (set exactly when ``model_dir`` is)."""
+    max_model_len: int | None
+    """Prompt plus output tokens at most (see ``resolve_max_model_len``); set with ``model_dir``."""
     engine: EngineClientConfig
     api_key: str | None = field(default=None, repr=False)
     """Clients must send ``Authorization: Bearer <api_key>``; None: no authentication."""
@@ -76,6 +82,14 @@ class ApiServerConfig:
     embedding_model_dir: Path | None = None
     """The embedding model served at /v1/embeddings (by an embedding worker), if any."""
     embedding_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_dir is None and self.embedding_model_dir is None:
+            raise ValueError("serve a model: give --model, --embedding-model or both")
+        if (self.model_dir is None) != (self.served_model_name is None) or (
+            self.model_dir is None
+        ) != (self.max_model_len is None):
+            raise ValueError("served_model_name and max_model_len go with model_dir")
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from fastapi.responses import JSONResponse
 from pydantic import Field, StrictInt
 from tokenizers import Tokenizer
 
@@ -102,8 +103,9 @@ class EmbeddingModel:
 
 async def create_embeddings(
     body: EmbeddingRequest, model: EmbeddingModel | None, engine: EngineClient
-) -> dict:
-    """The OpenAI response for ``body`` (an OpenAIError for anything the client must fix)."""
+) -> JSONResponse:
+    """The OpenAI response for ``body`` (an OpenAIError for anything the client must fix).
+    Cancelling it aborts the inputs not embedded yet."""
     if model is None or body.model != model.name:
         raise model_not_found(body.model)
     if body.dimensions is not None and body.dimensions != model.dimensions:
@@ -130,12 +132,8 @@ async def create_embeddings(
         vector = np.asarray(result.result.embeddings, dtype="<f4")
         data.append({"object": "embedding", "index": index, "embedding": _encode(vector, body)})
     num_tokens = sum(len(ids) for ids in inputs)
-    return {
-        "object": "list",
-        "data": data,
-        "model": model.name,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-    }
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    return JSONResponse({"object": "list", "data": data, "model": model.name, "usage": usage})
 
 
 def _encode(vector: np.ndarray, body: EmbeddingRequest) -> list[float] | str:

@@ -79,6 +79,13 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
+def no_generation_model(model: str | None) -> OpenAIError:
+    """404 for a text generation route on a server that serves only embeddings."""
+    named = "" if model is None else f"The model `{model}` does not exist. "
+    message = f"{named}This server serves only embeddings (GET /v1/models lists them)."
+    return OpenAIError(404, message, "NotFoundError", "model", "model_not_found")
+
+
 RETRY_AFTER_S = 1
 """What a 429 or 503 tells the client to wait before retrying (``Retry-After``, seconds)."""
 

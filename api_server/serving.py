@@ -27,6 +27,7 @@ from api_server.errors import (
     OpenAIError,
     invalid_request,
     model_not_found,
+    no_generation_model,
     overloaded,
     server_error,
     service_unavailable,
@@ -56,18 +57,21 @@ class ServerState:
     """What every route of one API server process shares; built by the app's lifespan."""
 
     config: ApiServerConfig
-    tokenizer: HuggingFaceTokenizer
+    tokenizer: HuggingFaceTokenizer | None
+    """The text generation model's; None when the server serves only embeddings, and then
+    ``check_model``, which every route that uses it calls first, answers 404."""
     engine: EngineClient
     metrics: ServerMetrics
-    token_texts: TokenTexts = field(init=False)
+    token_texts: TokenTexts | None = field(init=False)
     draining: bool = field(default=False, init=False)
     """Set on SIGTERM: new generations get 503 while those in flight finish."""
 
     def __post_init__(self) -> None:
-        self.token_texts = TokenTexts(self.tokenizer.backend)
+        self.token_texts = None if self.tokenizer is None else TokenTexts(self.tokenizer.backend)
 
     @property
-    def model_name(self) -> str:
+    def model_name(self) -> str | None:
+        """The text generation model's name for clients (None: none is served)."""
         return self.config.served_model_name
 
     def check_accepting(self) -> None:
@@ -76,7 +80,10 @@ class ServerState:
             raise service_unavailable("the server is shutting down")
 
     def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is None (the served model, as vLLM allows) or its name."""
+        """404 unless ``model`` is None (the served model, as vLLM allows) or its name, and a
+        text generation model is served."""
+        if self.tokenizer is None:
+            raise no_generation_model(model)
         if model is not None and model != self.model_name:
             raise model_not_found(model)
 

@@ -3,11 +3,14 @@
 Embedding is one forward pass per input, with no KV cache to manage, so the scheduler only
 batches: each idle embedding group gets the next inputs up to ``max_num_batched_tokens``
 tokens (always at least one), and every answer is final. Inputs are refused when no embedding
-group serves, when an id is in use, or when the queue is full.
+group serves, when an id is in use, or when the queue is full. When a group dies with a step in
+flight while others serve, the step's inputs go back to the front of the queue, once: an input
+that was running on two groups that died fails rather than taking down a third.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,6 +30,8 @@ NO_EMBEDDING_WORKER = "no embedding model is being served"
 class _Input:
     client_id: bytes
     context: EmbeddingsContext
+    retried: bool = False
+    """Back in the queue after its group died."""
 
 
 class Embeddings:
@@ -36,7 +41,7 @@ class Embeddings:
         self.config = config
         self.groups: set[str] = set()
         self.queue: deque[_Input] = deque()
-        self.in_flight: dict[str, tuple[EmbeddingsStep, dict[RequestID, bytes]]] = {}
+        self.in_flight: dict[str, tuple[EmbeddingsStep, list[_Input]]] = {}
         self._owners: dict[RequestID, bytes] = {}
         self._next_step_id = 0
 
@@ -44,9 +49,19 @@ class Embeddings:
         self.groups.add(name)
 
     def remove_group(self, name: str, reason: str) -> EmbeddingsByClient:
-        """Group ``name`` is gone: its step's inputs fail, and the queue too if none is left."""
+        """Group ``name`` is gone. Its step's inputs go back to the queue for another group
+        (those already retried fail); with no group left, the queue fails."""
         self.groups.discard(name)
-        results = self._fail_step(name, reason, ErrorKind.UNAVAILABLE)
+        _, batch = self.in_flight.pop(name, (None, []))
+        failed = []
+        for item in reversed(batch):  # to the front of the queue, in their order
+            if not self._owns(item):
+                continue  # aborted while the step ran
+            if self.groups and not item.retried:
+                self.queue.appendleft(dataclasses.replace(item, retried=True))
+            else:
+                failed.append(item)
+        results = self._fail_items(failed, reason, ErrorKind.UNAVAILABLE)
         if not self.groups:
             for item in list(self.queue):
                 results[item.client_id][item.context.request_id] = _cancelled(reason)
@@ -102,26 +117,25 @@ class Embeddings:
         for name in idle:
             if name not in self.groups or name in self.in_flight or not self.queue:
                 continue
-            budget, batch, owners = self.config.max_num_batched_tokens, [], {}
+            budget, batch = self.config.max_num_batched_tokens, []
             while self.queue and (not batch or len(self.queue[0].context.token_ids) <= budget):
                 item = self.queue.popleft()
                 budget -= len(item.context.token_ids)
-                batch.append(item.context)
-                owners[item.context.request_id] = item.client_id
-            step = EmbeddingsStep(self._next_step_id, batch)
+                batch.append(item)
+            step = EmbeddingsStep(self._next_step_id, [item.context for item in batch])
             self._next_step_id += 1
-            self.in_flight[name] = (step, owners)
+            self.in_flight[name] = (step, batch)
             steps.append((name, step))
         return steps
 
     def on_output(self, name: str, output: EmbeddingsModelOutput) -> EmbeddingsByClient:
         """The results of group ``name``'s step (for inputs not aborted meanwhile)."""
-        step, owners = self.in_flight.pop(name)
+        _, batch = self.in_flight.pop(name)
         results: EmbeddingsByClient = defaultdict(dict)
-        for context in step.contexts:
-            request_id = context.request_id
-            if self._owners.get(request_id) != owners[request_id]:
+        for item in batch:
+            if not self._owns(item):
                 continue  # aborted while the step ran
+            request_id = item.context.request_id
             del self._owners[request_id]
             vector = output.embeddings.get(request_id)
             if vector is not None:
@@ -129,22 +143,26 @@ class Embeddings:
             else:
                 reason = output.refused.get(request_id, "the worker returned no embedding")
                 result = SchedulerResult.rejected_request(reason)
-            results[owners[request_id]][request_id] = result
+            results[item.client_id][request_id] = result
         return results
 
     def fail_step(self, name: str, error: str) -> EmbeddingsByClient:
         return self._fail_step(name, error, ErrorKind.INTERNAL)
 
     def _fail_step(self, name: str, error: str, kind: ErrorKind) -> EmbeddingsByClient:
+        return self._fail_items(self.in_flight.pop(name, (None, []))[1], error, kind)
+
+    def _fail_items(self, items: list[_Input], error: str, kind: ErrorKind) -> EmbeddingsByClient:
+        """Fail ``items`` not aborted yet."""
         results: EmbeddingsByClient = defaultdict(dict)
-        step_and_owners = self.in_flight.pop(name, None)
-        if step_and_owners is None:
-            return results
-        step, owners = step_and_owners
-        for context in step.contexts:
-            if self._owners.pop(context.request_id, None) is not None:
-                results[owners[context.request_id]][context.request_id] = _cancelled(error, kind)
+        for item in filter(self._owns, items):
+            del self._owners[item.context.request_id]
+            results[item.client_id][item.context.request_id] = _cancelled(error, kind)
         return results
+
+    def _owns(self, item: _Input) -> bool:
+        """``item`` is still wanted: not aborted (its id not reused by another client)."""
+        return self._owners.get(item.context.request_id) == item.client_id
 
     @property
     def num_waiting(self) -> int:

@@ -222,9 +222,12 @@ class SchedulerServer:
             error = f"worker error: {message.error}"
             self._send_results(self.coordinator.fail_step(group.name, step, error))
 
-    def _on_embedding_worker_message(self, name: str, from_driver: bool, message) -> None:
+    def _on_embedding_worker_message(
+        self, name: str, from_driver: bool, message: WorkerToSchedulerMessage
+    ) -> None:
         step_and_owners = self.embeddings.in_flight.get(name)
-        if step_and_owners is None or not from_driver or not hasattr(message, "step_id"):
+        answer = isinstance(message, EmbeddingsModelOutput | WorkerFailure)
+        if step_and_owners is None or not from_driver or not answer:
             logger.warning("dropped an unexpected %s from a worker", type(message).__name__)
         elif message.step_id != step_and_owners[0].step_id:
             logger.warning("dropped embeddings of step %d", message.step_id)

@@ -21,6 +21,8 @@ from switchyard.launcher import Launcher, ServeConfig
 from worker.model_files import model_name_for
 
 logger = logging.getLogger("switchyard")
+NO_MODEL = "none"
+"""``serve --model none``: no text generation model (serve only ``--embedding-model``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="serve a model over the OpenAI API")
-    _add_model_flag(serve)
+    _add_model_flag(serve, none_allowed=True)
     serve.add_argument("--served-model-name", help="model name clients use (default: derived)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
@@ -44,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME_OR_PATH",
         help="also serve /v1/embeddings with this encoder model directory ('default': the "
         "packaged all-MiniLM-L6-v2)",
+    )
+    serve.add_argument(
+        "--embedding-model-name", help="the embedding model's name for clients (default: derived)"
     )
     serve.add_argument(
         "--prefill-workers",
@@ -120,10 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_model_flag(parser: argparse.ArgumentParser) -> None:
+def _add_model_flag(parser: argparse.ArgumentParser, none_allowed: bool = False) -> None:
     parser.add_argument(
         "--model",
-        help="Hugging Face-format directory or .gguf file (default: SmolLM2-135M-Instruct)",
+        help="Hugging Face-format directory or .gguf file (default: SmolLM2-135M-Instruct)"
+        + ("; 'none' serves only --embedding-model" if none_allowed else ""),
     )
 
 
@@ -148,16 +154,21 @@ def _prepare_in_child(model: str | None) -> Path:
 def serve(args: argparse.Namespace) -> int:
     # Like every role, the launcher shows its role in ps; this also keeps --api-key out of it.
     setproctitle("switchyard-launcher")
-    model_dir = _prepare_in_child(args.model)
+    model_dir = served_model_name = None
+    if (args.model or "").lower() != NO_MODEL:
+        model_dir = _prepare_in_child(args.model)
+        served_model_name = args.served_model_name or model_name_for(args.model)
+    elif args.served_model_name is not None or args.max_model_len is not None:
+        raise ValueError("--served-model-name and --max-model-len describe --model, which is none")
     config = ServeConfig(
         model_dir=model_dir,
-        served_model_name=args.served_model_name or model_name_for(args.model),
+        served_model_name=served_model_name,
         host=args.host,
         port=args.port,
         api_servers=args.api_servers,
         tensor_parallel_size=args.tensor_parallel_size,
         prefill_workers=args.prefill_workers,
-        **_embedding_model(args.embedding_model),
+        **_embedding_model(args.embedding_model, args.embedding_model_name),
         decode_workers=args.decode_workers,
         kv_transfer_timeout_s=args.kv_transfer_timeout,
         max_model_len=args.max_model_len,
@@ -184,8 +195,7 @@ def serve(args: argparse.Namespace) -> int:
         launcher.start()
         if launcher.dead_child() is None:
             print(
-                f"switchyard: serving {config.served_model_name} on "
-                f"http://{config.host}:{launcher.port}",
+                f"switchyard: serving {config.model_names} on http://{config.host}:{launcher.port}",
                 flush=True,
             )
         return launcher.wait()
@@ -224,21 +234,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _embedding_model(name_or_path: str | None) -> dict:
+def _embedding_model(name_or_path: str | None, served_name: str | None) -> dict:
     """ServeConfig's embedding fields for ``--embedding-model`` (none without it)."""
     if name_or_path is None:
+        if served_name is not None:
+            raise ValueError("--embedding-model-name names --embedding-model; give it")
         return {}
     from interfaces.embeddings import DEFAULT_EMBEDDING_MODEL, default_embedding_model_dir
 
     if name_or_path == "default":
-        return {
-            "embedding_model_dir": default_embedding_model_dir(),
-            "embedding_model_name": DEFAULT_EMBEDDING_MODEL,
-        }
-    path = Path(name_or_path).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--embedding-model {path} is not a model directory (no config.json)")
-    return {"embedding_model_dir": path, "embedding_model_name": path.resolve().name}
+        path, name = default_embedding_model_dir(), DEFAULT_EMBEDDING_MODEL
+    else:
+        path = Path(name_or_path).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--embedding-model {path} is not a model directory (no config.json)")
+        name = path.resolve().name
+    return {"embedding_model_dir": path, "embedding_model_name": served_name or name}
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 The launcher binds the HTTP socket itself and hands it to each API server process (so several
 share one port), starts the scheduler and the worker group (``tensor_parallel_size`` ranks,
 which meet on a free loopback port) or, disaggregated, ``prefill_workers`` prefill groups and
-``decode_workers`` decode groups, on ``ipc://`` sockets in a private temporary directory, and
-waits until ``/ready`` answers. Children get ``PR_SET_PDEATHSIG`` so that even a
-``kill -9`` of the launcher leaves no orphan.
+``decode_workers`` decode groups, and an embedding worker when an embedding model is served
+(beside the text generation model, or alone), on ``ipc://`` sockets in a private temporary
+directory, and waits until ``/ready`` answers. The workers share the machine's cores evenly.
+Children get ``PR_SET_PDEATHSIG`` so that even a ``kill -9`` of the launcher leaves no orphan.
 
 When a child dies: an API server is started again on the same socket (the others serve on
 meanwhile; the scheduler has already aborted the dead one's requests). The scheduler or the
@@ -55,8 +56,9 @@ RESTART_WINDOW_S = 60.0
 class ServeConfig:
     """Everything ``switchyard serve`` needs; flags map one to one."""
 
-    model_dir: Path
-    served_model_name: str
+    model_dir: Path | None
+    """The text generation model; None serves only ``embedding_model_dir``."""
+    served_model_name: str | None
     host: str = "127.0.0.1"
     port: int = 8000
     api_servers: int = 1
@@ -91,14 +93,38 @@ class ServeConfig:
 
     @property
     def worker_groups(self) -> list[tuple[str, str]]:
-        """(group name, role) of every worker group to start."""
+        """(group name, role) of every text generation worker group to start."""
+        if self.model_dir is None:
+            return []
         if not self.prefill_workers:
             return [("hybrid", "hybrid")]
         return [(f"prefill-{i}", "prefill") for i in range(self.prefill_workers)] + [
             (f"decode-{i}", "decode") for i in range(self.decode_workers)
         ]
 
+    @property
+    def num_worker_processes(self) -> int:
+        """Worker processes on this machine, which share its cores: every rank of every
+        generation group, and the embedding worker."""
+        generation = self.tensor_parallel_size * len(self.worker_groups)
+        return generation + (self.embedding_model_dir is not None)
+
+    @property
+    def model_names(self) -> str:
+        """What it serves, for people: the served model names."""
+        names = (self.served_model_name, self.embedding_model_name)
+        return " and ".join(name for name in names if name)
+
     def __post_init__(self) -> None:
+        if self.model_dir is None and self.embedding_model_dir is None:
+            raise ValueError("--model none serves nothing without --embedding-model")
+        if (self.model_dir is None) != (self.served_model_name is None):
+            raise ValueError("served_model_name goes with model_dir")
+        if self.model_dir is None and (self.tensor_parallel_size > 1 or self.prefill_workers):
+            raise ValueError(
+                "--tensor-parallel-size and --prefill-workers/--decode-workers split the text "
+                "generation model; --model none serves none"
+            )
         if self.api_servers < 1:
             raise ValueError(f"--api-servers must be at least 1, got {self.api_servers}")
         if self.tensor_parallel_size < 1:
@@ -229,6 +255,13 @@ class Launcher:
             self._spawn("embedding-worker", self._embedding_worker_argv(backend))
         return self._ipc("frontend.sock")
 
+    def _thread_flags(self) -> list[str]:
+        """``--num-threads`` for a worker when several share the cores (evenly)."""
+        num_processes = self.config.num_worker_processes
+        if num_processes == 1:
+            return []
+        return ["--num-threads", str(max(1, len(os.sched_getaffinity(0)) // num_processes))]
+
     def _embedding_worker_argv(self, backend: str) -> list[str]:
         config = self.config
         argv = [
@@ -236,6 +269,7 @@ class Launcher:
             *("--role", "embedding", "--group", "embedding"),
             *("--model", str(config.embedding_model_dir), "--scheduler-addr", backend),
             *("--served-model-name", config.embedding_model_name or ""),
+            *self._thread_flags(),
         ]
         if config.device is not None:
             argv += ["--device", config.device]
@@ -267,11 +301,9 @@ class Launcher:
             *("--model", str(config.model_dir), "--scheduler-addr", backend),
             *("--served-model-name", config.served_model_name),
             *("--block-size", str(config.block_size)),
+            *self._thread_flags(),
         ]
         size = config.tensor_parallel_size
-        num_ranks = size * len(config.worker_groups)
-        if num_ranks > 1:  # the cores are shared out among every rank of every group
-            argv += ["--num-threads", str(max(1, len(os.sched_getaffinity(0)) // num_ranks))]
         if master_port is not None:
             argv += [
                 *("--tensor-parallel-size", str(size), "--rank", str(rank)),
@@ -292,13 +324,15 @@ class Launcher:
         config = self.config
         argv = [
             "api_server",
-            *("--model", str(config.model_dir), "--scheduler-addr", frontend),
-            *("--served-model-name", config.served_model_name, "--fd", str(fd)),
+            *("--scheduler-addr", frontend, "--fd", str(fd)),
             *("--shutdown-timeout", str(config.shutdown_timeout_s)),
             *config.api_server_flags,
         ]
-        if config.max_model_len is not None:
-            argv += ["--max-model-len", str(config.max_model_len)]
+        if config.model_dir is not None:
+            argv += ["--model", str(config.model_dir)]
+            argv += ["--served-model-name", config.served_model_name]
+            if config.max_model_len is not None:
+                argv += ["--max-model-len", str(config.max_model_len)]
         if config.allowed_origins:
             argv += ["--allowed-origins", ",".join(config.allowed_origins)]
         if config.embedding_model_dir is not None:

@@ -27,9 +27,11 @@ from interfaces.api_to_scheduler import (
     AbortRequests,
     ApiToSchedulerMessage,
     StatsRequest,
+    SubmitEmbeddings,
     SubmitRequest,
 )
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces.embeddings import EmbeddingsContext
 from interfaces.outputs import GenerationStatus
 from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats
 
@@ -73,6 +75,7 @@ class FakeScheduler:
     ``tokens_per_step``: tokens per result; ``step_interval_s``: time between steps.
     ``fail_with`` / ``fail_after_tokens``: cancel each request with this error after that many
     tokens. ``workers_ready``: reported in stats. ``silent``: answer nothing at all.
+    Embedding inputs are recorded in ``embeddings_submitted`` and never answered.
     """
 
     def __init__(self, address: str, num_kv_blocks: int = 64, block_size: int = 16) -> None:
@@ -80,6 +83,7 @@ class FakeScheduler:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.submitted: list[TextContext] = []
+        self.embeddings_submitted: list[EmbeddingsContext] = []
         self.aborted: list[str] = []
         self.reset()
         self._running: dict[str, _Running] = {}
@@ -128,6 +132,7 @@ class FakeScheduler:
                 num_kv_blocks_total=self.num_kv_blocks,
                 num_kv_blocks_used=used,
                 workers_ready=self.workers_ready,
+                embedding_workers_ready=self.workers_ready,
             )
 
     def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
@@ -154,11 +159,12 @@ class FakeScheduler:
                     self._step()
                 next_step = time.monotonic() + self.step_interval_s
 
-    def _handle(
-        self, identity: bytes, message: SubmitRequest | AbortRequests | StatsRequest
-    ) -> None:
+    def _handle(self, identity: bytes, message: ApiToSchedulerMessage) -> None:
         if isinstance(message, StatsRequest):
             self._send(identity, self.stats())
+        elif isinstance(message, SubmitEmbeddings):
+            with self._lock:
+                self.embeddings_submitted.extend(message.contexts)
         elif isinstance(message, SubmitRequest):
             with self._lock:
                 self.submitted.append(message.context)
@@ -167,7 +173,7 @@ class FakeScheduler:
             if self.reject_with is not None:
                 rejection = SchedulerResult.rejected_request(self.reject_with)
                 self._send(identity, SchedulerResults({message.context.request_id: rejection}))
-        else:
+        elif isinstance(message, AbortRequests):
             self._abort(message.request_ids)
 
     def _abort(self, request_ids: list[str]) -> None:
@@ -267,8 +273,8 @@ class ApiHarness:
     ``scheduler`` is the FakeScheduler (None: nothing listens), ``url`` the server's base URL,
     ``tokenizer`` the server's tokenizer. Engine timeouts are short so failure tests finish in
     about a second. ``api_key``, ``allowed_origins`` and ``limits`` (an ``HttpLimits``; None:
-    the defaults) go into the server's config; ``scheduler_timeout_s`` is how long the engine
-    waits on a silent scheduler.
+    the defaults) and ``embedding_model_dir`` go into the server's config;
+    ``scheduler_timeout_s`` is how long the engine waits on a silent scheduler.
     """
 
     MODEL_NAME = "smollm2-test"
@@ -283,6 +289,7 @@ class ApiHarness:
         allowed_origins: tuple[str, ...] = (),
         limits=None,
         scheduler_timeout_s: float = 1.0,
+        embedding_model_dir=None,
     ) -> None:
         from api_server.app import create_app
         from api_server.config import ApiServerConfig, EngineClientConfig, HttpLimits
@@ -304,6 +311,7 @@ class ApiHarness:
             api_key,
             allowed_origins,
             limits or HttpLimits(),
+            embedding_model_dir=embedding_model_dir,
         )
         self.app = create_app(config)
         self.server = UvicornThread(self.app).start()

@@ -87,3 +87,17 @@ def test_two_processes_serve_one_inherited_socket(default_model_dir: Path, tmp_p
         scheduler.stop()
     # A graceful SIGTERM shutdown exits 0 (uvicorn's re-raised signal is neutralised).
     assert [process.returncode for process in processes] == [0, 0]
+
+
+def test_an_api_server_serves_embeddings_alone_or_refuses_to_serve_nothing() -> None:
+    from interfaces.embeddings import default_embedding_model_dir
+
+    embedding_model = ["--embedding-model", str(default_embedding_model_dir())]
+    config = build_config(parse_args(["--scheduler-addr", "ipc://s", *embedding_model]))
+    assert (config.model_dir, config.served_model_name, config.max_model_len) == (None, None, None)
+    with pytest.raises(ValueError, match="give --model, --embedding-model or both"):
+        build_config(parse_args(["--scheduler-addr", "ipc://s"]))
+    with pytest.raises(ValueError, match="--served-model-name and --max-model-len describe"):
+        build_config(
+            parse_args(["--scheduler-addr", "ipc://s", "--max-model-len", "9", *embedding_model])
+        )

@@ -231,3 +231,29 @@ def test_a_scheduler_that_goes_away_fails_requests_at_once(default_model_dir, tm
     finally:
         harness.scheduler = None  # stopped above
         harness.close()
+
+
+def test_client_disconnect_during_an_embeddings_request_aborts_its_inputs(
+    default_model_dir, tmp_path
+) -> None:
+    from interfaces.embeddings import default_embedding_model_dir
+
+    harness = ApiHarness(
+        default_model_dir, tmp_path, embedding_model_dir=default_embedding_model_dir()
+    )
+    timeout = httpx.Timeout(10.0, read=0.3)
+    try:
+        with (
+            httpx.Client(base_url=harness.url, timeout=timeout) as impatient,
+            pytest.raises(httpx.ReadTimeout),
+        ):
+            body = {"model": default_embedding_model_dir().name, "input": ["one", "two"]}
+            impatient.post("/v1/embeddings", json=body)  # the fake never answers embeddings
+        scheduler = harness.scheduler
+        assert [context.token_ids[1:-1] for context in scheduler.embeddings_submitted] == [
+            [2028], [2048]
+        ]  # fmt: skip
+        request_ids = {context.request_id for context in scheduler.embeddings_submitted}
+        assert scheduler.wait_for(lambda: request_ids <= set(scheduler.aborted))
+    finally:
+        harness.close()

@@ -174,6 +174,31 @@ def test_the_queue_batches_under_the_token_budget_and_forgets_aborted_inputs():
     assert refused[b"api"]["late"].error == "no embedding model is being served"
 
 
+def test_a_dead_groups_inputs_run_again_on_another_group_once():
+    embeddings = Embeddings(SchedulerConfig(max_num_batched_tokens=2))
+    for name in ("a", "b", "c"):
+        embeddings.add_group(name)
+    inputs = [EmbeddingsContext(f"e{i}", [1]) for i in range(5)]
+    assert embeddings.submit(b"api", inputs) == {}
+    ((_, step_a),) = embeddings.schedule(["a"])
+    assert [c.request_id for c in step_a.contexts] == ["e0", "e1"]
+    embeddings.abort(["e1"])  # aborted while running: not run again
+    assert embeddings.remove_group("a", "group a died") == {}
+    assert [item.context.request_id for item in embeddings.queue] == ["e0", "e2", "e3", "e4"]
+    ((_, step_b),) = embeddings.schedule(["b"])
+    assert [c.request_id for c in step_b.contexts] == ["e0", "e2"]
+    ((_, step_c),) = embeddings.schedule(["c"])
+    assert [c.request_id for c in step_c.contexts] == ["e3", "e4"]
+    failed = embeddings.remove_group("b", "group b died")  # e0 ran on two dead groups
+    assert {rid: r.error for rid, r in failed[b"api"].items()} == {"e0": "group b died"}
+    assert [item.context.request_id for item in embeddings.queue] == ["e2"]
+    vectors = {c.request_id: np.ones(2, dtype=np.float32) for c in step_c.contexts}
+    done = embeddings.on_output("c", EmbeddingsModelOutput(step_c.step_id, vectors))
+    assert sorted(done[b"api"]) == ["e3", "e4"]
+    ((_, step),) = embeddings.schedule(["c"])
+    assert [c.request_id for c in step.contexts] == ["e2"]
+
+
 def test_more_inputs_than_the_queue_ever_holds_are_a_client_error():
     embeddings = Embeddings(SchedulerConfig(max_queued_requests=4))
     embeddings.add_group("g")
@@ -249,3 +274,63 @@ def test_v1_embeddings_refuses_bad_input_with_openai_errors(served, body, status
     reply = embed(served, **{"model": "all-MiniLM-L6-v2", **body})
     assert reply.status_code == status, reply.text
     assert message in reply.json()["error"]["message"]
+
+
+# -- the embedding model alone: switchyard serve --model none --------------------------------------
+
+
+def test_serve_model_none_serves_the_embedding_model_alone(served):
+    inputs = texts(8)
+    alone = ServeProcess(
+        "--model", "none", "--embedding-model", "default", "--embedding-model-name", "minilm"
+    )
+    try:
+        workers = [args for _, args in alone.children() if args.startswith("switchyard-worker")]
+        assert len(workers) == 1  # the embedding worker; no text generation worker
+        assert httpx.get(f"{alone.base_url}/ready", timeout=10).status_code == 200
+        models = httpx.get(f"{alone.base_url}/v1/models", timeout=10).json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("minilm", 256)]
+
+        reply = embed(alone, model="minilm", input=inputs)
+        assert reply.status_code == 200, reply.text
+        beside = embed(served, model="all-MiniLM-L6-v2", input=inputs).json()["data"]
+        for got, expected in zip(reply.json()["data"], beside, strict=True):
+            assert np.allclose(got["embedding"], expected["embedding"], atol=1e-6)
+
+        refusals = {
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+            "/v1/completions": {"model": "minilm", "prompt": "hi"},
+            "/tokenize": {"prompt": "hi"},
+        }
+        for route, body in refusals.items():
+            refused = httpx.post(f"{alone.base_url}{route}", json=body, timeout=10)
+            assert refused.status_code == 404, (route, refused.text)
+            error = refused.json()["error"]
+            assert error["code"] == "model_not_found"
+            assert "This server serves only embeddings" in error["message"]
+            named = "The model `minilm` does not exist." in error["message"]
+            assert named == ("model" in body)
+        metrics = httpx.get(f"{alone.base_url}/metrics", timeout=10).text
+        assert 'switchyard:num_requests_running{model_name="minilm"} 0.0' in metrics
+    finally:
+        alone.kill()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ([], "--model none serves nothing without --embedding-model"),
+        (["--embedding-model", "default", "--tensor-parallel-size", "2"], "--model none serves"),
+        (["--embedding-model", "default", "--served-model-name", "x"], "describe --model"),
+        (["--embedding-model-name", "x"], "--embedding-model-name names --embedding-model"),
+    ],
+)
+def test_serve_model_none_refuses_flags_that_need_a_model(flags, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "switchyard", "serve", "--model", "none", "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr

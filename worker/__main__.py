@@ -16,6 +16,7 @@ from types import FrameType
 import setproctitle
 import torch
 import torch.distributed as dist
+from transformers.utils import logging as transformers_logging
 
 from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import add_transport_flags, transport_from_args
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setproctitle.setproctitle(PROCESS_TITLE.format(rank=args.rank))
     configure_logging(f"worker-tp{args.rank}", args.log_level, args.log_format)
+    transformers_logging.disable_progress_bar()  # a bar per load is noise in a server's log
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _exit_while_loading)
     try:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from switchyard.offline import (
+        ChatTemplateConfig,
         EngineConfig,
         GenerationConfig,
         Pipeline,
@@ -19,7 +20,15 @@ if TYPE_CHECKING:
         pipeline,
     )
 
-__all__ = ["EngineConfig", "GenerationConfig", "Pipeline", "Response", "Session", "pipeline"]
+__all__ = [
+    "ChatTemplateConfig",
+    "EngineConfig",
+    "GenerationConfig",
+    "Pipeline",
+    "Response",
+    "Session",
+    "pipeline",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,11 @@ server) or connects to a running scheduler's frontend (``scheduler_addr``), and 
 API server does: the same tokenizer, chat template, continuous batching, detokenization and stop
 strings. Its asyncio client runs in a thread of its own, so the API is synchronous. ``close()``
 (or leaving the ``with`` block) stops every process it started.
+
+Where lmdeploy differs from the OpenAI server, the pipeline follows lmdeploy: a
+``ChatTemplateConfig`` renders prompts, ``max_new_tokens`` is cut to the room the context leaves
+(with lmdeploy's warning) instead of refusing the request, and a response's ``token_ids`` stop
+before the token that stopped generation.
 """
 
 from __future__ import annotations
@@ -20,26 +25,27 @@ import asyncio
 import itertools
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from queue import Queue
-from typing import Any
 
 from api_server.config import EngineClientConfig, resolve_max_model_len
 from api_server.engine_client import EngineClient
 from api_server.text_stream import GenerationStream, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
-from interfaces import TextGenerationRequest, TextGenerationRequestMessage
 from interfaces.scheduler_to_api import SchedulerStats
 from switchyard.launcher import Launcher, ServeConfig
-from switchyard.offline_types import EngineConfig, GenerationConfig, Response, Session
+from switchyard.offline_prompts import Prompt, PromptBuilder
+from switchyard.offline_types import (
+    ChatTemplateConfig,
+    EngineConfig,
+    GenerationConfig,
+    Response,
+    Session,
+)
 
 READY_TIMEOUT_S = 600.0
-
-Prompt = str | list[dict[str, Any]]
-"""A prompt: text, or an OpenAI-style list of messages (``{"role": ..., "content": ...}``)."""
 
 
 class Pipeline:
@@ -49,11 +55,15 @@ class Pipeline:
         self,
         model_path: str | None = None,
         backend_config: EngineConfig | None = None,
-        scheduler_addr: str | None = None,
+        chat_template_config: ChatTemplateConfig | None = None,
         log_level: str = "WARNING",
+        *,
+        scheduler_addr: str | None = None,
     ) -> None:
         """Start the engine for ``model_path`` (a Hugging Face directory or .gguf file; None:
-        the default model), or connect to the scheduler at ``scheduler_addr`` serving it."""
+        the default model), or connect to the scheduler at ``scheduler_addr`` serving it.
+        ``chat_template_config`` (see ``ChatTemplateConfig``) renders every prompt; without it
+        message lists go through the model's chat template and text goes in as it is."""
         from worker.model_files import model_name_for, resolve_model
 
         config = backend_config or EngineConfig()
@@ -62,6 +72,9 @@ class Pipeline:
         self.tokenizer = HuggingFaceTokenizer(
             model_dir, resolve_max_model_len(model_dir, config.session_len)
         )
+        self.prompts = PromptBuilder(self.tokenizer, self.model_name, chat_template_config)
+        self.scheduler_addr = scheduler_addr
+        """The scheduler's frontend, where more clients of this engine may connect."""
         self._launcher: Launcher | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -73,8 +86,8 @@ class Pipeline:
                 self._launcher = Launcher(
                     _serve_config(model_dir, self.model_name, config, log_level)
                 )
-                scheduler_addr = self._launcher.start_engine()
-            self._engine = EngineClient(EngineClientConfig(scheduler_addr))
+                self.scheduler_addr = self._launcher.start_engine()
+            self._engine = EngineClient(EngineClientConfig(self.scheduler_addr))
             self._run(self._engine.start())
             self._wait_until_ready()
         except BaseException:
@@ -231,8 +244,9 @@ class Pipeline:
     async def _responses(
         self, index: int, prompt: Prompt, config: GenerationConfig, incremental: bool
     ) -> AsyncIterator[Response]:
+        config = self.prompts.with_template_stop_words(config)
         context = await self.tokenizer.new_context(
-            self._request(prompt, config), logprobs=config.logprobs,
+            self.prompts.request(prompt, config), logprobs=config.logprobs,
             structured_output=config.structured_output(),
         )  # fmt: skip
         options = TextOptions(
@@ -245,49 +259,36 @@ class Pipeline:
         total.logprobs = [] if config.logprobs is not None else None
         stream = GenerationStream(self._engine, context, self.tokenizer.backend, options)
         async for delta in stream.deltas():
-            token_ids = list(delta.token_ids)
-            if delta.finish_reason == "stop" and token_ids and token_ids[-1] in stop_ids:
-                token_ids = token_ids[:-1]
-            logprobs = [_logprob_entry(entry) for entry in delta.logprobs or ()]
+            token_ids = self.prompts.reported_tokens(delta, total.token_ids, config, stop_ids)
+            logprobs = [_logprob_entry(entry) for entry in delta.logprobs or ()][: len(token_ids)]
             total.text += delta.text
             total.token_ids += token_ids
-            total.generate_token_len = stream.num_output_tokens
+            total.generate_token_len = len(total.token_ids)
             total.finish_reason = delta.finish_reason
             if total.logprobs is not None:
-                total.logprobs += logprobs[: len(token_ids)]
+                total.logprobs += logprobs
             if incremental:
                 yield Response(
                     delta.text, total.generate_token_len, total.input_token_len,
                     delta.finish_reason, token_ids,
-                    logprobs[: len(token_ids)] if total.logprobs is not None else None, index,
+                    logprobs if total.logprobs is not None else None, index,
                 )  # fmt: skip
         if not incremental:
             yield total
-
-    def _request(self, prompt: Prompt, config: GenerationConfig) -> TextGenerationRequest:
-        params = config.sampling_params()
-        fields: dict[str, Any] = {"prompt": prompt}
-        if not isinstance(prompt, str):
-            fields = {"messages": [TextGenerationRequestMessage(**m) for m in prompt]}
-        return TextGenerationRequest(
-            request_id=f"pipeline-{uuid.uuid4().hex}",
-            index=0,
-            model_name=self.model_name,
-            timestamp_ns=time.time_ns(),
-            stop=config.stop_words,
-            sampling_params=params,
-            **fields,
-        )
 
 
 def pipeline(
     model_path: str | None = None,
     backend_config: EngineConfig | None = None,
-    scheduler_addr: str | None = None,
+    chat_template_config: ChatTemplateConfig | None = None,
     log_level: str = "WARNING",
+    *,
+    scheduler_addr: str | None = None,
 ) -> Pipeline:
     """lmdeploy's ``pipeline()``: a ``Pipeline`` for ``model_path`` (see ``Pipeline``)."""
-    return Pipeline(model_path, backend_config, scheduler_addr, log_level)
+    return Pipeline(
+        model_path, backend_config, chat_template_config, log_level, scheduler_addr=scheduler_addr
+    )
 
 
 def _serve_config(model_dir: Path, name: str, config: EngineConfig, log_level: str) -> ServeConfig:

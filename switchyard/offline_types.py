@@ -1,10 +1,11 @@
 """The offline API's value types, in lmdeploy's vocabulary: ``GenerationConfig``,
-``EngineConfig``, ``Response`` and ``Session`` (``switchyard.offline`` runs them)."""
+``EngineConfig``, ``ChatTemplateConfig``, ``Response`` and ``Session`` (``switchyard.offline``
+runs them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from interfaces import SamplingParams
 from interfaces.requests import StructuredOutput
@@ -107,14 +108,94 @@ class EngineConfig:
     dtype: str | None = None
 
 
+TEMPLATE_PIECES = (
+    "system", "meta_instruction", "eosys", "user", "eoh", "assistant", "eoa", "tool", "eotool",
+    "separator",
+)  # fmt: skip
+
+
+@dataclass
+class ChatTemplateConfig:
+    """lmdeploy's chat template settings: which template turns prompts into the model's text.
+
+    The pieces (``system`` ... ``separator``) make lmdeploy's ``BaseChatTemplate``: a
+    conversation reads ``{system}{meta_instruction}{eosys}{user}...{eoh}{assistant}...{eoa}
+    {separator}`` and ends with ``{assistant}`` for the answer; a text prompt is one user turn,
+    unless ``capability`` is "completion". ``stop_words`` stop every request that names no stop
+    words or stop token ids of its own (lmdeploy's default stop words).
+
+    Which template renders: the pieces when any is given or ``model_name`` is "base"; the chat
+    template of ``model_path`` (default: the pipeline's model) for "hf", which must have one. Any
+    other name is one of lmdeploy's built-in templates, which are not here: the model's own
+    template stands in for it, and a model without one gets the (empty) pieces, as lmdeploy
+    renders a name it does not know.
+    """
+
+    model_name: str | None
+    model_path: str | None = None
+    system: str | None = None
+    meta_instruction: str | None = None
+    eosys: str | None = None
+    user: str | None = None
+    eoh: str | None = None
+    assistant: str | None = None
+    eoa: str | None = None
+    tool: str | None = None
+    eotool: str | None = None
+    separator: str | None = None
+    capability: Literal["completion", "infilling", "chat", "python"] | None = None
+    stop_words: list[str] | None = None
+
+    @property
+    def has_pieces(self) -> bool:
+        return any(getattr(self, name) is not None for name in TEMPLATE_PIECES)
+
+    def uses_model_template(self, model_has_template: bool) -> bool:
+        """Whether prompts go through the model's own chat template rather than the pieces."""
+        if self.model_name == "hf":
+            return True
+        return model_has_template and not self.has_pieces and self.model_name != "base"
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """The text of a conversation in the pieces (None is ""), as lmdeploy's
+        ``BaseChatTemplate.messages2prompt`` writes it: a conversation that ends with an
+        assistant turn ends with that answer, for the model to go on with it."""
+        piece = {name: getattr(self, name) or "" for name in TEMPLATE_PIECES}
+        opening = {role: piece[role] for role in ("system", "user", "assistant", "tool")}
+        closing = {"system": piece["eosys"], "user": piece["eoh"], "tool": piece["eotool"]}
+        closing["assistant"] = piece["eoa"] + piece["separator"]
+        text = ""
+        if messages and messages[0]["role"] != "system":
+            text += piece["system"] + piece["meta_instruction"] + piece["eosys"]
+        for message in messages:
+            role = message["role"]
+            if role not in opening:
+                raise ValueError(f"the chat template has no {role!r} role (roles: {[*opening]})")
+            text += opening[role] + _content_text(message.get("content")) + closing[role]
+        if messages and messages[-1]["role"] == "assistant" and closing["assistant"]:
+            return text[: -len(closing["assistant"])]
+        return text + piece["assistant"]
+
+
+def _content_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's text: typed parts' texts joined by newlines (as lmdeploy merges them)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(part.get("text", "") for part in content if part.get("type") == "text")
+
+
 @dataclass
 class Response:
     """One prompt's generation (so far, when streamed): lmdeploy's ``Response``.
 
-    ``token_ids`` are the generated tokens, without a stop token that ended generation;
-    ``logprobs`` has one ``{token_id: logprob}`` per generated token (the chosen token and the
-    top ones) when ``GenerationConfig.logprobs`` asked. ``finish_reason`` is "stop", "length"
-    or "abort" once done, else None; ``index`` the prompt's position.
+    ``token_ids`` are the generated tokens, and ``generate_token_len`` their number (a streamed
+    piece has its own tokens and the count so far). As in lmdeploy, the token that stopped
+    generation is not one of them: a stop token (EOS, ``stop_token_ids``), or the token that
+    completed a stop word, and nothing after it; the text ends before the stop word.
+    ``include_stop_str_in_output`` keeps that token (and the stop word). ``logprobs`` has one
+    ``{token_id: logprob}`` per token in ``token_ids`` (the chosen token and the top ones) when
+    ``GenerationConfig.logprobs`` asked. ``finish_reason`` is "stop", "length" or "abort" once
+    done, else None; ``index`` the prompt's position.
     """
 
     text: str

@@ -1,0 +1,177 @@
+"""What the offline pipeline sends and what it reports, as lmdeploy's engine does.
+
+``PromptBuilder`` turns a pipeline prompt (text or messages) into a tokenized
+``TextGenerationRequest``: through the model's chat template or a ``ChatTemplateConfig``'s pieces,
+with ``max_new_tokens`` cut to the room the context leaves (lmdeploy's warning, not a refusal),
+and the template's stop words where the request names none. On a stop, a response's
+``token_ids`` end before the token that stopped generation (``reported_tokens``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from tokenizers import Tokenizer
+
+from api_server.text_stream import TextDelta
+from api_server.tokenizer import HuggingFaceTokenizer
+from interfaces import SamplingParams, TextGenerationRequest, TextGenerationRequestMessage
+from switchyard.offline_types import ChatTemplateConfig, GenerationConfig
+
+logger = logging.getLogger("switchyard.offline")
+
+Prompt = str | list[dict[str, Any]]
+"""A prompt: text, or an OpenAI-style list of messages (``{"role": ..., "content": ...}``)."""
+
+
+class PromptBuilder:
+    """Requests for one pipeline's model; ``chat_template_config`` None uses the model's own
+    chat template for messages and sends text as it is."""
+
+    def __init__(
+        self,
+        tokenizer: HuggingFaceTokenizer,
+        model_name: str,
+        chat_template_config: ChatTemplateConfig | None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.chat_template_config = chat_template_config
+        self._template_tokenizer = self._find_template_tokenizer(tokenizer.model_dir)
+
+    def request(self, prompt: Prompt, config: GenerationConfig) -> TextGenerationRequest:
+        """The request for ``prompt``, tokenized, with max_new_tokens cut to fit the context."""
+        request = TextGenerationRequest(
+            request_id=f"pipeline-{uuid.uuid4().hex}",
+            index=0,
+            model_name=self.model_name,
+            timestamp_ns=time.time_ns(),
+            stop=config.stop_words,
+            sampling_params=config.sampling_params(),
+            **self._prompt_field(prompt),
+        )
+        token_ids = self.tokenizer.prompt_token_ids(request)
+        params = _fit_in_context(
+            request.sampling_params, len(token_ids), self.tokenizer.max_model_len
+        )
+        return msgspec.structs.replace(
+            request, prompt=token_ids, messages=None, sampling_params=params
+        )
+
+    def _find_template_tokenizer(self, model_dir: Path) -> HuggingFaceTokenizer | None:
+        """The tokenizer whose chat template ``chat_template_config`` uses (that of its
+        ``model_path``, else the pipeline's), or None where its pieces render prompts."""
+        from worker.model_files import resolve_model
+
+        template = self.chat_template_config
+        if template is None:
+            return None
+        tokenizer = self.tokenizer
+        template_dir = (
+            model_dir if template.model_path is None else resolve_model(template.model_path)
+        )
+        if template_dir != model_dir:
+            tokenizer = HuggingFaceTokenizer(template_dir, self.tokenizer.max_model_len)
+        if template.model_name == "hf" and not tokenizer.has_chat_template:
+            raise ValueError(
+                "chat_template_config model_name 'hf' renders prompts with the chat template of "
+                f"{tokenizer.model_dir}, which has none"
+            )
+        return tokenizer if template.uses_model_template(tokenizer.has_chat_template) else None
+
+    def _prompt_field(self, prompt: Prompt) -> dict[str, Any]:
+        """The request's prompt: text as it is and messages through the model's chat template,
+        or both through ``chat_template_config`` (text as one user turn)."""
+        template = self.chat_template_config
+        is_text = isinstance(prompt, str)
+        if template is None or (is_text and template.capability == "completion"):
+            return {"prompt": prompt} if is_text else {"messages": _messages(prompt)}
+        messages = [{"role": "user", "content": prompt}] if is_text else prompt
+        if self._template_tokenizer is None:
+            # Encoded as text is, as lmdeploy encodes it: a BOS where the tokenizer adds one.
+            return {"prompt": template.render(messages)}
+        if self._template_tokenizer is self.tokenizer:
+            return {"messages": _messages(messages)}
+        text = self._template_tokenizer.render_messages(_messages(messages))
+        return {"prompt": self.tokenizer.encode_now(text, add_special_tokens=False)}
+
+    def with_template_stop_words(self, config: GenerationConfig) -> GenerationConfig:
+        """``config`` with the chat template's stop words when it names no stop words or stop
+        token ids of its own, as lmdeploy uses them. A stop word that is a special token stops
+        on that token: its text never reaches the output for a stop string to match."""
+        template = self.chat_template_config
+        has_own = config.stop_words or config.stop_token_ids
+        if template is None or not template.stop_words or has_own:
+            return config
+        special = self.tokenizer.special_token_texts
+        words = [word for word in template.stop_words if word not in special]
+        token_ids = [
+            self.tokenizer.backend.token_to_id(w) for w in template.stop_words if w in special
+        ]
+        return dataclasses.replace(
+            config, stop_words=words or None, stop_token_ids=token_ids or None
+        )
+
+    def reported_tokens(
+        self, delta: TextDelta, generated: list[int], config: GenerationConfig, stop_ids: set[int]
+    ) -> list[int]:
+        """The delta's tokens a response reports. On a stop, as lmdeploy: those before the token
+        that stopped generation (a stop token, or the one that completed a stop word), that
+        token too with ``include_stop_str_in_output``, nothing after it."""
+        token_ids = list(delta.token_ids)
+        if delta.finish_reason != "stop" or not token_ids:
+            return token_ids
+        keep = int(config.include_stop_str_in_output)
+        count = _num_tokens_before_stop_word(
+            self.tokenizer.backend, generated, token_ids, config.stop_words or [],
+            config.skip_special_tokens,
+        )  # fmt: skip
+        if count is not None:
+            return token_ids[: count + keep]
+        if token_ids[-1] in stop_ids and not keep:
+            return token_ids[:-1]
+        return token_ids
+
+
+def _messages(messages: list[dict[str, Any]]) -> list[TextGenerationRequestMessage]:
+    return [TextGenerationRequestMessage(**message) for message in messages]
+
+
+def _fit_in_context(
+    params: SamplingParams, num_prompt_tokens: int, max_model_len: int
+) -> SamplingParams:
+    """``params`` with max_new_tokens cut to the room the prompt leaves in the context, as
+    lmdeploy's engine cuts it (with its warning). A prompt that leaves no room is left for
+    ``new_context`` to refuse."""
+    room = max_model_len - num_prompt_tokens
+    if params.max_new_tokens is None or room <= 0 or params.max_new_tokens <= room:
+        return params
+    logger.warning(
+        "total sequence length (%d + %d) exceeds `session_len` (%d), `max_new_tokens` is "
+        "truncated to %d", num_prompt_tokens, params.max_new_tokens, max_model_len, room,
+    )  # fmt: skip
+    return msgspec.structs.replace(params, max_new_tokens=room)
+
+
+def _num_tokens_before_stop_word(
+    tokenizer: Tokenizer,
+    generated: list[int],
+    new: list[int],
+    stop_words: list[str],
+    skip_special_tokens: bool,
+) -> int | None:
+    """How many of the ``new`` tokens come before the one that completed a stop word (None:
+    none did). The text of ``generated`` has none, or generation would have stopped there."""
+    for count in range(len(new)):
+        text = tokenizer.decode(
+            generated + new[: count + 1], skip_special_tokens=skip_special_tokens
+        )
+        if any(word and word in text for word in stop_words):
+            return count
+    return None

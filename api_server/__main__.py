@@ -6,12 +6,16 @@
         [--api-key KEY] [--allowed-origins ORIGIN[,ORIGIN...]]... [--curve-keys-dir DIR]
         [--max-request-body-bytes N] [--max-header-count N] [--max-header-bytes N]
         [--shutdown-timeout SECONDS] [--log-format text|json]
+        [--allowed-local-media-path DIR] [--allowed-media-domains HOST[,HOST...]]...
+        [--max-images-per-prompt 8]
 
 It serves a text generation model (``--model``), an embedding model (``--embedding-model``),
 or both. ``--fd N`` serves on an already-listening socket inherited as file descriptor N, so
 that the launcher can bind one port and start several API servers on it. SIGTERM drains before
 exiting (``api_server.shutdown``). The API key defaults to
-$SWITCHYARD_API_KEY, which is how the launcher passes it (a flag would show in ``ps``).
+$SWITCHYARD_API_KEY, which is how the launcher passes it (a flag would show in ``ps``). Chat
+images come as data URLs, and as ``file://`` URLs inside ``--allowed-local-media-path`` and
+http(s) URLs from the hosts ``--allowed-media-domains`` names (``api_server.images``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from api_server.config import (
     EngineClientConfig,
     HttpLimits,
     add_limit_flags,
+    add_media_flags,
+    media_config,
     resolve_max_model_len,
+    split_commas,
 )
 from api_server.limits import uvicorn_options
 from api_server.shutdown import DrainingServer
@@ -77,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CORS origins, comma-separated or repeated ('*': any); default: CORS off",
     )
     add_limit_flags(parser)
+    add_media_flags(parser)
     parser.add_argument(
         "--shutdown-timeout",
         type=non_negative_seconds,
@@ -113,12 +121,13 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
         max_model_len=max_model_len,
         engine=EngineClientConfig(args.scheduler_addr, transport_from_args(args)),
         api_key=args.api_key or None,
-        allowed_origins=split_origins(args.allowed_origins),
+        allowed_origins=split_commas(args.allowed_origins),
         limits=HttpLimits(
             max_request_body_bytes=args.max_request_body_bytes,
             max_header_count=args.max_header_count,
             max_header_bytes=args.max_header_bytes,
         ),
+        media=media_config(args),
     )
 
 
@@ -141,12 +150,6 @@ def non_negative_seconds(text: str) -> float:
     if not seconds >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
     return seconds
-
-
-def split_origins(values: list[str]) -> tuple[str, ...]:
-    """``["a,b", "c"]`` → ``("a", "b", "c")``: comma-separated, repeated, or both."""
-    origins = (origin.strip() for value in values for origin in value.split(","))
-    return tuple(dict.fromkeys(origin for origin in origins if origin))
 
 
 def main(argv: list[str] | None = None) -> int:

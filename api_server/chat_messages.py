@@ -1,6 +1,8 @@
 """A conversation as chat templates see it: plain dicts in Hugging Face's shape.
 
-Content parts are joined into one string, "developer" becomes "system", tools are OpenAI's
+Text parts are joined into one string; a message with images keeps its parts, text parts as
+``{"type": "text", "text": ...}`` and images as ``{"type": "image"}``, which vision models'
+templates render as their image placeholder. "developer" becomes "system", tools are OpenAI's
 ``{"type": "function", "function": {...}}``, and earlier tool calls carry their arguments as an
 object (templates write them with ``tojson``), as transformers and vLLM pass them.
 """
@@ -56,13 +58,19 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": function}
 
 
-def _flatten_content(content: str | list[dict[str, Any]] | None) -> str:
-    """Join text parts with newlines (vLLM's "string" content format)."""
+def _flatten_content(content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]]:
+    """Join text parts with newlines (vLLM's "string" content format); with images, the parts
+    as Hugging Face processors pass them (vLLM's "openai" content format)."""
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
+    parts = []
     for part in content:
-        if part.get("type") != "text":
+        if part.get("type") == "image":
+            parts.append({"type": "image"})
+        elif part.get("type") == "text":
+            parts.append({"type": "text", "text": part.get("text", part.get("content", ""))})
+        else:
             raise ValueError(f"content parts of type {part.get('type')!r} are not supported")
-        texts.append(part.get("text", part.get("content", "")))
-    return "\n".join(texts)
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "\n".join(part["text"] for part in parts)

@@ -128,7 +128,15 @@ def render_fallback_prompt(messages: list[dict[str, Any]]) -> str:
     strips the trailing space). Roles without a prefix (tool, developer) get none.
     """
     prompt = "".join(
-        f"{FALLBACK_ROLE_PREFIXES.get(message['role'], '')}{message.get('content') or ''}\n"
+        f"{FALLBACK_ROLE_PREFIXES.get(message['role'], '')}{_text(message.get('content'))}\n"
         for message in messages
     )
     return (prompt + FALLBACK_ROLE_PREFIXES["assistant"]).rstrip()
+
+
+def _text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's text; of content parts, the text parts joined (this format has no image
+    placeholder, so a request with images is then refused for lacking one)."""
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content if part.get("type") == "text")
+    return content or ""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from api_server.image_segments import copy_images
 from api_server.logprobs import TokenLogprob
 from api_server.responses import FinishReason, Usage
 from api_server.text_stream import GenerationStream, TextDelta
@@ -59,13 +60,17 @@ class ChoiceOutput:
 
 def choice_context(context: TextContext, response_id: str, index: int, sample: int) -> TextContext:
     """``context`` for choice ``index`` (the ``sample``-th of its prompt): its own request id
-    and, when the request has a seed, seed + ``sample``, so seeded choices differ (vLLM's rule)."""
+    and, when the request has a seed, seed + ``sample``, so seeded choices differ (vLLM's rule).
+
+    Every choice is its own request, and the scheduler unlinks a request's image segments when
+    it ends, so choices after the first get copies of the images, owned by the caller."""
     params = context.sampling_params
     if params.seed is not None and sample:
         seed = (params.seed + sample - INT64_MIN) % INT64_RANGE + INT64_MIN
         params = msgspec.structs.replace(params, seed=seed)
+    images = copy_images(context.images) if sample and context.images else context.images
     return msgspec.structs.replace(
-        context, request_id=f"{response_id}-{index}", sampling_params=params
+        context, request_id=f"{response_id}-{index}", sampling_params=params, images=images
     )
 
 
@@ -85,7 +90,8 @@ class Generation:
         """Deltas of every choice as they arrive; each choice's last has its finish reason.
 
         Raises the first error any choice raises (``RequestFailed``, ``SchedulerUnavailable``);
-        closing the generator early aborts every choice still running.
+        closing the generator early aborts every choice still running. A choice whose task
+        ended before it started has its images unlinked here (it never reached the engine).
         """
         queue: asyncio.Queue[ChoiceDelta | Exception | None] = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(choice, queue)) for choice in self.choices]
@@ -102,7 +108,11 @@ class Generation:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                for choice in self.choices:
+                    choice.stream.release_unsent_images()
 
     async def collect(self) -> list[ChoiceOutput]:
         """Every choice whole, in index order."""

@@ -59,6 +59,40 @@ class HttpLimits:
 
 
 @dataclass(frozen=True)
+class MediaConfig:
+    """Where images in chat messages may come from, and bounds on them (api_server.images).
+
+    Data URLs are always accepted. ``file://`` URLs only inside ``allowed_local_media_path``
+    (None: none); http(s) URLs only from the hosts in ``allowed_media_domains`` (empty: none),
+    fetched within ``fetch_timeout_s`` in all, following at most ``max_redirects`` redirects on
+    the same host. A request may have at most ``max_images_per_prompt`` images, and an image
+    at most ``max_image_bytes`` encoded and ``max_image_pixels`` decoded.
+    """
+
+    allowed_local_media_path: Path | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    max_images_per_prompt: int = 8
+    fetch_timeout_s: float = 10.0
+    max_redirects: int = 3
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 32 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_images_per_prompt < 0:
+            raise ValueError(
+                f"--max-images-per-prompt must be 0 or more, got {self.max_images_per_prompt}"
+            )
+        path = self.allowed_local_media_path
+        if path is not None and not path.is_dir():
+            raise ValueError(f"--allowed-local-media-path {path} is not a directory")
+        for domain in self.allowed_media_domains:
+            if not domain or domain != domain.strip().lower() or "/" in domain:
+                raise ValueError(
+                    f"--allowed-media-domains takes lower-case host names, got {domain!r}"
+                )
+
+
+@dataclass(frozen=True)
 class ApiServerConfig:
     """Everything one API server process needs besides its listening socket.
 
@@ -82,6 +116,8 @@ class ApiServerConfig:
     embedding_model_dir: Path | None = None
     """The embedding model served at /v1/embeddings (by an embedding worker), if any."""
     embedding_model_name: str | None = None
+    media: MediaConfig = field(default_factory=MediaConfig)
+    """Where chat images may come from (api_server.images)."""
 
     def __post_init__(self) -> None:
         if self.model_dir is None and self.embedding_model_dir is None:
@@ -104,12 +140,14 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def model_context_length(model_dir: Path) -> int | None:
-    """The model's context length from config.json, or None when it names none."""
+    """The model's context length from config.json (its ``text_config`` for a vision-language
+    model), or None when it names none."""
     config = read_json(model_dir / "config.json")
-    for key in _CONTEXT_LENGTH_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
+    for section in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_LENGTH_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
     return None
 
 
@@ -176,3 +214,52 @@ def limit_flags(args: argparse.Namespace) -> tuple[str, ...]:
         *("--max-header-count", str(args.max_header_count)),
         *("--max-header-bytes", str(args.max_header_bytes)),
     )
+
+
+def add_media_flags(parser: argparse.ArgumentParser) -> None:
+    """The ``MediaConfig`` flags: where chat images may come from besides data URLs."""
+    parser.add_argument(
+        "--allowed-local-media-path",
+        metavar="DIR",
+        help="accept file:// image URLs of files inside DIR (default: no local files)",
+    )
+    parser.add_argument(
+        "--allowed-media-domains",
+        action="append",
+        default=[],
+        metavar="HOST[,HOST...]",
+        help="fetch http(s) image URLs from these hosts, comma-separated or repeated "
+        "(default: no remote images)",
+    )
+    parser.add_argument(
+        "--max-images-per-prompt",
+        type=int,
+        default=MediaConfig.max_images_per_prompt,
+        help="more images in one request get 400 (default: %(default)s)",
+    )
+
+
+def media_config(args: argparse.Namespace) -> MediaConfig:
+    """The ``add_media_flags`` flags as a ``MediaConfig``; ``ValueError`` for a path that is not
+    a directory."""
+    return MediaConfig(
+        allowed_local_media_path=media_path(args.allowed_local_media_path),
+        allowed_media_domains=media_domains(args.allowed_media_domains),
+        max_images_per_prompt=args.max_images_per_prompt,
+    )
+
+
+def media_path(value: str | None) -> Path | None:
+    """``--allowed-local-media-path`` as an absolute path, symlinks resolved (None: unset)."""
+    return None if value is None else Path(value).expanduser().resolve()
+
+
+def media_domains(values: list[str]) -> tuple[str, ...]:
+    """``--allowed-media-domains`` values as lower-case host names."""
+    return tuple(domain.lower() for domain in split_commas(values))
+
+
+def split_commas(values: list[str]) -> tuple[str, ...]:
+    """``["a,b", "c"]`` → ``("a", "b", "c")``: comma-separated, repeated, or both."""
+    items = (item.strip() for value in values for item in value.split(","))
+    return tuple(dict.fromkeys(item for item in items if item))

@@ -25,6 +25,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from api_server.config import EngineClientConfig
+from api_server.image_segments import release_images
 from api_server.stats_tickets import StatsTickets, StatsWaiter
 from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
 from interfaces.api_to_scheduler import (
@@ -118,18 +119,27 @@ class EngineClient:
         Raises ``SchedulerUnavailable`` when the submit or the scheduler times out. If the
         consumer stops early (stop string, client gone, cancellation), the request is aborted
         so the scheduler frees its KV blocks.
+
+        Ownership of ``context.images``' shared-memory segments passes to the scheduler when
+        pyzmq completes ``sent``, the send of the SubmitRequest frame (``_was_sent(sent)``);
+        the scheduler then unlinks them when the request ends, however it ends. Until then they
+        belong to this generator, from its first step: if it ends without sending (a duplicate
+        id, no connection, a submit timeout, cancellation), it withdraws the frame from pyzmq's
+        queue, so that it never leaves, and unlinks them itself.
         """
         request_id = context.request_id
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        if self._lost_connection is not None:
+        if request_id in self._queues or self._lost_connection is not None:
+            release_images(context.images)
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in flight")
             raise SchedulerUnavailable(self._lost_connection)
         queue: asyncio.Queue[Result | SchedulerUnavailable] = asyncio.Queue()
         self._queues[request_id] = queue
-        submitted = finished = False
+        sent: asyncio.Future[Any] | None = None
+        finished = False
         try:
-            await self._send(SubmitRequest(context), self.config.submit_timeout_s)
-            submitted = True
+            sent = self._socket_or_raise().send(self._encode(SubmitRequest(context)))
+            await self._wait_until_sent(sent, self.config.submit_timeout_s)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, SchedulerUnavailable):
@@ -138,7 +148,11 @@ class EngineClient:
                 yield item
         finally:
             self._queues.pop(request_id, None)
-            if submitted and not finished:
+            if not _was_sent(sent):
+                if sent is not None:
+                    sent.cancel()  # pyzmq skips a cancelled send: the frame never leaves
+                release_images(context.images)  # still ours: the scheduler never saw them
+            elif not finished:
                 self.abort([request_id])
 
     async def embed(self, contexts: list[EmbeddingsContext]) -> dict[RequestID, EmbeddingsResult]:
@@ -213,8 +227,13 @@ class EngineClient:
         return self._stats_tickets.sent(), sent
 
     async def _send(self, message: Any, timeout_s: float) -> None:
+        await self._wait_until_sent(self._socket_or_raise().send(self._encode(message)), timeout_s)
+
+    async def _wait_until_sent(self, sent: asyncio.Future[Any], timeout_s: float) -> None:
+        """Wait for a pyzmq send; on a timeout it is cancelled (never sent) and
+        ``SchedulerUnavailable`` raised."""
         try:
-            await asyncio.wait_for(self._socket_or_raise().send(self._encode(message)), timeout_s)
+            await asyncio.wait_for(sent, timeout_s)
         except asyncio.TimeoutError as error:
             raise SchedulerUnavailable(
                 f"the scheduler at {self.config.scheduler_addr} did not accept the request "
@@ -304,6 +323,12 @@ class EngineClient:
             queue.put_nowait(error)
         if queues:
             logger.error("failing %d requests in flight: %s", len(queues), error)
+
+
+def _was_sent(sent: asyncio.Future[Any] | None) -> bool:
+    """Whether a pyzmq send completed, i.e. the frame was handed to ZeroMQ (pyzmq sends and
+    completes the future in one step, and never sends a cancelled one)."""
+    return sent is not None and sent.done() and not sent.cancelled() and sent.exception() is None
 
 
 def _log_send_failure(future: asyncio.Future[Any]) -> None:

@@ -36,14 +36,23 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class ImageURL(OpenAIBaseModel):
+    """An image part's image: a data URL, or a file:// or http(s) URL where the server allows
+    them (api_server.images). ``detail`` is accepted and ignored, as vLLM does."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(BaseModel):
-    """One part of a message's content. Only ``text`` parts are supported; others are parsed
-    (so the error can name their type) and rejected by the request builder."""
+    """One part of a message's content: ``text`` or ``image_url``. Parts of other types are
+    parsed (so the error can name their type) and rejected by the request builder."""
 
     model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(OpenAIBaseModel):

@@ -19,6 +19,7 @@ from api_server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    ContentPart,
     SamplingFields,
 )
 from interfaces import (
@@ -147,15 +148,24 @@ def check_message(index: int, message: ChatMessage) -> None:
         )
     parts = message.content if isinstance(message.content, list) else []
     for part_index, part in enumerate(parts):
-        param = f"messages[{index}].content[{part_index}]"
-        if part.type != "text":
-            raise invalid_request(
-                f"{param}: content parts of type {part.type!r} are not supported yet; "
-                "only {'type': 'text', 'text': ...}",
-                param=param,
-            )
-        if part.text is None:
-            raise invalid_request(f"{param}.text is required", param=f"{param}.text")
+        _check_part(f"messages[{index}].content[{part_index}]", part, message.role)
+
+
+def _check_part(param: str, part: ContentPart, role: str) -> None:
+    if part.type == "image_url":
+        if role != "user":
+            raise invalid_request(f"{param}: images are only allowed in user messages", param=param)
+        if part.image_url is None:
+            raise invalid_request(f"{param}.image_url is required", param=param)
+        return
+    if part.type != "text":
+        raise invalid_request(
+            f"{param}: content parts of type {part.type!r} are not supported; only "
+            "{'type': 'text', 'text': ...} and {'type': 'image_url', 'image_url': {'url': ...}}",
+            param=param,
+        )
+    if part.text is None:
+        raise invalid_request(f"{param}.text is required", param=f"{param}.text")
 
 
 def sampling_params(request: SamplingFields, vocab_size: int) -> SamplingParams:
@@ -288,10 +298,14 @@ def split_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list
 
 
 def generation_message(message: ChatMessage) -> TextGenerationRequestMessage:
-    """The wire form of a chat message (content parts reduced to their text)."""
+    """The wire form of a chat message: text parts reduced to their text, image parts to
+    ``{"type": "image"}`` (Hugging Face's placeholder part; the pixels travel separately)."""
     content: str | list[dict[str, Any]] | None = message.content  # type: ignore[assignment]
     if isinstance(message.content, list):
-        content = [{"type": "text", "text": part.text} for part in message.content]
+        content = [
+            {"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+            for part in message.content
+        ]
     return TextGenerationRequestMessage(
         role=message.role,
         content=content,

@@ -4,7 +4,9 @@ Both follow one path: check the model name and the supported fields, build one
 ``TextGenerationRequest`` per prompt, tokenize each into a ``TextContext`` (errors → 400), fan
 each out into ``n`` choices, submit them all, and answer either one JSON body or an SSE stream of
 ``data: {json}`` events ending with ``data: [DONE]``. The endpoints differ only in their
-``ResponseFormat`` (api_server.formats).
+``ResponseFormat`` (api_server.formats). Chat messages may hold images (api_server.images),
+whose shared-memory segments this server unlinks on every path that ends before their
+``SubmitRequest`` is sent (api_server.image_segments); completions take none.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from api_server.errors import (
     service_unavailable,
 )
 from api_server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from api_server.image_segments import PreparedImage, release_images
+from api_server.images import check_images_accepted, image_inputs, load_images
 from api_server.logprobs import TokenTexts
 from api_server.metrics import ServerMetrics
 from api_server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -107,12 +111,18 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     if tools is not None and state.tokenizer.special_token_texts & set(tools.markers):
         # The parser must see tool-call tags that are special tokens (vLLM does the same).
         options = dataclasses.replace(options, skip_special_tokens=False)
-    generation = await _generation(
-        state, request, [prompt], request.num_logprobs, constraint, options, arrival_time
-    )
     response_format = ChatFormat(
         response_id, state.model_name, request.num_logprobs, state.token_texts, tools
     )
+    inputs = image_inputs(request.messages)
+    check_images_accepted(inputs, state.tokenizer.why_no_images, state.model_name)
+    vision, max_model_len = state.tokenizer.vision, state.tokenizer.max_model_len
+    images = await load_images(inputs, state.config.media, vision, max_model_len)
+    generation = await _generation(
+        state, request, [prompt], request.num_logprobs, constraint, options, arrival_time, images
+    )
+    # No await between the two: once made, the generation's image segments are only ever
+    # unlinked by ``Generation.deltas`` and the engine client, which ``_respond`` starts at once.
     return await _respond(request, generation, response_format)
 
 
@@ -128,11 +138,11 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
     prompts = completion_generation_requests(request, request_id, state.model_name, vocab_size)
     constraint = structured_output(request)
     options = _text_options(request)
-    generation = await _generation(
-        state, request, prompts, request.num_logprobs, constraint, options, arrival_time
-    )
     response_format = CompletionFormat(
         response_id, state.model_name, request.num_logprobs, state.token_texts
+    )
+    generation = await _generation(
+        state, request, prompts, request.num_logprobs, constraint, options, arrival_time
     )
     return await _respond(request, generation, response_format)
 
@@ -145,29 +155,39 @@ async def _generation(
     constraint: StructuredOutput | None,
     options: TextOptions,
     arrival_time: float,
+    images: list[PreparedImage] | None = None,
 ) -> Generation:
     """Tokenize every prompt once and make ``n`` choices of each (index prompt * n + sample).
 
-    Each choice is one request in the metrics; the prompt's tokens count with its first."""
+    Each choice is one request in the metrics; the prompt's tokens count with its first.
+    ``images`` go with every prompt (chat has one). If anything here fails, every image segment
+    made so far (the prompt's, and the choices' copies) is unlinked."""
     n = request.num_choices_per_prompt
     several = len(prompts) * n > 1
     choices, num_prompt_tokens = [], 0
-    for prompt in prompts:
-        context = await _new_context(state, prompt, num_logprobs, constraint)
-        num_prompt_tokens += context.num_prompt_tokens
-        echo_text = _echo_text(state, prompt, context) if prompt.echo else None
-        for sample in range(n):
-            index = prompt.index * n + sample
-            if several:
-                context_of_choice = choice_context(context, prompt.request_id, index, sample)
-            else:
+    contexts: list[TextContext] = []  # their image segments are all still ours
+    try:
+        for prompt in prompts:
+            context = await _new_context(state, prompt, num_logprobs, constraint, images)
+            contexts.append(context)
+            num_prompt_tokens += context.num_prompt_tokens
+            echo_text = _echo_text(state, prompt, context) if prompt.echo else None
+            for sample in range(n):
+                index = prompt.index * n + sample
                 context_of_choice = context
-            num_prompt_tokens_counted = context.num_prompt_tokens if sample == 0 else 0
-            metrics = state.metrics.request(arrival_time, num_prompt_tokens_counted)
-            stream = GenerationStream(
-                state.engine, context_of_choice, state.tokenizer.backend, options, metrics
-            )
-            choices.append(Choice(index, stream, echo_text))
+                if several:
+                    context_of_choice = choice_context(context, prompt.request_id, index, sample)
+                    contexts.append(context_of_choice)
+                num_prompt_tokens_counted = context.num_prompt_tokens if sample == 0 else 0
+                metrics = state.metrics.request(arrival_time, num_prompt_tokens_counted)
+                stream = GenerationStream(
+                    state.engine, context_of_choice, state.tokenizer.backend, options, metrics
+                )
+                choices.append(Choice(index, stream, echo_text))
+    except BaseException:
+        for made in contexts:
+            release_images(made.images)
+        raise
     return Generation(choices, num_prompt_tokens)
 
 
@@ -185,6 +205,7 @@ async def _new_context(
     request: TextGenerationRequest,
     num_logprobs: int | None,
     constraint: StructuredOutput | None,
+    images: list[PreparedImage] | None = None,
 ) -> TextContext:
     try:
         return await state.tokenizer.new_context(
@@ -192,6 +213,7 @@ async def _new_context(
             logprobs=num_logprobs,
             prompt_logprobs=num_logprobs if request.echo else None,
             structured_output=constraint,
+            images=images or (),
         )
     except ValueError as error:
         param = "messages" if request.messages is not None else "prompt"

@@ -1,11 +1,15 @@
 """The API server's ``PipelineTokenizer``: a Hugging Face tokenizer directory, read without torch.
 
 Text goes through ``tokenizers.Tokenizer`` (tokenizer.json); chat prompts through the chat template
-in tokenizer_config.json or chat_template.jinja, rendered by ``api_server.chat_template``.
+in tokenizer_config.json or chat_template.jinja, rendered by ``api_server.chat_template``. For a
+vision-language model (``api_server.vision``) each image token of the prompt is expanded to the
+positions its image fills, and the images' pixels go into shared memory with the context.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,9 @@ from api_server.chat_template import (
     template_renders_tools,
 )
 from api_server.config import generation_eos_token_ids, read_json
+from api_server.image_segments import PreparedImage, create_images, release_images
 from api_server.tool_parsers import hermes_messages
+from api_server.vision import UnsupportedVisionModel, VisionModel
 from interfaces import (
     StructuredOutput,
     TextContext,
@@ -27,6 +33,7 @@ from interfaces import (
 )
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+logger = logging.getLogger(__name__)
 
 
 class HuggingFaceTokenizer:
@@ -47,6 +54,7 @@ class HuggingFaceTokenizer:
         self.eos_token_ids = self._find_eos_token_ids()
         added_tokens = self.backend.get_added_tokens_decoder().values()
         self._special_token_texts = frozenset(t.content for t in added_tokens if t.special)
+        self.vision, self._vision_problem = _load_vision(self.model_dir)
 
     @property
     def eos(self) -> int:
@@ -71,6 +79,13 @@ class HuggingFaceTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_templates)
+
+    @property
+    def why_no_images(self) -> str | None:
+        """Why this model takes no images (for the 400 that refuses them); None if it does."""
+        if self.vision is not None:
+            return None
+        return self._vision_problem or "it is not a vision-language model"
 
     async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for ``prompt``; ``ValueError`` if they exceed ``max_model_len``."""
@@ -126,6 +141,7 @@ class HuggingFaceTokenizer:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         structured_output: StructuredOutput | None = None,
+        images: Sequence[PreparedImage] = (),
     ) -> TextContext:
         """Tokenize ``request`` (chat template for messages) and bound its output length.
 
@@ -137,8 +153,13 @@ class HuggingFaceTokenizer:
         The keyword arguments go into the context as they are (see ``TextContext``): the
         request cannot carry them, since its ``logprobs`` has no "off" distinct from 0 and its
         ``response_format`` cannot say regex or grammar.
+
+        ``images`` are the request's images in prompt order (a vision-language model only):
+        each goes into a shared-memory segment of its own, created last, once every check has
+        passed. The caller owns the segments of the context returned (``api_server.
+        image_segments``); when this raises, none exists.
         """
-        prompt_token_ids = self.prompt_token_ids(request)
+        prompt_token_ids = self.prompt_token_ids(request, num_images=len(images))
         num_prompt_tokens = len(prompt_token_ids)
         self._check_prompt_length(num_prompt_tokens)
         max_new_tokens = request.sampling_params.max_new_tokens
@@ -152,18 +173,25 @@ class HuggingFaceTokenizer:
                     f"prompt, {max_new_tokens} for the completion). Please reduce the length "
                     "of the prompt or of the completion."
                 )
-        return TextContext(
-            request_id=request.request_id,
-            prompt_token_ids=prompt_token_ids,
-            max_length=max_length,
-            eos_token_ids=list(self.eos_token_ids),
-            sampling_params=request.sampling_params,
-            timestamp_ns=request.timestamp_ns,
-            cache_salt=request.cache_salt,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            structured_output=structured_output,
-        )
+        spans = self.vision.image_spans(prompt_token_ids) if images and self.vision else []
+        image_metadata = create_images(images, spans)
+        try:
+            return TextContext(
+                request_id=request.request_id,
+                prompt_token_ids=prompt_token_ids,
+                max_length=max_length,
+                eos_token_ids=list(self.eos_token_ids),
+                sampling_params=request.sampling_params,
+                timestamp_ns=request.timestamp_ns,
+                cache_salt=request.cache_salt,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                structured_output=structured_output,
+                images=image_metadata,
+            )
+        except BaseException:
+            release_images(image_metadata)
+            raise
 
     def render_messages(
         self,
@@ -175,9 +203,11 @@ class HuggingFaceTokenizer:
         dicts = [template_message(message) for message in messages]
         return self.apply_chat_template(dicts, tools, options)
 
-    def prompt_token_ids(self, request: TextGenerationRequest) -> list[int]:
-        """The prompt's token ids (chat template applied); ``ValueError`` if it is empty, has
-        ids outside the vocabulary, or the template refuses the conversation. No length check."""
+    def prompt_token_ids(self, request: TextGenerationRequest, num_images: int = 0) -> list[int]:
+        """The prompt's token ids (chat template applied; for a vision-language model, each
+        image token expanded to its image's positions); ``ValueError`` if it is empty, has ids
+        outside the vocabulary, the template refuses the conversation, or the prompt does not
+        hold exactly ``num_images`` image tokens. No length check."""
         if request.messages is not None:
             tools = [template_tool(tool) for tool in request.tools] if request.tools else None
             prompt = self.render_messages(request.messages, tools, request.chat_template_options)
@@ -190,6 +220,10 @@ class HuggingFaceTokenizer:
             raise ValueError("a request needs either messages or a prompt")
         if not token_ids:
             raise ValueError("the prompt is empty: it must have at least one token")
+        if self.vision is not None:
+            return self.vision.expand_image_tokens(token_ids, num_images)
+        if num_images:
+            raise ValueError(f"this model takes no images: {self.why_no_images}")
         return token_ids
 
     def _checked_token_ids(self, token_ids: list[int], what: str = "prompt") -> list[int]:
@@ -225,6 +259,16 @@ class HuggingFaceTokenizer:
         if not token_ids:
             raise ValueError(f"{self.model_dir} names no end-of-sequence token")
         return token_ids
+
+
+def _load_vision(model_dir: Path) -> tuple[VisionModel | None, str | None]:
+    """The model's vision side (None for a text model), or None and why images are refused."""
+    try:
+        return VisionModel.load(model_dir), None
+    except UnsupportedVisionModel as error:
+        problem = f"its image input is not supported: {error}"
+        logger.warning("%s takes images, but they will be refused: %s", model_dir, problem)
+        return None, problem
 
 
 def _load_backend(path: Path) -> Tokenizer:

@@ -3,8 +3,9 @@
 /tokenize takes either a ``prompt`` (special tokens added unless ``add_special_tokens`` is false)
 or chat ``messages`` (rendered with the chat template; ``add_generation_prompt`` defaults to
 true, special tokens are not added again unless asked) and answers the token ids, their count
-and the server's ``max_model_len``. /detokenize turns token ids back into text, special tokens
-included. Neither talks to the scheduler.
+and the server's ``max_model_len``; for a vision-language model each image part counts as the
+image tokens it becomes (the image itself is not fetched). /detokenize turns token ids back into
+text, special tokens included. Neither talks to the scheduler.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from api_server.errors import invalid_request
+from api_server.images import check_images_accepted, image_inputs
 from api_server.protocol import ChatMessage, OpenAIBaseModel
 from api_server.request_builder import check_message, check_unicode, generation_message
 from api_server.tokenizer import HuggingFaceTokenizer
@@ -60,7 +62,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state.check_model(body.model)
     check_unicode(body)
     tokenizer: HuggingFaceTokenizer = state.tokenizer
-    token_ids = _token_ids(tokenizer, body)
+    token_ids = _token_ids(tokenizer, body, state.model_name)
     token_strs = None
     if body.return_token_strs:
         token_strs = [tokenizer.backend.id_to_token(token_id) or "" for token_id in token_ids]
@@ -95,7 +97,9 @@ def package_version() -> str:
         return "unknown"
 
 
-def _token_ids(tokenizer: HuggingFaceTokenizer, body: TokenizeRequest) -> list[int]:
+def _token_ids(
+    tokenizer: HuggingFaceTokenizer, body: TokenizeRequest, model_name: str | None
+) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request("Give exactly one of prompt and messages", param="prompt")
     if body.prompt is not None:
@@ -104,9 +108,14 @@ def _token_ids(tokenizer: HuggingFaceTokenizer, body: TokenizeRequest) -> list[i
     messages = body.messages or []
     for index, message in enumerate(messages):
         check_message(index, message)
+    images = image_inputs(messages)
     options = {"add_generation_prompt": body.add_generation_prompt}
+    check_images_accepted(images, tokenizer.why_no_images, model_name)
     try:
         prompt = tokenizer.render_messages([generation_message(m) for m in messages], None, options)
+        token_ids = tokenizer.encode_now(prompt, bool(body.add_special_tokens))
+        if tokenizer.vision is not None:
+            token_ids = tokenizer.vision.expand_image_tokens(token_ids, len(images))
     except ValueError as error:
         raise invalid_request(str(error), param="messages") from error
-    return tokenizer.encode_now(prompt, bool(body.add_special_tokens))
+    return token_ids

@@ -16,6 +16,7 @@ from interfaces.outputs import (
 )
 from interfaces.protocols import PipelineTokenizer, TokenGenerator
 from interfaces.requests import (
+    ImageMetadata,
     RequestID,
     StructuredOutput,
     TextContext,
@@ -37,6 +38,7 @@ from interfaces.tool_parsing import (
 __all__ = [
     "ErrorKind",
     "GenerationStatus",
+    "ImageMetadata",
     "LogProbabilities",
     "ParsedToolCall",
     "ParsedToolCallDelta",

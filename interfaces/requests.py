@@ -89,6 +89,23 @@ class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
     spec: str | None = None
 
 
+class ImageMetadata(msgspec.Struct, frozen=True, array_like=True):
+    """One image of a request (MAX's ``ImageMetadata``): its preprocessed pixels, a float32
+    array of shape (channels, height, width) in shared memory, and where its image tokens sit in
+    the prompt, positions [``start_idx``, ``end_idx``). ``image_hash`` is a SHA-256 hex digest of
+    the pixels (their dtype, shape and bytes); the prefix cache keys blocks that hold image
+    tokens by it, so the same image reuses its KV and a different one never does.
+
+    The API server creates the segment; the scheduler unlinks it when the request ends (finished,
+    aborted or failed); workers only map and copy it.
+    """
+
+    start_idx: int
+    end_idx: int
+    pixel_values: SharedMemoryArray
+    image_hash: str
+
+
 class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """A tokenized request: everything the scheduler and worker need to generate for it.
 
@@ -102,7 +119,8 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     ``logprobs``: None returns no log probabilities; k >= 0 returns each generated token's log
     probability and the k most likely alternatives. ``prompt_logprobs`` does the same for the
     prompt tokens (completions ``echo`` with ``logprobs``); the first prompt token has none.
-    ``structured_output`` constrains what may be generated.
+    ``structured_output`` constrains what may be generated. ``images`` (for a vision-language
+    model) are in prompt order and do not overlap.
     """
 
     request_id: RequestID
@@ -115,6 +133,7 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    images: list[ImageMetadata] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,16 +3,27 @@
 Large arrays (image pixels) never travel inline through ZeroMQ. The producer copies the array
 into a named segment and sends this small reference; the consumer maps the segment by name.
 The consumer that finishes with the array unlinks the segment, exactly once.
+
+Segments are named ``SEGMENT_PREFIX`` + random hex, so an operator (or a test) can count them in
+/dev/shm. Python registers every segment a process creates or opens with that process's resource
+tracker, which unlinks them all when the process exits; ownership here passes between
+processes explicitly, so each operation takes its segment back out of the tracker.
 """
 
 from __future__ import annotations
 
-from multiprocessing import shared_memory
+import os
+import re
+import secrets
+from multiprocessing import resource_tracker, shared_memory
 
 import msgspec
 import numpy as np
 
 from interfaces.codec import NUMERIC_DTYPE_KINDS
+
+SEGMENT_PREFIX = "switchyard_"
+_SEGMENT_NAME = re.compile(SEGMENT_PREFIX + "[0-9a-f]{24}")
 
 
 class SharedMemoryArray(msgspec.Struct, frozen=True, array_like=True):
@@ -24,7 +35,10 @@ class SharedMemoryArray(msgspec.Struct, frozen=True, array_like=True):
 
     def __post_init__(self) -> None:
         """Refuse (``msgspec.ValidationError`` when decoding) a reference that could map memory
-        as anything but a plain numeric array: no object dtypes, no negative sizes."""
+        as anything but a plain numeric array (no object dtypes, no negative sizes), or name a
+        segment ``create`` did not make: whoever unlinks it must not remove another program's."""
+        if not _SEGMENT_NAME.fullmatch(self.name):
+            raise ValueError(f"not a Switchyard shared-memory segment: {self.name!r}")
         if any(size < 0 for size in self.shape):
             raise ValueError(f"negative size in shape {self.shape}")
         try:
@@ -36,19 +50,36 @@ class SharedMemoryArray(msgspec.Struct, frozen=True, array_like=True):
 
     @classmethod
     def create(cls, array: np.ndarray) -> SharedMemoryArray:
-        """Copy ``array`` into a new segment; the caller hands ownership to the receiver."""
-        segment = shared_memory.SharedMemory(create=True, size=max(array.nbytes, 1))
+        """Copy ``array`` into a new segment; the caller hands ownership to the receiver.
+        ``OSError`` (and no segment) when shared memory is full."""
+        name = SEGMENT_PREFIX + secrets.token_hex(12)
+        size = max(array.nbytes, 1)
+        segment = shared_memory.SharedMemory(name, create=True, size=size)
+        _untrack(segment)
+        try:
+            # Reserve the pages now: on a full /dev/shm, writing into a merely truncated segment
+            # kills the process with SIGBUS; this raises OSError (ENOSPC) instead.
+            os.posix_fallocate(segment._fd, 0, size)
+        except OSError:
+            segment.close()
+            segment.unlink()
+            raise
         view = np.ndarray(array.shape, dtype=array.dtype, buffer=segment.buf)
         view[...] = array
+        del view  # the segment's buffer cannot close while a view exports it
         segment.close()
         return cls(name=segment.name, shape=tuple(array.shape), dtype=str(array.dtype))
 
     def read(self) -> np.ndarray:
-        """Return a private copy of the array; the segment stays until ``unlink``."""
+        """Return a private copy of the array; the segment stays until ``unlink``.
+        ``FileNotFoundError`` once it is unlinked."""
         segment = shared_memory.SharedMemory(name=self.name)
+        _untrack(segment)
         try:
             view = np.ndarray(self.shape, dtype=np.dtype(self.dtype), buffer=segment.buf)
-            return view.copy()
+            array = view.copy()
+            del view
+            return array
         finally:
             segment.close()
 
@@ -59,4 +90,9 @@ class SharedMemoryArray(msgspec.Struct, frozen=True, array_like=True):
         except FileNotFoundError:
             return
         segment.close()
-        segment.unlink()
+        segment.unlink()  # also takes it out of the resource tracker
+
+
+def _untrack(segment: shared_memory.SharedMemory) -> None:
+    """Take ``segment`` out of this process's resource tracker (see the module docstring)."""
+    resource_tracker.unregister(segment._name, "shared_memory")

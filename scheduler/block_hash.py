@@ -1,7 +1,9 @@
 """Content hashes of full KV blocks, chained so that one hash names a block's whole prefix.
 
-A block's hash covers its parent's hash, its token ids and any extra keys (the cache salt, for
-the first block). Two requests share a cached block only if everything before it matches too.
+A block's hash covers its parent's hash, its token ids and any extra keys: the cache salt, for
+the first block, and the hash of every image whose tokens the block holds (image tokens are one
+placeholder id repeated; the pixels tell them apart). Two requests share a cached block only if
+everything before it matches too.
 SHA-256 keeps collisions, which would hand one tenant another's cached state, out of reach.
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+
+from interfaces import ImageMetadata
 
 BlockHash = bytes
 
@@ -30,10 +34,12 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None,
+    images: Sequence[ImageMetadata] = (),
 ) -> None:
     """Append the hashes of every full block of ``token_ids`` not hashed yet."""
     for index in range(len(block_hashes), len(token_ids) // block_size):
         parent = block_hashes[-1] if block_hashes else None
-        extra_keys = (cache_salt,) if index == 0 and cache_salt is not None else ()
-        block_tokens = token_ids[index * block_size : (index + 1) * block_size]
-        block_hashes.append(hash_block(parent, block_tokens, extra_keys))
+        start, end = index * block_size, (index + 1) * block_size
+        extra_keys = [cache_salt] if index == 0 and cache_salt is not None else []
+        extra_keys += [i.image_hash for i in images if i.start_idx < end and start < i.end_idx]
+        block_hashes.append(hash_block(parent, token_ids[start:end], extra_keys))

@@ -129,6 +129,15 @@ class BlockManager:
                 self._cached[block_hash] = block
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
+    def forget_from(self, request: Request, position: int) -> None:
+        """Forget the contents of ``request``'s blocks from the one holding token ``position``
+        on: the step that computed them went wrong for this request."""
+        for block_id in request.block_ids[position // self.block_size :]:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+
     def reset_prefix_cache(self) -> None:
         """Forget every block's contents (after a failed step); block ownership is unchanged."""
         for block in self._cached.values():
@@ -183,6 +192,7 @@ class BlockManager:
             request.all_token_ids,
             self.block_size,
             request.context.cache_salt,
+            request.context.images,
         )
         return request.block_hashes
 

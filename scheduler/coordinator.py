@@ -164,7 +164,7 @@ class Coordinator:
         """Accept a request, or return the result refusing it (see ``Scheduler.add_request``)."""
         if not self.is_serving:
             return SchedulerResult.cancelled(NO_WORKER, ErrorKind.UNAVAILABLE)
-        if self._knows(context.request_id):
+        if self.knows(context.request_id):
             return SchedulerResult.rejected_request(
                 f"request id {context.request_id!r} is already in use"
             )
@@ -182,7 +182,9 @@ class Coordinator:
             self.disaggregation.add(context, client_id)
         return refusal
 
-    def _knows(self, request_id: RequestID) -> bool:
+    def knows(self, request_id: RequestID) -> bool:
+        """Whether request ``request_id`` is anywhere in the scheduler (waiting, transferring or
+        running)."""
         return request_id in self.disaggregation.placements or any(
             request_id in group.scheduler.requests for group in self.groups.values()
         )

@@ -204,7 +204,8 @@ class Scheduler:
         """Record the tokens a step produced; finish requests that hit a stop condition.
 
         Requests the worker refused fail alone, as rejected (the client asked for something the
-        worker cannot do); their blocks, computed in the step, stay valid in the prefix cache.
+        worker cannot do); their blocks, computed in the step, stay valid in the prefix cache,
+        except from a refused request's first image on (computed without its pixels).
         """
         results: ResultsByClient = defaultdict(dict)
         now = time.monotonic()
@@ -212,6 +213,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
                 request.worker_has_state = False  # the worker released it already
+                if request.context.images:
+                    self.block_manager.forget_from(request, request.context.images[0].start_idx)
                 self._finish(request)
                 results[request.client_id][request_id] = SchedulerResult.rejected_request(reason)
         for request_id, produced in output.outputs.items():

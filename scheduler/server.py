@@ -22,7 +22,7 @@ import threading
 import msgspec
 import zmq
 
-from interfaces import msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces import RequestID, msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.api_to_scheduler import (
     AbortRequests,
     ApiToSchedulerMessage,
@@ -46,6 +46,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.coordinator import Coordinator
 from scheduler.counters import SchedulerCounters
 from scheduler.embeddings import Embeddings, EmbeddingsByClient
+from scheduler.images import ImageSegments, unlink_images
 from scheduler.peers import PeerTracker
 from scheduler.scheduler import ResultsByClient
 from scheduler.worker_group import Registration, WorkerGroups
@@ -83,6 +84,8 @@ class SchedulerServer:
         self.coordinator = Coordinator(config, SchedulerCounters())
         """Its counters are shared by every group's ``Scheduler``, for the life of this process,
         so /metrics counters only grow."""
+        self.images = ImageSegments()
+        """The pixels of requests with images, unlinked when each request leaves."""
         self.embeddings = Embeddings(config)
         """The embedding groups, apart: they run no generation and hold no KV cache."""
         self._workers = WorkerGroups()
@@ -122,6 +125,8 @@ class SchedulerServer:
                     self._drain(self._backend, self._worker_peers, self._on_worker_message)
                 self._send_results(self.coordinator.check_timeouts())
                 self._send_worker_messages()
+                if self.images:
+                    self.images.release_departed(self._holds)
         finally:
             self._shutdown()
 
@@ -163,13 +168,23 @@ class SchedulerServer:
     def _on_submit(self, client_id: bytes, message: SubmitRequest) -> None:
         refusal = self.coordinator.add_request(message.context, client_id)
         if refusal is not None:
+            unlink_images(message.context)
             self._send_results({client_id: {message.context.request_id: refusal}})
+        else:
+            self.images.add(message.context)
 
     def _on_api_disconnect(self, client_id: bytes) -> None:
         num_aborted = self.coordinator.abort_client(client_id)
         num_aborted += self.embeddings.abort_client(client_id)
         if num_aborted:
             logger.warning("an API server went away; aborted its %d requests", num_aborted)
+
+    def _holds(self, request_id: RequestID) -> bool:
+        """Whether a request is in the scheduler, or in a step a worker is still running (an
+        aborted request's pixels stay until the step that may read them is answered)."""
+        return self.coordinator.knows(request_id) or any(
+            request_id in step.num_scheduled_tokens for step in self._in_flight.values()
+        )
 
     def stats(self) -> SchedulerStats:
         stats = self.coordinator.stats()
@@ -306,6 +321,7 @@ class SchedulerServer:
 
     def _shutdown(self) -> None:
         self._send_results(self.coordinator.fail_all("the scheduler is shutting down"))
+        self.images.release_all()
         for name in list(self.embeddings.groups):
             self._send_embeddings(
                 self.embeddings.remove_group(name, "the scheduler is shutting down")

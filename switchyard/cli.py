@@ -12,7 +12,14 @@ from pathlib import Path
 
 from setproctitle import setproctitle
 
-from api_server.config import add_limit_flags, limit_flags
+from api_server.config import (
+    add_limit_flags,
+    add_media_flags,
+    limit_flags,
+    media_domains,
+    media_path,
+    split_commas,
+)
 from interfaces import envs
 from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import generate_curve_keys
@@ -111,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_queue_flags(serve)
     add_limit_flags(serve)
+    add_media_flags(serve)
 
     keygen = commands.add_parser(
         "keygen", help="create CURVE keys for ZeroMQ traffic between hosts (--curve-keys-dir)"
@@ -180,7 +188,10 @@ def serve(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         api_key=args.api_key or None,
-        allowed_origins=_split_origins(args.allowed_origins),
+        allowed_origins=split_commas(args.allowed_origins),
+        allowed_local_media_path=media_path(args.allowed_local_media_path),
+        allowed_media_domains=media_domains(args.allowed_media_domains),
+        max_images_per_prompt=args.max_images_per_prompt,
         shutdown_timeout_s=args.shutdown_timeout,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
@@ -201,12 +212,6 @@ def serve(args: argparse.Namespace) -> int:
         return launcher.wait()
     finally:
         launcher.shutdown()
-
-
-def _split_origins(values: list[str]) -> tuple[str, ...]:
-    """``["a,b", "c"]`` → ``("a", "b", "c")``: comma-separated, repeated, or both."""
-    origins = (origin.strip() for value in values for origin in value.split(","))
-    return tuple(dict.fromkeys(origin for origin in origins if origin))
 
 
 def main(argv: list[str] | None = None) -> int:

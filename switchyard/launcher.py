@@ -35,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from api_server.config import DEFAULT_SHUTDOWN_TIMEOUT_S
+from api_server.config import DEFAULT_SHUTDOWN_TIMEOUT_S, MediaConfig
 from interfaces import envs
 from scheduler.config import SchedulerConfig
 
@@ -82,6 +82,11 @@ class ServeConfig:
     api_key: str | None = field(default=None, repr=False)
     """Passed to the API servers in their environment (SWITCHYARD_API_KEY), never in argv."""
     allowed_origins: tuple[str, ...] = ()
+    allowed_local_media_path: Path | None = None
+    """Chat images may be ``file://`` URLs of files inside this directory (None: none)."""
+    allowed_media_domains: tuple[str, ...] = ()
+    """Chat images may be http(s) URLs on these hosts (empty: none)."""
+    max_images_per_prompt: int = MediaConfig.max_images_per_prompt
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     max_queued_requests: int = SchedulerConfig.max_queued_requests
     max_queued_tokens: int = SchedulerConfig.max_queued_tokens
@@ -137,6 +142,10 @@ class ServeConfig:
             raise ValueError(
                 "disaggregated serving needs both --prefill-workers and --decode-workers "
                 f"(got {self.prefill_workers} and {self.decode_workers})"
+            )
+        if self.allowed_local_media_path and not self.allowed_local_media_path.is_dir():
+            raise ValueError(
+                f"--allowed-local-media-path {self.allowed_local_media_path} is not a directory"
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
@@ -335,6 +344,11 @@ class Launcher:
                 argv += ["--max-model-len", str(config.max_model_len)]
         if config.allowed_origins:
             argv += ["--allowed-origins", ",".join(config.allowed_origins)]
+        if config.allowed_local_media_path is not None:
+            argv += ["--allowed-local-media-path", str(config.allowed_local_media_path)]
+        if config.allowed_media_domains:
+            argv += ["--allowed-media-domains", ",".join(config.allowed_media_domains)]
+        argv += ["--max-images-per-prompt", str(config.max_images_per_prompt)]
         if config.embedding_model_dir is not None:
             argv += ["--embedding-model", str(config.embedding_model_dir)]
             argv += ["--embedding-model-name", config.embedding_model_name or ""]

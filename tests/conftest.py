@@ -15,6 +15,20 @@ TINY_TOKENIZER_FILES = (
     "special_tokens_map.json",
 )
 
+TINY_LLAMA = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+"""The tiny random Llama's shape (also the tiny LLaVA's language model), less its vocabulary."""
+
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cache_dir(tmp_path_factory: pytest.TempPathFactory):
@@ -43,19 +57,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    config = LlamaConfig(vocab_size=49152, **TINY_LLAMA)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)
     model_dir = tmp_path_factory.mktemp("tiny-llama")
@@ -63,6 +65,87 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     for name in TINY_TOKENIZER_FILES:
         if (default_model_dir / name).is_file():
             shutil.copy(default_model_dir / name, model_dir / name)
+    return model_dir
+
+
+LLAVA_IMAGE_TOKEN_ID = 49152
+"""``<image>`` in the tiny LLaVA's tokenizer (the first id after the default model's vocabulary)."""
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A seeded random LLaVA: a 2-layer CLIP vision tower on 32x32 images in 8x8 patches (16
+    image tokens after the CLS token is dropped), a GELU projector, and a 2-layer Llama with the
+    default model's tokenizer plus ``<image>``, in transformers' own files: config.json,
+    model.safetensors, processor_config.json and preprocessor_config.json, chat_template.jinja."""
+    import json
+
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    text_config = LlamaConfig(vocab_size=49216, **TINY_LLAMA)
+    vision_config = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=32,
+        initializer_range=0.1,
+    )
+    config = LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_index=LLAVA_IMAGE_TOKEN_ID,
+        image_seq_length=16,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    model_dir = tmp_path_factory.mktemp("tiny-llava")
+    model.save_pretrained(model_dir)
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    assert tokenizer.token_to_id("<image>") == LLAVA_IMAGE_TOKEN_ID
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (default_model_dir / name).is_file():
+            shutil.copy(default_model_dir / name, model_dir / name)
+    (model_dir / "chat_template.jinja").write_text(LLAVA_CHAT_TEMPLATE)
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
+    image_processor.save_pretrained(model_dir)  # preprocessor_config.json, as llava-hf ships
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(model_dir)
+    assert json.loads((model_dir / "config.json").read_text())["image_seq_length"] == 16
     return model_dir
 
 

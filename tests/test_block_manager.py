@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from interfaces import TextContext
+from interfaces import ImageMetadata, SharedMemoryArray, TextContext
 from scheduler.block_hash import extend_block_hashes, hash_block
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request
@@ -39,6 +39,29 @@ def test_hashes_chain_over_the_prefix_and_the_salt():
     hashes = []
     extend_block_hashes(hashes, list(range(10)), 4, cache_salt=None)
     assert hashes == [hash_block(None, [0, 1, 2, 3]), hash_block(hashes[0], [4, 5, 6, 7])]
+
+
+def test_blocks_holding_image_tokens_are_keyed_by_the_images_hash():
+    pixels = SharedMemoryArray("switchyard_" + "0" * 24, (3, 2, 2), "float32")
+
+    def image(start, end, image_hash):
+        return ImageMetadata(start, end, pixels, image_hash)
+
+    tokens = [7, 9, 9, 9, 9, 9, 9, 8, 5, 5, 5, 5]  # 9: an image's six tokens, at 1-6
+
+    def hashes(images):
+        result = []
+        extend_block_hashes(result, tokens, 4, cache_salt=None, images=images)
+        return result
+
+    plain, cat, dog = hashes([]), hashes([image(1, 7, "cat")]), hashes([image(1, 7, "dog")])
+    assert cat == hashes([image(1, 7, "cat")])  # the same image: the same blocks
+    assert cat[0] == hash_block(None, tokens[:4], ["cat"])
+    assert cat[1] == hash_block(cat[0], tokens[4:8], ["cat"])  # the image's last three tokens
+    assert cat[2] == hash_block(cat[1], tokens[8:])  # no image tokens, but a cat before
+    assert len({plain[0], cat[0], dog[0]}) == 3 and len({plain[2], cat[2], dog[2]}) == 3
+    two = hashes([image(1, 4, "cat"), image(4, 7, "dog")])
+    assert two[1] == hash_block(two[0], tokens[4:8], ["dog"])  # only the image it holds
 
 
 def test_allocation_takes_the_lowest_free_ids_first_and_frees_tail_first():

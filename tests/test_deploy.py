@@ -92,6 +92,18 @@ def test_compose_runs_each_role_in_its_own_container_of_one_image():
         assert address.startswith("tcp://scheduler:")
 
 
+def test_the_roles_share_one_dev_shm_for_image_pixels():
+    services = compose()["services"]
+    assert services["scheduler"]["ipc"] == "shareable"
+    assert services["worker"]["ipc"] == services["api-server"]["ipc"] == "service:scheduler"
+    pod = k8s("Deployment")["spec"]["template"]["spec"]
+    (dshm,) = [volume for volume in pod["volumes"] if volume["name"] == "dshm"]
+    assert dshm["emptyDir"]["medium"] == "Memory"
+    for name, container in pod_containers().items():
+        mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+        assert mounts["/dev/shm"] == "dshm", name
+
+
 def test_compose_api_servers_drain_before_they_are_killed_and_check_readiness():
     api_server = compose()["services"]["api-server"]
     shutdown_timeout = float(flag(api_server["command"], "--shutdown-timeout"))

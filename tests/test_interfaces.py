@@ -14,6 +14,7 @@ import pytest
 from interfaces import (
     ErrorKind,
     GenerationStatus,
+    ImageMetadata,
     LogProbabilities,
     SamplingParams,
     SchedulerResult,
@@ -70,6 +71,8 @@ from tests.fake_worker import FakeTokenGenerator
 
 encode = msgpack_numpy_encoder()
 
+SEGMENT = "switchyard_" + "0" * 24
+"""A well-formed segment name (no such segment exists)."""
 SAMPLING = SamplingParams(
     top_k=40,
     top_p=0.9,
@@ -97,6 +100,7 @@ CONTEXT = TextContext(
     logprobs=5,
     prompt_logprobs=0,
     structured_output=StructuredOutput("json_schema", '{"type": "object"}'),
+    images=[ImageMetadata(1, 3, SharedMemoryArray(SEGMENT, (3, 4, 4), "float32"), "f00d")],
 )
 OUTPUT = TextGenerationOutput(
     "req-1",
@@ -192,7 +196,7 @@ def test_text_generation_request_round_trips_with_every_field():
             TextGenerationRequestMessage("system", "be brief"),
             TextGenerationRequestMessage("user", [{"type": "text", "text": "hi"}]),
         ],
-        images=[SharedMemoryArray("psm_x", (2, 3, 3), "uint8")],
+        images=[SharedMemoryArray(SEGMENT, (2, 3, 3), "uint8")],
         tools=[
             TextGenerationRequestTool(
                 TextGenerationRequestFunction("get_weather", "Weather", {"type": "object"})
@@ -251,11 +255,17 @@ def test_only_plain_numeric_arrays_decode(fields, message):
 
 
 @pytest.mark.parametrize(
-    ("shape", "dtype", "message"),
-    [((2,), "|O", "dtype object"), ((-1, 3), "<f4", "negative size"), ((1,), "x", "not a dtype")],
+    ("name", "shape", "dtype", "message"),
+    [
+        (SEGMENT, (2,), "|O", "dtype object"),
+        (SEGMENT, (-1, 3), "<f4", "negative size"),
+        (SEGMENT, (1,), "x", "not a dtype"),
+        ("torch_123", (1,), "<f4", "not a Switchyard shared-memory segment: 'torch_123'"),
+        ("switchyard_../../etc", (1,), "<f4", "not a Switchyard shared-memory segment"),
+    ],
 )
-def test_shared_memory_references_to_odd_arrays_do_not_decode(shape, dtype, message):
-    frame = msgspec.msgpack.encode(["psm_x", list(shape), dtype])
+def test_shared_memory_references_to_odd_arrays_do_not_decode(name, shape, dtype, message):
+    frame = msgspec.msgpack.encode([name, list(shape), dtype])
     with pytest.raises(msgspec.ValidationError, match=re.escape(message)):
         msgpack_numpy_decoder(SharedMemoryArray)(frame)
 

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from interfaces import ErrorKind, GenerationStatus, SamplingParams, SchedulerStatus, TextContext
+from interfaces import (
+    ErrorKind,
+    GenerationStatus,
+    ImageMetadata,
+    SamplingParams,
+    SchedulerStatus,
+    SharedMemoryArray,
+    TextContext,
+)
 from interfaces.worker_to_scheduler import ModelOutput
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.scheduler import Scheduler
@@ -294,6 +303,28 @@ def test_a_request_the_worker_refuses_fails_alone_as_rejected():
     next_step, _ = run_step(scheduler, worker)
     assert next_step.num_scheduled_tokens == {"good": 1}
     assert next_step.finished_request_ids == []
+
+
+def test_a_refused_image_requests_blocks_from_its_image_on_are_not_reused():
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    prompt = [1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 9, 6, 7, 8]  # the image's tokens at 5-10
+    pixels = SharedMemoryArray("switchyard_" + "0" * 24, (3, 2, 2), "float32")
+    image = ImageMetadata(5, 11, pixels, "cat")
+    with_image = msgspec.structs.replace(context("bad", prompt), images=[image])
+    scheduler.add_request(with_image, CLIENT)
+    step = scheduler.schedule()
+    outputs = worker.next_token(step)
+    worker.release("bad")
+    refusal = "image 0's pixels are no longer in shared memory (the request ended)"
+    scheduler.update_from_output(ModelOutput(step.step_id, {}, refused={"bad": refusal}))
+    scheduler.check_integrity()
+    assert "bad" in outputs  # the worker computed its blocks, the image without its pixels
+
+    again = msgspec.structs.replace(context("again", prompt), images=[image])
+    scheduler.add_request(again, CLIENT)
+    step = scheduler.schedule()
+    assert step.new_requests[0].num_computed_tokens == 4  # only the block before the image
+    assert step.num_scheduled_tokens == {"again": len(prompt) - 4}
 
 
 def test_a_full_queue_refuses_requests_as_overloaded():

@@ -9,13 +9,16 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
 from interfaces import (
     ErrorKind,
     GenerationStatus,
+    ImageMetadata,
     SchedulerStatus,
+    SharedMemoryArray,
     TextContext,
     msgpack_numpy_decoder,
     msgpack_numpy_encoder,
@@ -58,6 +61,8 @@ class FakeWorkerThread(threading.Thread):
         self.fail_request_ids = set(fail_request_ids)
         self.got_shutdown = threading.Event()
         self.steps: list[SchedulerOutput] = []
+        self.step_delay_s = 0.0
+        """How long each step takes (settable while it runs)."""
 
     def run(self) -> None:
         try:
@@ -78,6 +83,7 @@ class FakeWorkerThread(threading.Thread):
                 return  # closes the socket mid-step, as a killed process would
             if self.rank > 0:
                 continue
+            time.sleep(self.step_delay_s)
             if self.fail_request_ids & set(message.num_scheduled_tokens):
                 self.socket.send(encode(WorkerFailure(message.step_id, "out of memory")))
                 continue
@@ -361,3 +367,64 @@ def test_a_tensor_parallel_group_gets_every_step_and_ends_when_any_rank_dies(sys
     assert len(rank_0.steps) <= sent_to_both + 1
     assert 1 <= len(tokens["a"]) <= sent_to_both  # answered by rank 0 until rank 1 died
     assert not stats(client).workers_ready
+
+
+def image_ctx(request_id, prompt, max_new_tokens=5):
+    """``ctx`` with one image (a fresh shared-memory segment) over prompt positions 1-2."""
+    pixels = SharedMemoryArray.create(np.full((3, 2, 2), len(request_id), dtype=np.float32))
+    image = ImageMetadata(1, 3, pixels, image_hash=request_id)
+    context = ctx(request_id, prompt, max_new_tokens)
+    return msgspec.structs.replace(context, images=[image]), pixels
+
+
+def segment_exists(segment: SharedMemoryArray) -> bool:
+    return Path("/dev/shm", segment.name).exists()
+
+
+def wait_until_gone(segment: SharedMemoryArray) -> bool:
+    deadline = time.monotonic() + 5
+    while segment_exists(segment) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not segment_exists(segment)
+
+
+def test_the_scheduler_unlinks_a_requests_pixels_once_it_leaves_however_it_leaves(system):
+    server, context, frontend, backend = system
+    client, doomed = api_client(context, frontend), api_client(context, frontend)
+    refused, refused_pixels = image_ctx("refused", [1, 2, 3])
+    client.send(encode(SubmitRequest(refused)))  # no worker yet: refused, unlinked at once
+    assert receive(client).results["refused"].status is SchedulerStatus.CANCELLED
+    assert wait_until_gone(refused_pixels)
+
+    worker = start_worker(context, backend, client)
+    finished, finished_pixels = image_ctx("finished", [1, 2, 3, 4])
+    client.send(encode(SubmitRequest(finished)))
+    tokens, _ = collect(client, ["finished"])
+    assert tokens == {"finished": expected([1, 2, 3, 4], 5)}
+    assert wait_until_gone(finished_pixels)
+
+    worker.step_delay_s = 0.05  # slow steps, so the next two are still running
+    aborted, aborted_pixels = image_ctx("aborted", [5, 6, 7], max_new_tokens=50)
+    orphan, orphan_pixels = image_ctx("orphan", [8, 9, 10], max_new_tokens=50)
+    client.send(encode(SubmitRequest(aborted)))
+    doomed.send(encode(SubmitRequest(orphan)))
+    assert receive(client).results["aborted"].status is SchedulerStatus.ACTIVE
+    assert receive(doomed).results["orphan"].status is SchedulerStatus.ACTIVE
+    assert segment_exists(aborted_pixels) and segment_exists(orphan_pixels)  # still running
+    client.send(encode(AbortRequests(["aborted"])))
+    assert wait_until_gone(aborted_pixels)
+    doomed.close()  # its API server went away: its requests are aborted
+    assert wait_until_gone(orphan_pixels)
+
+    worker.step_delay_s = 2.0
+    running, running_pixels = image_ctx("in-a-step", [1, 2, 3], max_new_tokens=50)
+    client.send(encode(SubmitRequest(running)))
+    deadline = time.monotonic() + 5
+    while not any("in-a-step" in step.num_scheduled_tokens for step in worker.steps):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    client.send(encode(AbortRequests(["in-a-step"])))
+    time.sleep(0.3)
+    assert segment_exists(running_pixels)  # the step the worker is running may still read it
+    assert wait_until_gone(running_pixels)  # gone once that step is answered
+    assert len(server.images) == 0

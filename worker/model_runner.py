@@ -25,12 +25,13 @@ from interfaces.worker_to_scheduler import KVLayout
 from worker import parallel
 from worker.attention import build_batch_layout
 from worker.config import WorkerConfig, default_num_threads
+from worker.images import RequestImage, input_embeddings, read_images
 from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_blocks_for_budget
 from worker.kv_transfer import kv_layout
 from worker.logits_processors import build_logits_processors
 from worker.logprobs import as_log_probabilities, check_logprob_counts, token_logprobs
 from worker.models.config import ModelConfig
-from worker.models.llama import load_model
+from worker.models.loader import load_model
 from worker.parallel import tensor_parallel
 from worker.prompt_logprobs import plan_prompt_logprob_rows, record_prompt_logprobs
 from worker.request_state import RequestState
@@ -173,32 +174,39 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         """State for a request the scheduler sends in full; one the worker cannot serve gets a
-        ``refusal`` (and no grammar or logprobs) instead of failing the step."""
+        ``refusal`` (and no grammar or logprobs) instead of failing the step. Its images are read
+        first and kept on a refusal: the step still computes its blocks, which the scheduler
+        registered in the prefix cache, and another request may share them within the step."""
         context = new.context
+        images = []
         try:
+            images = read_images(context, self.model_config.vision, new.num_computed_tokens)
             check_supported(context.sampling_params, self.model_config.vocab_size)
             check_logprob_counts(context)
             grammar = None
             if context.structured_output is not None and self.grammars is not None:
                 grammar = self.grammars.grammar_for(context)
         except ValueError as error:
-            return self._refused_state(new, str(error))
-        return RequestState.from_new_request(new, self.device, grammar)
+            return self._refused_state(new, str(error), images)
+        return RequestState.from_new_request(new, self.device, grammar, images)
 
-    def _refused_state(self, new: NewRequestData, reason: str) -> RequestState:
+    def _refused_state(
+        self, new: NewRequestData, reason: str, images: list[RequestImage]
+    ) -> RequestState:
         plain = NewRequestData(
             msgspec.structs.replace(new.context, logprobs=None, prompt_logprobs=None),
             new.block_ids,
             new.num_computed_tokens,
             new.output_token_ids,
         )
-        state = RequestState.from_new_request(plain, self.device)
+        state = RequestState.from_new_request(plain, self.device, images=images)
         state.refusal = reason
         return state
 
     def _agree_on_refusals(self, step: SchedulerOutput, failure: Exception | None) -> None:
         """Raise ``failure``, or a failure on another rank; then refuse on every rank each new
-        request that some rank refused (rank 0 alone compiles grammars)."""
+        request that some rank refused (rank 0 alone compiles grammars; any rank may fail to
+        read an image whose segment was unlinked meanwhile)."""
         refused = [
             failure is None and self.requests[new.context.request_id].refusal is not None
             for new in step.new_requests
@@ -211,7 +219,10 @@ class ModelRunner:
         for new, mine, anyone in zip(step.new_requests, refused, anyone_refused, strict=True):
             if anyone and not mine:
                 request_id = new.context.request_id
-                self.requests[request_id] = self._refused_state(new, "refused by rank 0")
+                driver = self.tensor_parallel.is_driver
+                reason = "refused by another rank" if driver else "refused by rank 0"
+                images = self.requests[request_id].images
+                self.requests[request_id] = self._refused_state(new, reason, images)
 
     def _execute(
         self, num_scheduled: dict[RequestID, int]
@@ -236,13 +247,15 @@ class ModelRunner:
         ]
         prompt_rows = plan_prompt_logprob_rows(states, counts)
         prompt_indices = torch.tensor(prompt_rows.flat_indices, dtype=torch.int64)
+        input_ids = self._input_ids(states, counts)
         with parallel.group_breaks_on_error("run a forward pass"):
             logits = self.model(
-                self._input_ids(states, counts),
+                input_ids,
                 layout.positions,
                 self.kv_cache,
                 layout.metadata,
                 torch.cat([layout.last_token_indices[sampling], prompt_indices.to(self.device)]),
+                input_embeddings(self.model, input_ids, states, counts),
             )  # (len(sampling) + len(prompt_indices), vocab_size)
         for state, count in zip(states, counts, strict=True):
             state.num_computed_tokens += count

@@ -8,6 +8,7 @@ import torch
 
 from interfaces import LogProbabilities, RequestID, SamplingParams
 from interfaces.scheduler_to_worker import NewRequestData
+from worker.images import RequestImage
 from worker.logits_processors import SamplingRow
 from worker.logprobs import as_log_probabilities
 from worker.sampler import token_seed
@@ -40,6 +41,8 @@ class RequestState:
     ``grammar`` holds the structured-output matcher, advanced by every output token.
     ``refusal`` is why the worker will not serve the request (set on arrival): its scheduled
     tokens are computed so shared KV blocks stay valid, but it is never sampled.
+    ``images`` are a vision-language request's images, their features kept once computed
+    (``worker.images``).
     """
 
     request_id: RequestID
@@ -54,12 +57,18 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     grammar: RequestGrammar | None = None
     refusal: str | None = None
+    images: list[RequestImage] = field(default_factory=list)
 
     @classmethod
     def from_new_request(
-        cls, new: NewRequestData, device: torch.device, grammar: RequestGrammar | None = None
+        cls,
+        new: NewRequestData,
+        device: torch.device,
+        grammar: RequestGrammar | None = None,
+        images: list[RequestImage] | None = None,
     ) -> RequestState:
-        """State for a new (or resumed) request; ``grammar`` is replayed over its outputs.
+        """State for a new (or resumed) request; ``grammar`` is replayed over its outputs;
+        ``images`` come from ``worker.images.read_images``.
 
         Raises ``ValueError`` if prompt log probabilities are due but the scheduler starts the
         request past its first token (a prefix-cache hit): those positions are never computed.
@@ -81,6 +90,7 @@ class RequestState:
             logprobs=context.logprobs,
             prompt_logprobs=prompt_logprobs,
             grammar=grammar,
+            images=images or [],
         )
 
     @property

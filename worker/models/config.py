@@ -1,14 +1,61 @@
-"""ModelConfig: the parts of a Hugging Face config.json the Llama-family model needs."""
+"""ModelConfig: the parts of a Hugging Face config.json the Llama-family model needs, and for a
+LLaVA-style vision-language model (``model_type: "llava"``) the parts its vision side needs."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from interfaces.vision import FEATURE_SELECT_STRATEGIES, num_image_tokens
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
+"""Vision towers that put a class token before the patches."""
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A LLaVA model's vision side: the vision tower's transformers config (``tower``, a dict
+    with its ``model_type``), the projector, and how image features enter the prompt.
+
+    ``feature_layers`` is config.json's ``vision_feature_layer``: one hidden-state index of the
+    vision tower, or a list of them whose states are concatenated. ``feature_select_strategy``
+    "default" drops the class token, "full" keeps it. Each image fills ``num_image_tokens``
+    consecutive ``image_token_id`` positions of the prompt.
+    """
+
+    tower: dict[str, Any]
+    image_token_id: int
+    projector_hidden_act: str
+    projector_bias: bool
+    feature_layers: int | tuple[int, ...]
+    feature_select_strategy: str
+
+    @property
+    def tower_type(self) -> str:
+        return self.tower["model_type"]
+
+    @property
+    def image_size(self) -> int:
+        return self.tower["image_size"]
+
+    @property
+    def num_channels(self) -> int:
+        return self.tower.get("num_channels", 3)
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Tokens per image: the tower's positions (patches, and a class token for CLIP), less
+        the class position under "default"; what transformers' LlavaProcessor inserts."""
+        return num_image_tokens(
+            self.tower_type,
+            self.image_size,
+            self.tower["patch_size"],
+            self.feature_select_strategy,
+        )
 
 
 @dataclass(frozen=True)
@@ -38,6 +85,7 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    vision: VisionConfig | None = None
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -47,6 +95,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
+        if model_type == "llava":
+            return _llava_config(raw)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
@@ -74,6 +124,41 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_window=_sliding_window(raw),
         )
+
+
+def _llava_config(raw: dict[str, Any]) -> ModelConfig:
+    """The language model's config with the vision side in ``vision``.
+
+    LLaVA config.json files often list only what differs from transformers' defaults (the Hub's
+    llava-hf text configs name little more than the vocabulary), so transformers' own
+    ``LlavaConfig`` fills them in: the defaults are exactly those the checkpoint was saved with.
+    """
+    from transformers import LlavaConfig
+
+    llava = LlavaConfig.from_dict(raw)
+    tower = llava.vision_config.to_dict()
+    if tower["model_type"] not in SUPPORTED_VISION_TOWERS:
+        raise ValueError(
+            f"vision tower {tower['model_type']!r} is not supported; "
+            f"supported: {SUPPORTED_VISION_TOWERS}"
+        )
+    strategy = llava.vision_feature_select_strategy
+    if strategy not in FEATURE_SELECT_STRATEGIES:
+        raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported")
+    layers = llava.vision_feature_layer
+    text = ModelConfig.from_dict(llava.text_config.to_dict())
+    return replace(
+        text,
+        tie_word_embeddings=bool(llava.tie_word_embeddings or text.tie_word_embeddings),
+        vision=VisionConfig(
+            tower=tower,
+            image_token_id=llava.image_token_index,
+            projector_hidden_act=llava.projector_hidden_act,
+            projector_bias=bool(getattr(llava, "multimodal_projector_bias", True)),
+            feature_layers=layers if isinstance(layers, int) else tuple(layers),
+            feature_select_strategy=strategy,
+        ),
+    )
 
 
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:

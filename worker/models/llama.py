@@ -4,7 +4,8 @@ Module names follow Hugging Face checkpoints (``model.layers.0.self_attn.q_proj`
 load by name. One forward pass takes every request's scheduled tokens concatenated; attention
 finds each token's request and cache blocks in ``AttentionMetadata``. The layers come from
 ``worker.models.linear``, which splits them over tensor-parallel ranks; this file reads as if
-on one device (head counts come from the layers).
+on one device (head counts come from the layers). A vision-language model
+(``worker.models.llava``) may feed it input embeddings instead of token ids.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        # None once a tied LM head's packed weight serves the lookups (``load_model``).
+        # None once a tied LM head's packed weight serves the lookups (``finish_loading``).
         self.embed_tokens: VocabEmbedding | None = VocabEmbedding(
             config.vocab_size, config.hidden_size
         )
@@ -129,7 +130,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM over a flat token batch. Build it with ``load_model``."""
+    """A Llama-family causal LM over a flat token batch. Build it with ``load_llama``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -138,10 +139,43 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.lm_head = Linear.vocab(config.hidden_size, config.vocab_size)
 
+    @classmethod
+    def empty(
+        cls, config: ModelConfig, device: torch.device, dtype: torch.dtype
+    ) -> LlamaForCausalLM:
+        """The model on ``device`` with weights allocated but not set (a tied LM head shares the
+        embedding's); fill them with ``checkpoint_loaders``, then call ``finish_loading``."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device).to(dtype)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model
+
+    def checkpoint_loaders(self) -> dict[str, Callable[[torch.Tensor], None]]:
+        """For each checkpoint tensor name this model needs, what copies it into place."""
+        loaders = checkpoint_loaders(self)
+        if self.config.tie_word_embeddings:
+            loaders.pop("lm_head.weight")
+        return loaders
+
+    def finish_loading(self) -> LlamaForCausalLM:
+        """After the weights are in: on the CPU, linear layers switch to packed weights
+        (``worker.models.linear``), and a tied LM head's panels replace the embedding matrix."""
+        prepack_linears(self)
+        if self.config.tie_word_embeddings and self.lm_head.packing == "panels":
+            self.model.embed_tokens = None  # lookups read the LM head's panels: one copy, not two
+        return self.eval()
+
     @property
     def num_kv_heads(self) -> int:
         """Key-value heads per layer in this worker's KV cache."""
         return self.model.layers[0].self_attn.num_kv_heads
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``input_ids`` (num_tokens,): (num_tokens, hidden_size)."""
+        embed_tokens = self.model.embed_tokens or self.lm_head.rows
+        return embed_tokens(input_ids)
 
     def forward(
         self,
@@ -150,14 +184,16 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
+        input_embeddings: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``input_ids`` (num_tokens,) at ``positions`` (num_tokens,); cache their keys/values.
 
+        ``input_embeddings`` (num_tokens, hidden_size), when given, is used instead of
+        ``embed(input_ids)`` (a vision-language model puts image features in some rows).
         Returns float32 logits (len(logits_indices), vocab_size) for the flat-batch rows in
         ``logits_indices`` only: the tokens that are followed by a sampled token.
         """
-        embed = self.model.embed_tokens or self.lm_head.rows
-        x = embed(input_ids)  # (num_tokens, hidden_size)
+        x = self.embed(input_ids) if input_embeddings is None else input_embeddings
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos_sin, kv_cache, metadata)
@@ -175,60 +211,58 @@ SHARDED_LAYERS = (Linear, VocabEmbedding)
 """Layers that cut their part of a checkpoint tensor themselves (``load_shard``)."""
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Build the model described by ``model_dir/config.json`` and load its safetensors weights;
-    on the CPU, linear layers then switch to packed weights (``worker.models.linear``), and a
-    tied LM head's panels replace the embedding matrix.
+def load_llama(
+    config: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype
+) -> LlamaForCausalLM:
+    """Build the model ``config`` describes and load ``model_dir``'s safetensors weights.
 
-    Raises ``ValueError`` for an unsupported architecture, missing files, or missing weights.
+    Raises ``ValueError`` for missing files or missing weights.
     """
-    config = ModelConfig.from_dir(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    _load_weights(model, Path(model_dir))
-    prepack_linears(model)
-    if config.tie_word_embeddings and model.lm_head.packing == "panels":
-        model.model.embed_tokens = None  # lookups read the LM head's panels: one copy, not two
-    return model.eval()
+    model = LlamaForCausalLM.empty(config, device, dtype)
+    load_checkpoint(Path(model_dir), model.checkpoint_loaders())
+    return model.finish_loading()
 
 
-def _load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_checkpoint(
+    model_dir: Path,
+    loaders: dict[str, Callable[[torch.Tensor], None]],
+    rename: Callable[[str], str] | None = None,
+) -> None:
+    """Copy each tensor of ``model_dir``'s safetensors files that ``loaders`` names (after
+    ``rename``) into place; tensors it does not name are skipped unread. ``ValueError`` if
+    there are no files or some of ``loaders`` found no tensor."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {model_dir} has no *.safetensors files")
-    loaders = _checkpoint_loaders(model)
+    loaders = dict(loaders)
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as weights:
             for name in weights.keys():  # noqa: SIM118 (safe_open is not a dict)
-                load = loaders.pop(name, None)
+                load = loaders.pop(rename(name) if rename else name, None)
                 if load is not None:
                     load(weights.get_tensor(name))
     if loaders:
         raise ValueError(f"weights missing from {model_dir}: {sorted(loaders)[:5]}")
 
 
-def _checkpoint_loaders(model: LlamaForCausalLM) -> dict[str, Callable[[torch.Tensor], None]]:
-    """For each checkpoint tensor name the model needs, what copies it into place."""
+def checkpoint_loaders(module: nn.Module) -> dict[str, Callable[[torch.Tensor], None]]:
+    """For each checkpoint tensor name ``module``'s parameters load from, what copies it into
+    place: sharded layers cut their slice, any other parameter is copied whole."""
     loaders: dict[str, Callable[[torch.Tensor], None]] = {}
-    for prefix, module in model.named_modules():
-        if not isinstance(module, SHARDED_LAYERS):
+    for prefix, layer in module.named_modules():
+        if not isinstance(layer, SHARDED_LAYERS):
             continue
         parent, _, local_name = prefix.rpartition(".")
         names = STACKED_PROJECTIONS.get(local_name, (local_name,))
         for shard, checkpoint_name in enumerate(names):
             base = f"{parent}.{checkpoint_name}" if parent else checkpoint_name
             for kind in (
-                ("weight", "bias") if getattr(module, "bias", None) is not None else ("weight",)
+                ("weight", "bias") if getattr(layer, "bias", None) is not None else ("weight",)
             ):
-                loaders[f"{base}.{kind}"] = partial(module.load_shard, shard, kind)
-    for name, parameter in model.named_parameters():
-        if not isinstance(model.get_submodule(name.rpartition(".")[0]), SHARDED_LAYERS):
+                loaders[f"{base}.{kind}"] = partial(layer.load_shard, shard, kind)
+    for name, parameter in module.named_parameters():
+        if not isinstance(module.get_submodule(name.rpartition(".")[0]), SHARDED_LAYERS):
             loaders[name] = partial(_copy_weight, parameter, name=name)
-    if model.config.tie_word_embeddings:
-        loaders.pop("lm_head.weight")
     return loaders
 
 

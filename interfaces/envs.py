@@ -9,6 +9,8 @@ from pathlib import Path
 API_KEY_VARIABLE = "SWITCHYARD_API_KEY"
 CURVE_KEYS_DIR_VARIABLE = "SWITCHYARD_CURVE_KEYS_DIR"
 PROMETHEUS_MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+SHM_NAMESPACE_VARIABLE = "SWITCHYARD_SHM_NAMESPACE"
+DEFAULT_SHM_NAMESPACE = "0" * 8
 
 
 def cache_dir() -> Path:
@@ -50,3 +52,19 @@ def curve_keys_dir() -> Path | None:
     """
     value = os.environ.get(CURVE_KEYS_DIR_VARIABLE)
     return Path(value).expanduser() if value else None
+
+
+def shm_namespace() -> str:
+    """SWITCHYARD_SHM_NAMESPACE: 8 hex digits in the name of every shared-memory segment this
+    process creates (``interfaces.shared_memory``), so that one deployment's segments can be
+    told from another's and swept after a crash. ``switchyard serve`` gives its processes one of
+    their own; without it, ``DEFAULT_SHM_NAMESPACE``. ``ValueError`` for another form."""
+    value = os.environ.get(SHM_NAMESPACE_VARIABLE) or DEFAULT_SHM_NAMESPACE
+    if len(value) != 8 or any(c not in "0123456789abcdef" for c in value):
+        raise ValueError(f"{SHM_NAMESPACE_VARIABLE} must be 8 lower-case hex digits, got {value!r}")
+    return value
+
+
+def shm_namespace_set() -> bool:
+    """Whether SWITCHYARD_SHM_NAMESPACE is set (``switchyard serve`` then keeps it)."""
+    return bool(os.environ.get(SHM_NAMESPACE_VARIABLE))

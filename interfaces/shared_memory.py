@@ -4,10 +4,13 @@ Large arrays (image pixels) never travel inline through ZeroMQ. The producer cop
 into a named segment and sends this small reference; the consumer maps the segment by name.
 The consumer that finishes with the array unlinks the segment, exactly once.
 
-Segments are named ``SEGMENT_PREFIX`` + random hex, so an operator (or a test) can count them in
-/dev/shm. Python registers every segment a process creates or opens with that process's resource
-tracker, which unlinks them all when the process exits; ownership here passes between
-processes explicitly, so each operation takes its segment back out of the tracker.
+Segments are named ``switchyard_<namespace>_<random hex>``, the namespace being the deployment's
+(``interfaces.envs.shm_namespace``), so that an operator, a test, or ``switchyard serve`` after
+a crash can find one deployment's segments in /dev/shm (``segment_paths``).
+
+Python registers every segment a process creates or opens with that process's resource tracker,
+which unlinks them all when the process exits; ownership here passes between processes
+explicitly, so each operation takes its segment back out of the tracker.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ import os
 import re
 import secrets
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from interfaces import envs
 from interfaces.codec import NUMERIC_DTYPE_KINDS
 
 SEGMENT_PREFIX = "switchyard_"
-_SEGMENT_NAME = re.compile(SEGMENT_PREFIX + "[0-9a-f]{24}")
+_SEGMENT_NAME = re.compile(SEGMENT_PREFIX + "[0-9a-f]{8}_[0-9a-f]{24}")
+SHM_DIR = Path("/dev/shm")
 
 
 class SharedMemoryArray(msgspec.Struct, frozen=True, array_like=True):
@@ -52,7 +58,7 @@ class SharedMemoryArray(msgspec.Struct, frozen=True, array_like=True):
     def create(cls, array: np.ndarray) -> SharedMemoryArray:
         """Copy ``array`` into a new segment; the caller hands ownership to the receiver.
         ``OSError`` (and no segment) when shared memory is full."""
-        name = SEGMENT_PREFIX + secrets.token_hex(12)
+        name = f"{SEGMENT_PREFIX}{envs.shm_namespace()}_{secrets.token_hex(12)}"
         size = max(array.nbytes, 1)
         segment = shared_memory.SharedMemory(name, create=True, size=size)
         _untrack(segment)
@@ -91,6 +97,11 @@ class SharedMemoryArray(msgspec.Struct, frozen=True, array_like=True):
             return
         segment.close()
         segment.unlink()  # also takes it out of the resource tracker
+
+
+def segment_paths(namespace: str) -> list[Path]:
+    """The segments of deployment ``namespace`` now in /dev/shm (where Linux keeps them)."""
+    return sorted(SHM_DIR.glob(f"{SEGMENT_PREFIX}{namespace}_*"))
 
 
 def _untrack(segment: shared_memory.SharedMemory) -> None:

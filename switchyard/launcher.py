@@ -15,7 +15,8 @@ survivors ``FAILURE_GRACE_S`` to fail their requests with clear errors and repor
 /health, then stops everything and exits non-zero for the orchestrator to restart the unit.
 
 SIGTERM stops the API servers first (each drains for up to ``shutdown_timeout_s``), then the
-scheduler and the worker, and exits 0.
+scheduler and the worker, and exits 0. Once every child has exited, the shared-memory segments
+(image pixels) of this unit's namespace that a crashed process left are unlinked.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from secrets import token_hex
 
 from api_server.config import DEFAULT_SHUTDOWN_TIMEOUT_S, MediaConfig
 from interfaces import envs
+from interfaces.shared_memory import segment_paths
 from scheduler.config import SchedulerConfig
 
 logger = logging.getLogger("switchyard")
@@ -200,6 +203,9 @@ class Launcher:
         """Kept open for the launcher's life, so a dead API server can be replaced."""
         self._restart_times: list[float] = []
         self._ready = False
+        self.shm_namespace = envs.shm_namespace() if envs.shm_namespace_set() else token_hex(4)
+        """Names this unit's shared-memory segments (image pixels), which ``shutdown`` sweeps:
+        those a crashed process left behind."""
 
     @property
     def _metrics_dir(self) -> Path:
@@ -226,6 +232,7 @@ class Launcher:
             api_key,
             SWITCHYARD_LOG_LEVEL=self.config.log_level,
             SWITCHYARD_LOG_FORMAT=self.config.log_format,
+            **{envs.SHM_NAMESPACE_VARIABLE: self.shm_namespace},
             **variables,
         )
         self.children[name] = subprocess.Popen(
@@ -415,6 +422,16 @@ class Launcher:
         if self._listener is not None:
             self._listener.close()
         self._run_dir.cleanup()
+        self._sweep_shared_memory()
+
+    def _sweep_shared_memory(self) -> None:
+        """Unlink the segments this unit's processes left: every process has exited, so any
+        left is one a crash (a killed API server or scheduler) never got to unlink."""
+        leftovers = segment_paths(self.shm_namespace)
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+        if leftovers:
+            logger.warning("removed %d shared-memory segments left behind", len(leftovers))
 
 
 def _terminate(children: dict[str, subprocess.Popen], timeout_s: float) -> None:

@@ -42,7 +42,7 @@ def test_hashes_chain_over_the_prefix_and_the_salt():
 
 
 def test_blocks_holding_image_tokens_are_keyed_by_the_images_hash():
-    pixels = SharedMemoryArray("switchyard_" + "0" * 24, (3, 2, 2), "float32")
+    pixels = SharedMemoryArray("switchyard_00000000_" + "0" * 24, (3, 2, 2), "float32")
 
     def image(start, end, image_hash):
         return ImageMetadata(start, end, pixels, image_hash)

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import random
+import secrets
 import time
 from pathlib import Path
 
@@ -21,7 +22,8 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-from interfaces.shared_memory import SEGMENT_PREFIX
+from interfaces import envs
+from interfaces.shared_memory import SharedMemoryArray, segment_paths
 from tests.serve_process import ServeProcess
 
 pytestmark = pytest.mark.slow
@@ -39,13 +41,19 @@ def image_part(data: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+NAMESPACE = secrets.token_hex(4)
+"""The shared-memory namespace of the server under test: its segments, and no one else's."""
+
+
 def segments() -> set[str]:
-    return {path.name for path in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*")}
+    return {path.name for path in segment_paths(NAMESPACE)}
 
 
 @pytest.fixture(scope="module")
 def served(tiny_llava_dir):
-    serve = ServeProcess("--model", str(tiny_llava_dir), "--kv-cache-memory", "64MiB")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(envs.SHM_NAMESPACE_VARIABLE, NAMESPACE)  # serve keeps a namespace it is given
+        serve = ServeProcess("--model", str(tiny_llava_dir), "--kv-cache-memory", "64MiB")
     yield serve
     serve.kill()
 
@@ -182,3 +190,29 @@ def test_bad_images_get_a_400_and_leave_no_segment(served, part, message):
     assert reply.status_code == 400, reply.text
     assert message in reply.json()["error"]["message"]
     assert segments() - before == set()
+
+
+def test_serve_sweeps_the_segments_a_crashed_process_left_behind(tiny_llava_dir, monkeypatch):
+    from switchyard.launcher import Launcher, ServeConfig
+
+    namespace = secrets.token_hex(4)
+    monkeypatch.setenv(envs.SHM_NAMESPACE_VARIABLE, namespace)
+    launcher = Launcher(ServeConfig(tiny_llava_dir, "tiny-llava"))
+    assert launcher.shm_namespace == namespace
+    left = SharedMemoryArray.create(
+        np.ones((3, 32, 32), dtype=np.float32)
+    )  # as if by its API server
+    monkeypatch.setenv(envs.SHM_NAMESPACE_VARIABLE, secrets.token_hex(4))
+    other = SharedMemoryArray.create(np.ones(4, dtype=np.float32))  # another deployment's
+    try:
+        assert [path.name for path in segment_paths(namespace)] == [left.name]
+        launcher.shutdown()
+        assert segment_paths(namespace) == []
+        assert Path("/dev/shm", other.name).exists()
+    finally:
+        left.unlink()
+        other.unlink()
+    monkeypatch.delenv(envs.SHM_NAMESPACE_VARIABLE)
+    fresh = Launcher(ServeConfig(tiny_llava_dir, "x"))
+    fresh.shutdown()
+    assert fresh.shm_namespace != namespace  # each serve names its own

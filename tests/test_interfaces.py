@@ -71,7 +71,7 @@ from tests.fake_worker import FakeTokenGenerator
 
 encode = msgpack_numpy_encoder()
 
-SEGMENT = "switchyard_" + "0" * 24
+SEGMENT = "switchyard_00000000_" + "0" * 24
 """A well-formed segment name (no such segment exists)."""
 SAMPLING = SamplingParams(
     top_k=40,
@@ -261,7 +261,7 @@ def test_only_plain_numeric_arrays_decode(fields, message):
         (SEGMENT, (-1, 3), "<f4", "negative size"),
         (SEGMENT, (1,), "x", "not a dtype"),
         ("torch_123", (1,), "<f4", "not a Switchyard shared-memory segment: 'torch_123'"),
-        ("switchyard_../../etc", (1,), "<f4", "not a Switchyard shared-memory segment"),
+        ("switchyard_00000000_../../etc", (1,), "<f4", "not a Switchyard shared-memory segment"),
     ],
 )
 def test_shared_memory_references_to_odd_arrays_do_not_decode(name, shape, dtype, message):

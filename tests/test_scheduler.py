@@ -308,7 +308,7 @@ def test_a_request_the_worker_refuses_fails_alone_as_rejected():
 def test_a_refused_image_requests_blocks_from_its_image_on_are_not_reused():
     scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
     prompt = [1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 9, 6, 7, 8]  # the image's tokens at 5-10
-    pixels = SharedMemoryArray("switchyard_" + "0" * 24, (3, 2, 2), "float32")
+    pixels = SharedMemoryArray("switchyard_00000000_" + "0" * 24, (3, 2, 2), "float32")
     image = ImageMetadata(5, 11, pixels, "cat")
     with_image = msgspec.structs.replace(context("bad", prompt), images=[image])
     scheduler.add_request(with_image, CLIENT)

@@ -148,7 +148,8 @@ def _read_pixels(image: ImageMetadata, index: int) -> torch.Tensor:
         return torch.from_numpy(image.pixel_values.read())
     except FileNotFoundError as error:
         raise ValueError(
-            f"image {index}'s pixels are no longer in shared memory (the request ended)"
+            f"image {index}'s pixels are not in this host's shared memory (the request ended, "
+            "or this worker runs on another host than the API server)"
         ) from error
     except (OSError, TypeError, ValueError) as error:  # a segment smaller than its shape
         raise ValueError(f"image {index}'s pixels cannot be read: {error}") from error

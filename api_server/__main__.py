@@ -99,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_config(args: argparse.Namespace) -> ApiServerConfig:
     """The process's config; ``ValueError`` with a message for the user on a bad model path."""
+    envs.shm_namespace()  # a malformed SWITCHYARD_SHM_NAMESPACE fails here, not per image
     model_dir = served_model_name = max_model_len = None
     if args.model is not None:
         model_dir = _generation_model_dir(args.model)

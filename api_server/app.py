@@ -47,8 +47,7 @@ def create_app(config: ApiServerConfig) -> FastAPI:
         tokenizer = HuggingFaceTokenizer(config.model_dir, config.max_model_len)
     embedding_model = None
     if config.embedding_model_dir is not None:
-        name = config.embedding_model_name or config.embedding_model_dir.name
-        embedding_model = EmbeddingModel.load(config.embedding_model_dir, name)
+        embedding_model = EmbeddingModel.load(config.embedding_model_dir, config.embedding_name)
     metrics = ServerMetrics(config.served_model_name or embedding_model.name)
 
     @contextlib.asynccontextmanager

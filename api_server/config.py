@@ -119,6 +119,14 @@ class ApiServerConfig:
     media: MediaConfig = field(default_factory=MediaConfig)
     """Where chat images may come from (api_server.images)."""
 
+    @property
+    def embedding_name(self) -> str | None:
+        """The embedding model's name for clients (its directory's by default), if one is
+        served."""
+        if self.embedding_model_dir is None:
+            return None
+        return self.embedding_model_name or self.embedding_model_dir.name
+
     def __post_init__(self) -> None:
         if self.model_dir is None and self.embedding_model_dir is None:
             raise ValueError("serve a model: give --model, --embedding-model or both")

@@ -79,9 +79,12 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def no_generation_model(model: str | None) -> OpenAIError:
+def no_generation_model(model: str | None, is_embedding_model: bool) -> OpenAIError:
     """404 for a text generation route on a server that serves only embeddings."""
-    named = "" if model is None else f"The model `{model}` does not exist. "
+    if is_embedding_model:
+        named = f"`{model}` is an embedding model: only POST /v1/embeddings serves it. "
+    else:
+        named = "" if model is None else f"The model `{model}` does not exist. "
     message = f"{named}This server serves only embeddings (GET /v1/models lists them)."
     return OpenAIError(404, message, "NotFoundError", "model", "model_not_found")
 

@@ -87,7 +87,7 @@ class ServerState:
         """404 unless ``model`` is None (the served model, as vLLM allows) or its name, and a
         text generation model is served."""
         if self.tokenizer is None:
-            raise no_generation_model(model)
+            raise no_generation_model(model, model == self.config.embedding_name)
         if model is not None and model != self.model_name:
             raise model_not_found(model)
 
@@ -95,8 +95,8 @@ class ServerState:
 async def create_chat_completion(request: ChatCompletionRequest, state: ServerState) -> Response:
     """Answer POST /v1/chat/completions (a JSONResponse or a StreamingResponse)."""
     arrival_time = time.monotonic()
-    state.check_accepting()
     state.check_model(request.model)
+    state.check_accepting()
     check_supported(request)
     tools = tool_calling(request)
     constraint = chat_constraint(request, tools)
@@ -129,8 +129,8 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
 async def create_completion(request: CompletionRequest, state: ServerState) -> Response:
     """Answer POST /v1/completions (a JSONResponse or a StreamingResponse)."""
     arrival_time = time.monotonic()
-    state.check_accepting()
     state.check_model(request.model)
+    state.check_accepting()
     check_supported(request)
     response_id = f"cmpl-{current_request_id()}"
     request_id = engine_request_id(response_id)

@@ -42,7 +42,9 @@ class Embeddings:
         self.groups: set[str] = set()
         self.queue: deque[_Input] = deque()
         self.in_flight: dict[str, tuple[EmbeddingsStep, list[_Input]]] = {}
-        self._owners: dict[RequestID, bytes] = {}
+        self._wanted: dict[RequestID, _Input] = {}
+        """Every input queued or running and not aborted, by id (the submission itself, so an
+        aborted input whose id was submitted again is told apart)."""
         self._next_step_id = 0
 
     def add_group(self, name: str) -> None:
@@ -58,14 +60,16 @@ class Embeddings:
             if not self._owns(item):
                 continue  # aborted while the step ran
             if self.groups and not item.retried:
-                self.queue.appendleft(dataclasses.replace(item, retried=True))
+                retry = dataclasses.replace(item, retried=True)
+                self._wanted[item.context.request_id] = retry
+                self.queue.appendleft(retry)
             else:
                 failed.append(item)
         results = self._fail_items(failed, reason, ErrorKind.UNAVAILABLE)
         if not self.groups:
             for item in list(self.queue):
                 results[item.client_id][item.context.request_id] = _cancelled(reason)
-                del self._owners[item.context.request_id]
+                del self._wanted[item.context.request_id]
             self.queue.clear()
         return results
 
@@ -89,25 +93,26 @@ class Embeddings:
             request_id = context.request_id
             if problem is not None:
                 refusals[client_id][request_id] = _cancelled(problem, kind)
-            elif request_id in self._owners:
+            elif request_id in self._wanted:
                 refusals[client_id][request_id] = SchedulerResult.rejected_request(
                     f"request id {request_id!r} is already in use"
                 )
             else:
-                self._owners[request_id] = client_id
-                self.queue.append(_Input(client_id, context))
+                item = _Input(client_id, context)
+                self._wanted[request_id] = item
+                self.queue.append(item)
         return refusals
 
     def abort(self, request_ids: Iterable[RequestID]) -> None:
         """Drop queued inputs (one in a running step finishes; its result is not sent)."""
-        dropped = {request_id for request_id in request_ids if request_id in self._owners}
+        dropped = {request_id for request_id in request_ids if request_id in self._wanted}
         if dropped:
             self.queue = deque(i for i in self.queue if i.context.request_id not in dropped)
             for request_id in dropped:
-                del self._owners[request_id]
+                del self._wanted[request_id]
 
     def abort_client(self, client_id: bytes) -> int:
-        mine = [rid for rid, owner in self._owners.items() if owner == client_id]
+        mine = [rid for rid, item in self._wanted.items() if item.client_id == client_id]
         self.abort(mine)
         return len(mine)
 
@@ -136,7 +141,7 @@ class Embeddings:
             if not self._owns(item):
                 continue  # aborted while the step ran
             request_id = item.context.request_id
-            del self._owners[request_id]
+            del self._wanted[request_id]
             vector = output.embeddings.get(request_id)
             if vector is not None:
                 result = SchedulerResult.complete(EmbeddingsOutput(vector))
@@ -156,13 +161,13 @@ class Embeddings:
         """Fail ``items`` not aborted yet."""
         results: EmbeddingsByClient = defaultdict(dict)
         for item in filter(self._owns, items):
-            del self._owners[item.context.request_id]
+            del self._wanted[item.context.request_id]
             results[item.client_id][item.context.request_id] = _cancelled(error, kind)
         return results
 
     def _owns(self, item: _Input) -> bool:
         """``item`` is still wanted: not aborted (its id not reused by another client)."""
-        return self._owners.get(item.context.request_id) == item.client_id
+        return self._wanted.get(item.context.request_id) is item
 
     @property
     def num_waiting(self) -> int:

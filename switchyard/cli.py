@@ -134,11 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_flag(parser: argparse.ArgumentParser, none_allowed: bool = False) -> None:
-    parser.add_argument(
-        "--model",
-        help="Hugging Face-format directory or .gguf file (default: SmolLM2-135M-Instruct)"
-        + ("; 'none' serves only --embedding-model" if none_allowed else ""),
-    )
+    help_text = "Hugging Face-format directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    if none_allowed:
+        help_text += "; 'none' serves only --embedding-model (./none names a directory)"
+    parser.add_argument("--model", help=help_text)
 
 
 def prepare_model(model: str | None) -> Path:

@@ -203,9 +203,11 @@ class Launcher:
         """Kept open for the launcher's life, so a dead API server can be replaced."""
         self._restart_times: list[float] = []
         self._ready = False
-        self.shm_namespace = envs.shm_namespace() if envs.shm_namespace_set() else token_hex(4)
-        """Names this unit's shared-memory segments (image pixels), which ``shutdown`` sweeps:
-        those a crashed process left behind."""
+        self._owns_shm_namespace = not envs.shm_namespace_set()
+        self.shm_namespace = token_hex(4) if self._owns_shm_namespace else envs.shm_namespace()
+        """Names this unit's shared-memory segments (image pixels). ``shutdown`` sweeps those a
+        crashed process left behind, when the namespace is the unit's own: one given through
+        the environment may be shared with other units, whose segments are alive."""
 
     @property
     def _metrics_dir(self) -> Path:
@@ -427,6 +429,8 @@ class Launcher:
     def _sweep_shared_memory(self) -> None:
         """Unlink the segments this unit's processes left: every process has exited, so any
         left is one a crash (a killed API server or scheduler) never got to unlink."""
+        if not self._owns_shm_namespace:
+            return
         leftovers = segment_paths(self.shm_namespace)
         for path in leftovers:
             path.unlink(missing_ok=True)

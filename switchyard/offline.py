@@ -244,7 +244,7 @@ class Pipeline:
     async def _responses(
         self, index: int, prompt: Prompt, config: GenerationConfig, incremental: bool
     ) -> AsyncIterator[Response]:
-        config = self.prompts.with_template_stop_words(config)
+        config = self.prompts.with_stop_words(config)
         context = await self.tokenizer.new_context(
             self.prompts.request(prompt, config), logprobs=config.logprobs,
             structured_output=config.structured_output(),

@@ -101,21 +101,23 @@ class PromptBuilder:
         text = self._template_tokenizer.render_messages(_messages(messages))
         return {"prompt": self.tokenizer.encode_now(text, add_special_tokens=False)}
 
-    def with_template_stop_words(self, config: GenerationConfig) -> GenerationConfig:
-        """``config`` with the chat template's stop words when it names no stop words or stop
-        token ids of its own, as lmdeploy uses them. A stop word that is a special token stops
-        on that token: its text never reaches the output for a stop string to match."""
+    def with_stop_words(self, config: GenerationConfig) -> GenerationConfig:
+        """``config`` with its stop words, or the chat template's when it names no stop words or
+        stop token ids of its own (lmdeploy's rule). A stop word that is a special token becomes
+        a stop token id, as lmdeploy turns every stop word into ids: with special tokens
+        skipped, its text never reaches the output for a stop string to match."""
         template = self.chat_template_config
-        has_own = config.stop_words or config.stop_token_ids
-        if template is None or not template.stop_words or has_own:
+        words = config.stop_words
+        if not (config.stop_words or config.stop_token_ids) and template is not None:
+            words = template.stop_words
+        if not words:
             return config
         special = self.tokenizer.special_token_texts
-        words = [word for word in template.stop_words if word not in special]
-        token_ids = [
-            self.tokenizer.backend.token_to_id(w) for w in template.stop_words if w in special
-        ]
+        token_ids = [self.tokenizer.backend.token_to_id(w) for w in words if w in special]
         return dataclasses.replace(
-            config, stop_words=words or None, stop_token_ids=token_ids or None
+            config,
+            stop_words=[word for word in words if word not in special] or None,
+            stop_token_ids=[*(config.stop_token_ids or ()), *token_ids] or None,
         )
 
     def reported_tokens(
@@ -156,7 +158,8 @@ def _fit_in_context(
         "total sequence length (%d + %d) exceeds `session_len` (%d), `max_new_tokens` is "
         "truncated to %d", num_prompt_tokens, params.max_new_tokens, max_model_len, room,
     )  # fmt: skip
-    return msgspec.structs.replace(params, max_new_tokens=room)
+    min_new_tokens = min(params.min_new_tokens, room)
+    return msgspec.structs.replace(params, max_new_tokens=room, min_new_tokens=min_new_tokens)
 
 
 def _num_tokens_before_stop_word(

@@ -199,6 +199,20 @@ def test_a_dead_groups_inputs_run_again_on_another_group_once():
     assert [c.request_id for c in step.contexts] == ["e2"]
 
 
+def test_an_id_aborted_while_running_and_submitted_again_runs_once():
+    embeddings = Embeddings(SchedulerConfig())
+    embeddings.add_group("a")
+    embeddings.add_group("b")
+    assert embeddings.submit(b"api", [EmbeddingsContext("e", [1])]) == {}
+    embeddings.schedule(["a"])
+    embeddings.abort(["e"])
+    assert embeddings.submit(b"api", [EmbeddingsContext("e", [2, 3])]) == {}  # the id again
+    assert embeddings.remove_group("a", "group a died") == {}  # the aborted one is not retried
+    assert [item.context.token_ids for item in embeddings.queue] == [[2, 3]]
+    failed = embeddings.remove_group("b", "group b died")  # the last group: the queue fails
+    assert list(failed[b"api"]) == ["e"] and embeddings.num_waiting == 0
+
+
 def test_more_inputs_than_the_queue_ever_holds_are_a_client_error():
     embeddings = Embeddings(SchedulerConfig(max_queued_requests=4))
     embeddings.add_group("g")
@@ -308,8 +322,11 @@ def test_serve_model_none_serves_the_embedding_model_alone(served):
             error = refused.json()["error"]
             assert error["code"] == "model_not_found"
             assert "This server serves only embeddings" in error["message"]
-            named = "The model `minilm` does not exist." in error["message"]
-            assert named == ("model" in body)
+            named = "`minilm` is an embedding model: only POST /v1/embeddings serves it."
+            assert (named in error["message"]) == ("model" in body)
+        other = {"model": "gpt-4o", "prompt": "hi"}
+        refused = httpx.post(f"{alone.base_url}/v1/completions", json=other, timeout=10)
+        assert "The model `gpt-4o` does not exist." in refused.json()["error"]["message"]
         metrics = httpx.get(f"{alone.base_url}/metrics", timeout=10).text
         assert 'switchyard:num_requests_running{model_name="minilm"} 0.0' in metrics
     finally:

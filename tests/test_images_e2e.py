@@ -195,16 +195,17 @@ def test_bad_images_get_a_400_and_leave_no_segment(served, part, message):
 def test_serve_sweeps_the_segments_a_crashed_process_left_behind(tiny_llava_dir, monkeypatch):
     from switchyard.launcher import Launcher, ServeConfig
 
-    namespace = secrets.token_hex(4)
-    monkeypatch.setenv(envs.SHM_NAMESPACE_VARIABLE, namespace)
-    launcher = Launcher(ServeConfig(tiny_llava_dir, "tiny-llava"))
-    assert launcher.shm_namespace == namespace
-    left = SharedMemoryArray.create(
-        np.ones((3, 32, 32), dtype=np.float32)
-    )  # as if by its API server
+    monkeypatch.delenv(envs.SHM_NAMESPACE_VARIABLE, raising=False)
+    launcher = Launcher(ServeConfig(tiny_llava_dir, "tiny-llava"))  # a namespace of its own
+    namespace = launcher.shm_namespace
+    monkeypatch.setenv(envs.SHM_NAMESPACE_VARIABLE, namespace)  # as its children have it
+    left = SharedMemoryArray.create(np.ones((3, 32, 32), dtype=np.float32))  # its API server's
+    given = Launcher(ServeConfig(tiny_llava_dir, "x"))  # given one: maybe shared, never swept
     monkeypatch.setenv(envs.SHM_NAMESPACE_VARIABLE, secrets.token_hex(4))
     other = SharedMemoryArray.create(np.ones(4, dtype=np.float32))  # another deployment's
     try:
+        assert given.shm_namespace == namespace
+        given.shutdown()
         assert [path.name for path in segment_paths(namespace)] == [left.name]
         launcher.shutdown()
         assert segment_paths(namespace) == []
@@ -212,7 +213,3 @@ def test_serve_sweeps_the_segments_a_crashed_process_left_behind(tiny_llava_dir,
     finally:
         left.unlink()
         other.unlink()
-    monkeypatch.delenv(envs.SHM_NAMESPACE_VARIABLE)
-    fresh = Launcher(ServeConfig(tiny_llava_dir, "x"))
-    fresh.shutdown()
-    assert fresh.shm_namespace != namespace  # each serve names its own

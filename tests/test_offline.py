@@ -217,7 +217,7 @@ def test_chat_template_stop_words_apply_when_the_request_has_none(pipe, tiny_lla
     ) as templated:
         stopped = templated("Tell me", GREEDY)
         own_stop = templated("Tell me", dataclasses.replace(GREEDY, stop_words=["\x00none"]))
-        effective = templated.prompts.with_template_stop_words(GREEDY)
+        effective = templated.prompts.with_stop_words(GREEDY)
     assert (stopped.finish_reason, stopped.text) == ("stop", free.text[:4])
     assert own_stop == free  # lmdeploy: the template's stop words only stand in for none
     # A special token's text is skipped from the output, so it stops on its token id instead.
@@ -253,6 +253,13 @@ def test_max_new_tokens_is_cut_to_the_room_the_context_leaves(pipe, caplog):
         "is truncated to 7" in caplog.text  # fmt: skip
     with pytest.raises(ValueError, match="prompt has 512 tokens, leaving no room"):
         pipe("word" + " word" * 511, GenerationConfig(max_new_tokens=1))
+    at_least = GenerationConfig(max_new_tokens=100, min_new_tokens=50)  # both cut to the room
+    assert pipe(prompt, at_least).generate_token_len == 7
+
+
+def test_a_stop_word_that_is_a_special_token_stops_on_its_id(pipe):
+    config = pipe.prompts.with_stop_words(GenerationConfig(stop_words=["<|im_end|>", "x"]))
+    assert (config.stop_words, config.stop_token_ids) == (["x"], [2])
 
 
 def _stream(pipe, prompt, config) -> Response:

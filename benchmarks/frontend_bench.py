@@ -46,7 +46,8 @@ from workload import (
 )
 
 from scheduler.config import SchedulerConfig
-from switchyard.launcher import Launcher, ServeConfig
+from switchyard.launcher import Launcher
+from switchyard.serve_config import ServeConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET_OUTPUT_THROUGHPUT = 5000.0

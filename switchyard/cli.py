@@ -24,7 +24,8 @@ from interfaces import envs
 from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import generate_curve_keys
 from scheduler.config import SchedulerConfig, add_kv_transfer_flag, add_queue_flags
-from switchyard.launcher import Launcher, ServeConfig
+from switchyard.launcher import Launcher
+from switchyard.serve_config import ServeConfig
 from worker.model_files import model_name_for
 
 logger = logging.getLogger("switchyard")

@@ -35,7 +35,7 @@ from api_server.engine_client import EngineClient
 from api_server.text_stream import GenerationStream, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
 from interfaces.scheduler_to_api import SchedulerStats
-from switchyard.launcher import Launcher, ServeConfig
+from switchyard.launcher import Launcher
 from switchyard.offline_prompts import Prompt, PromptBuilder
 from switchyard.offline_types import (
     ChatTemplateConfig,
@@ -44,6 +44,7 @@ from switchyard.offline_types import (
     Response,
     Session,
 )
+from switchyard.serve_config import ServeConfig
 
 READY_TIMEOUT_S = 600.0
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from interfaces import SamplingParams
 from interfaces.requests import StructuredOutput
-from switchyard.launcher import ServeConfig
+from switchyard.serve_config import ServeConfig
 
 
 @dataclass

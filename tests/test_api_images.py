@@ -402,7 +402,8 @@ def test_choices_that_never_start_have_their_segments_unlinked(llava, created, m
 def test_the_media_flags_reach_the_api_server(tiny_llava_dir, media_root) -> None:
     from api_server.__main__ import build_config, parse_args
     from switchyard.cli import build_parser
-    from switchyard.launcher import Launcher, ServeConfig
+    from switchyard.launcher import Launcher
+    from switchyard.serve_config import ServeConfig
 
     flags = ["--allowed-local-media-path", str(media_root), "--allowed-media-domains", "A.com,b"]
     flags += ["--allowed-media-domains", "c"]

@@ -11,7 +11,8 @@ import pytest
 
 from api_server.__main__ import build_config, parse_args
 from switchyard.cli import build_parser
-from switchyard.launcher import Launcher, ServeConfig, child_environment
+from switchyard.launcher import Launcher, child_environment
+from switchyard.serve_config import ServeConfig
 from tests.fake_scheduler import ApiHarness
 from tests.serve_process import ServeProcess
 

@@ -193,7 +193,8 @@ def test_bad_images_get_a_400_and_leave_no_segment(served, part, message):
 
 
 def test_serve_sweeps_the_segments_a_crashed_process_left_behind(tiny_llava_dir, monkeypatch):
-    from switchyard.launcher import Launcher, ServeConfig
+    from switchyard.launcher import Launcher
+    from switchyard.serve_config import ServeConfig
 
     monkeypatch.delenv(envs.SHM_NAMESPACE_VARIABLE, raising=False)
     launcher = Launcher(ServeConfig(tiny_llava_dir, "tiny-llava"))  # a namespace of its own

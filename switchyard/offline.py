@@ -15,14 +15,16 @@ strings. Its asyncio client runs in a thread of its own, so the API is synchrono
 
 Where lmdeploy differs from the OpenAI server, the pipeline follows lmdeploy: a
 ``ChatTemplateConfig`` renders prompts, ``max_new_tokens`` is cut to the room the context leaves
-(with lmdeploy's warning) instead of refusing the request, and a response's ``token_ids`` stop
-before the token that stopped generation.
+(with lmdeploy's warning) instead of refusing the request, a prompt that leaves no room at all
+gets an empty response with finish reason "length", and a response's ``token_ids`` stop before
+the token that stopped generation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -45,6 +47,8 @@ from switchyard.offline_types import (
     Session,
 )
 from switchyard.serve_config import ServeConfig
+
+logger = logging.getLogger("switchyard.offline")
 
 READY_TIMEOUT_S = 600.0
 
@@ -246,10 +250,16 @@ class Pipeline:
         self, index: int, prompt: Prompt, config: GenerationConfig, incremental: bool
     ) -> AsyncIterator[Response]:
         config = self.prompts.with_stop_words(config)
+        request = self.prompts.request(prompt, config)
+        num_prompt_tokens = len(request.prompt)
+        if num_prompt_tokens >= self.tokenizer.max_model_len:
+            # lmdeploy answers a prompt that leaves no room with an empty "length" response.
+            logger.info("run out of tokens: the prompt has %d tokens", num_prompt_tokens)
+            yield Response("", 0, num_prompt_tokens, "length", index=index)
+            return
         context = await self.tokenizer.new_context(
-            self.prompts.request(prompt, config), logprobs=config.logprobs,
-            structured_output=config.structured_output(),
-        )  # fmt: skip
+            request, logprobs=config.logprobs, structured_output=config.structured_output()
+        )
         options = TextOptions(
             stop=tuple(config.stop_words or ()),
             skip_special_tokens=config.skip_special_tokens,

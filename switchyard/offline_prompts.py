@@ -149,8 +149,8 @@ def _fit_in_context(
     params: SamplingParams, num_prompt_tokens: int, max_model_len: int
 ) -> SamplingParams:
     """``params`` with max_new_tokens cut to the room the prompt leaves in the context, as
-    lmdeploy's engine cuts it (with its warning). A prompt that leaves no room is left for
-    ``new_context`` to refuse."""
+    lmdeploy's engine cuts it (with its warning). A prompt that leaves no room is the
+    pipeline's to answer."""
     room = max_model_len - num_prompt_tokens
     if params.max_new_tokens is None or room <= 0 or params.max_new_tokens <= room:
         return params

@@ -135,9 +135,11 @@ def test_generation_config_maps_onto_sampling_params_and_refuses_bad_values():
         GenerationConfig(response_format={"type": "xml"}).structured_output()
 
 
-def test_a_prompt_too_long_is_a_clear_error(pipe):
-    with pytest.raises(ValueError, match="maximum context length"):
-        pipe("word " * 5000, GREEDY)
+def test_a_prompt_longer_than_the_context_gets_an_empty_length_response(pipe):
+    prompt = "word " * 5000
+    num_tokens = len(pipe.tokenizer.encode_now(prompt))
+    assert num_tokens > 512
+    assert pipe(prompt, GREEDY) == Response("", 0, num_tokens, "length")  # as in lmdeploy
 
 
 def test_close_stops_every_process_it_started(tiny_llama_dir):
@@ -251,8 +253,10 @@ def test_max_new_tokens_is_cut_to_the_room_the_context_leaves(pipe, caplog):
     assert response.generate_token_len == len(response.token_ids) == 7
     assert "total sequence length (505 + 100) exceeds `session_len` (512), `max_new_tokens` " \
         "is truncated to 7" in caplog.text  # fmt: skip
-    with pytest.raises(ValueError, match="prompt has 512 tokens, leaving no room"):
-        pipe("word" + " word" * 511, GenerationConfig(max_new_tokens=1))
+    full, fits = "word" + " word" * 511, "word"  # 512 tokens: no room for any output
+    responses = pipe([full, fits], GenerationConfig(max_new_tokens=1, ignore_eos=True))
+    assert responses[0] == Response("", 0, 512, "length", index=0)  # as lmdeploy answers it
+    assert (responses[1].finish_reason, responses[1].generate_token_len) == ("length", 1)
     at_least = GenerationConfig(max_new_tokens=100, min_new_tokens=50)  # both cut to the room
     assert pipe(prompt, at_least).generate_token_len == 7
 

@@ -25,7 +25,7 @@ from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import generate_curve_keys
 from scheduler.config import SchedulerConfig, add_kv_transfer_flag, add_queue_flags
 from switchyard.launcher import Launcher
-from switchyard.serve_config import ServeConfig
+from switchyard.serve_config import DEFAULT_BLOCK_SIZE, ServeConfig
 from worker.model_files import model_name_for
 
 logger = logging.getLogger("switchyard")
@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory",
         help="KV cache size: bytes with an optional unit (2GiB), or a fraction of free memory",
     )
-    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    serve.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV cache block"
+    )
     serve.add_argument(
         "--max-num-seqs",
         type=int,

@@ -9,6 +9,9 @@ from pathlib import Path
 from api_server.config import DEFAULT_SHUTDOWN_TIMEOUT_S, MediaConfig
 from scheduler.config import SchedulerConfig
 
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV cache block."""
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -31,7 +34,7 @@ class ServeConfig:
     embedding_model_name: str | None = None
     max_model_len: int | None = None
     kv_cache_memory: str | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     enable_prefix_caching: bool = True
@@ -78,15 +81,27 @@ class ServeConfig:
         names = (self.served_model_name, self.embedding_model_name)
         return " and ".join(name for name in names if name)
 
+    def _generation_only_flags(self) -> list[str]:
+        """The flags given that only a text generation model uses."""
+        given = {
+            "--tensor-parallel-size": self.tensor_parallel_size != 1,
+            "--prefill-workers/--decode-workers": bool(self.prefill_workers),
+            "--max-model-len": self.max_model_len is not None,
+            "--kv-cache-memory": self.kv_cache_memory is not None,
+            "--block-size": self.block_size != DEFAULT_BLOCK_SIZE,
+            "--no-prefix-caching": not self.enable_prefix_caching,
+            "--dtype": self.dtype is not None,
+        }
+        return [flag for flag, is_given in given.items() if is_given]
+
     def __post_init__(self) -> None:
         if self.model_dir is None and self.embedding_model_dir is None:
             raise ValueError("--model none serves nothing without --embedding-model")
         if (self.model_dir is None) != (self.served_model_name is None):
             raise ValueError("served_model_name goes with model_dir")
-        if self.model_dir is None and (self.tensor_parallel_size > 1 or self.prefill_workers):
+        if self.model_dir is None and (given := self._generation_only_flags()):
             raise ValueError(
-                "--tensor-parallel-size and --prefill-workers/--decode-workers split the text "
-                "generation model; --model none serves none"
+                f"{', '.join(given)} configure the text generation model; --model none serves none"
             )
         if self.api_servers < 1:
             raise ValueError(f"--api-servers must be at least 1, got {self.api_servers}")

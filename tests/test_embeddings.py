@@ -337,7 +337,14 @@ def test_serve_model_none_serves_the_embedding_model_alone(served):
     ("flags", "message"),
     [
         ([], "--model none serves nothing without --embedding-model"),
-        (["--embedding-model", "default", "--tensor-parallel-size", "2"], "--model none serves"),
+        (
+            ["--embedding-model", "default", "--tensor-parallel-size", "2"],
+            "--tensor-parallel-size configure the text generation model; --model none serves none",
+        ),
+        (
+            ["--embedding-model", "default", "--kv-cache-memory", "1GiB", "--dtype", "float16"],
+            "--kv-cache-memory, --dtype configure the text generation model",
+        ),
         (["--embedding-model", "default", "--served-model-name", "x"], "describe --model"),
         (["--embedding-model-name", "x"], "--embedding-model-name names --embedding-model"),
     ],

@@ -5,6 +5,8 @@
         [--host 127.0.0.1] [--port 8000] [--fd N] [--max-model-len N] [--log-level LEVEL]
         [--api-key KEY] [--allowed-origins ORIGIN[,ORIGIN...]]... [--curve-keys-dir DIR]
         [--max-request-body-bytes N] [--max-header-count N] [--max-header-bytes N]
+        [--max-prompt-bytes N] [--max-structured-output-bytes N] [--max-choices-per-request N]
+        [--max-request-output-tokens N] [--max-stream-backlog N]
         [--shutdown-timeout SECONDS] [--log-format text|json]
         [--allowed-local-media-path DIR] [--allowed-media-domains HOST[,HOST...]]...
         [--max-images-per-prompt 8]
@@ -30,6 +32,7 @@ import setproctitle
 import uvicorn
 
 from api_server.app import create_app
+from api_server.bind_address import listening_host, warn_if_exposed
 from api_server.config import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ApiServerConfig,
@@ -38,6 +41,7 @@ from api_server.config import (
     add_limit_flags,
     add_media_flags,
     media_config,
+    request_limits,
     resolve_max_model_len,
     split_commas,
 )
@@ -120,7 +124,11 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
         model_dir=model_dir,
         served_model_name=served_model_name,
         max_model_len=max_model_len,
-        engine=EngineClientConfig(args.scheduler_addr, transport_from_args(args)),
+        engine=EngineClientConfig(
+            args.scheduler_addr,
+            transport_from_args(args),
+            max_stream_backlog=args.max_stream_backlog,
+        ),
         api_key=args.api_key or None,
         allowed_origins=split_commas(args.allowed_origins),
         limits=HttpLimits(
@@ -129,6 +137,7 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
             max_header_bytes=args.max_header_bytes,
         ),
         media=media_config(args),
+        request_limits=request_limits(args),
     )
 
 
@@ -159,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     setproctitle.setproctitle(PROCESS_TITLE)
     try:
         config = build_config(args)
-        app = create_app(config)
+        bind_host = listening_host(args.host, args.fd)
+        if args.fd is None:  # with --fd, `switchyard serve` bound the socket and warned
+            warn_if_exposed(bind_host, config.api_key)
+        app = create_app(config, bind_host)
     except ValueError as error:
         logger.error("%s", error)
         return 2

@@ -25,23 +25,23 @@ from api_server.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
 from api_server.request_id import RequestIdMiddleware
 from api_server.responses import ModelCard, ModelList
-from api_server.security import install_security
+from api_server.security import JsonContentTypeMiddleware, install_security
 from api_server.serving import ServerState, create_chat_completion, create_completion
+from api_server.stats_tickets import SchedulerStatsCache
 from api_server.tokenizer import HuggingFaceTokenizer
 from api_server.utility_routes import package_version
 
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499
-# A body without a Content-Type is read as JSON (curl users forget the header); one with a
-# non-JSON type is still refused.
-router = APIRouter(strict_content_type=False)
+router = APIRouter()
 
 
-def create_app(config: ApiServerConfig) -> FastAPI:
+def create_app(config: ApiServerConfig, bind_host: str | None = None) -> FastAPI:
     """A FastAPI app serving the OpenAI routes, /tokenize, /detokenize, /version, /health, /ready
-    and /metrics for ``config``, behind its API key and CORS settings (api_server.security) and
-    its request limits (api_server.limits)."""
+    and /metrics for ``config``, behind its API key, CORS, JSON body and ``Host`` checks
+    (api_server.security; ``bind_host`` is the address the server listens on, None: unknown,
+    which checks no ``Host``) and its request limits (api_server.limits)."""
     tokenizer = None
     if config.model_dir is not None:
         tokenizer = HuggingFaceTokenizer(config.model_dir, config.max_model_len)
@@ -55,6 +55,9 @@ def create_app(config: ApiServerConfig) -> FastAPI:
         engine = EngineClient(config.engine)
         await engine.start()
         app.state.server = ServerState(config, tokenizer, engine, metrics)
+        app.state.scheduler_stats = SchedulerStatsCache(
+            engine.stats, lambda: metrics.num_request_changes
+        )
         try:
             yield
         finally:
@@ -64,12 +67,14 @@ def create_app(config: ApiServerConfig) -> FastAPI:
     app.state.tokenizer = tokenizer
     app.state.embedding_model = embedding_model
     install_error_handlers(app)
-    # Inside the API key check and CORS (added after it, so outer): a 413 or 431 carries CORS
-    # headers, and a client without the key gets its 401 first.
+    # Inside the API key check and CORS (added after it, so outer): a 413, 415 or 431 carries
+    # CORS headers, and a client without the key gets its 401 first. A declared body size above
+    # the limit is a 413 before its Content-Type is looked at.
+    app.add_middleware(JsonContentTypeMiddleware)
     app.add_middleware(RequestLimitsMiddleware, limits=config.limits)
-    install_security(app, config.api_key, config.allowed_origins)
+    install_security(app, config.api_key, config.allowed_origins, bind_host)
     app.add_middleware(RequestIdMiddleware)
-    metrics.instrument(app)  # outermost: refusals (400, 401, 413, 431) are counted too
+    metrics.instrument(app)  # outermost: refusals (400, 401, 413, 415, 431) are counted too
     app.include_router(router)
     app.include_router(utility_routes.router)
     return app
@@ -77,6 +82,10 @@ def create_app(config: ApiServerConfig) -> FastAPI:
 
 def _state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+def _scheduler_stats(request: Request) -> SchedulerStatsCache:
+    return request.app.state.scheduler_stats
 
 
 @router.post("/v1/chat/completions")
@@ -105,7 +114,7 @@ async def models(request: Request) -> JSONResponse:
         cards.append(
             ModelCard(
                 id=config.served_model_name,
-                root=str(config.model_dir),
+                root=config.served_model_name,  # as vLLM: never the directory's path
                 max_model_len=config.max_model_len,
             )
         )
@@ -114,7 +123,7 @@ async def models(request: Request) -> JSONResponse:
         cards.append(
             ModelCard(
                 id=embedding_model.name,
-                root=str(embedding_model.model_dir),
+                root=embedding_model.name,
                 max_model_len=embedding_model.max_input_tokens,
             )
         )
@@ -126,7 +135,7 @@ async def health(request: Request) -> JSONResponse:
     """Liveness: 200 while this process serves and its peers live (the scheduler answers within
     ``stats_timeout_s`` and has a worker for each model served); 503 otherwise, including while
     the model loads. Draining for shutdown is still alive."""
-    problem = await _peer_problem(_state(request))
+    problem = await _peer_problem(request)
     if problem is not None:
         return service_unavailable(problem).response()
     return JSONResponse({"status": "ok"})
@@ -137,18 +146,20 @@ async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 when new requests can be served (the model is loaded, the scheduler and
     its worker are connected, and this server is not draining); 503 otherwise."""
     state = _state(request)
-    problem = "the server is shutting down" if state.draining else await _peer_problem(state)
+    problem = "the server is shutting down" if state.draining else await _peer_problem(request)
     if problem is not None:
         return service_unavailable(problem).response()
     return JSONResponse({"status": "ready"})
 
 
-async def _peer_problem(state: ServerState) -> str | None:
-    """Why the scheduler or its worker cannot serve, or None."""
+async def _peer_problem(request: Request) -> str | None:
+    """Why the scheduler or its worker cannot serve, or None (from stats at most
+    ``STATS_MAX_AGE_S`` old, so probes cost the scheduler little however many there are)."""
+    state = _state(request)
     if state.engine.lost_connection is not None:
         return state.engine.lost_connection
     try:
-        stats = await state.engine.stats()
+        stats = await _scheduler_stats(request).get()
     except SchedulerUnavailable as error:
         return str(error)
     if state.config.model_dir is not None and not stats.workers_ready:
@@ -161,10 +172,10 @@ async def _peer_problem(state: ServerState) -> str | None:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus exposition (api_server.metrics); without the scheduler's series while the
-    scheduler does not answer."""
+    scheduler does not answer. The scheduler's numbers are at most ``STATS_MAX_AGE_S`` old."""
     state = _state(request)
     try:
-        state.metrics.update_scheduler(await state.engine.stats())
+        state.metrics.update_scheduler(await _scheduler_stats(request).get())
     except SchedulerUnavailable as error:
         logger.warning("serving metrics without the scheduler's: %s", error)
         state.metrics.update_scheduler(None)

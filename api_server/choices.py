@@ -2,8 +2,12 @@
 
 Each choice is its own request to the scheduler (id ``<response id>-<index>`` when there are
 several). All are submitted at once, so choices of one prompt share its KV blocks through the
-prefix cache. Their deltas are merged in arrival order, each tagged with its choice index;
-completions' ``echo`` puts the prompt (and its log probabilities) before a choice's first text.
+prefix cache, and its images' shared-memory segments (``api_server.image_segments``). Their
+deltas are merged in arrival order, each tagged with its choice index; completions' ``echo``
+puts the prompt (and its log probabilities) before a choice's first text.
+
+The merge holds at most one delta per choice: a choice whose deltas are not taken waits, so
+results for a client that stopped reading pile up in the engine client, which bounds them.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from dataclasses import dataclass
 
 import msgspec
 
-from api_server.image_segments import copy_images
 from api_server.logprobs import TokenLogprob
 from api_server.responses import FinishReason, Usage
 from api_server.text_stream import GenerationStream, TextDelta
@@ -61,16 +64,14 @@ class ChoiceOutput:
 def choice_context(context: TextContext, response_id: str, index: int, sample: int) -> TextContext:
     """``context`` for choice ``index`` (the ``sample``-th of its prompt): its own request id
     and, when the request has a seed, seed + ``sample``, so seeded choices differ (vLLM's rule).
-
-    Every choice is its own request, and the scheduler unlinks a request's image segments when
-    it ends, so choices after the first get copies of the images, owned by the caller."""
+    It names the same image segments as ``context`` (``share_images`` them among the choices).
+    """
     params = context.sampling_params
     if params.seed is not None and sample:
         seed = (params.seed + sample - INT64_MIN) % INT64_RANGE + INT64_MIN
         params = msgspec.structs.replace(params, seed=seed)
-    images = copy_images(context.images) if sample and context.images else context.images
     return msgspec.structs.replace(
-        context, request_id=f"{response_id}-{index}", sampling_params=params, images=images
+        context, request_id=f"{response_id}-{index}", sampling_params=params
     )
 
 
@@ -93,7 +94,7 @@ class Generation:
         closing the generator early aborts every choice still running. A choice whose task
         ended before it started has its images unlinked here (it never reached the engine).
         """
-        queue: asyncio.Queue[ChoiceDelta | Exception | None] = asyncio.Queue()
+        queue: asyncio.Queue[ChoiceDelta | Exception | None] = asyncio.Queue(len(self.choices))
         tasks = [asyncio.create_task(self._pump(choice, queue)) for choice in self.choices]
         try:
             num_running = len(tasks)
@@ -132,17 +133,18 @@ class Generation:
 
     @staticmethod
     async def _pump(choice: Choice, queue: asyncio.Queue) -> None:
-        """Move one choice's deltas to ``queue``; an error goes there too; None ends it."""
+        """Move one choice's deltas to ``queue``, waiting while it is full; an error goes there
+        too; None ends it. Cancelled (the consumer is gone), it puts nothing more."""
         try:
             is_first = True
             async with contextlib.aclosing(choice.stream.deltas()) as deltas:
                 async for delta in deltas:
-                    queue.put_nowait(_choice_delta(choice, delta, is_first))
+                    await queue.put(_choice_delta(choice, delta, is_first))
                     is_first = False
         except Exception as error:
-            queue.put_nowait(error)
-        finally:
-            queue.put_nowait(None)
+            await queue.put(error)
+        else:
+            await queue.put(None)
 
 
 def _choice_delta(choice: Choice, delta: TextDelta, is_first: bool) -> ChoiceDelta:

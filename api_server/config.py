@@ -36,6 +36,15 @@ class EngineClientConfig:
     stats_timeout_s: float = 1.0
     scheduler_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0
+    max_stream_backlog: int = 1024
+    """Results one request may have waiting for a client that does not read them; beyond it
+    the request is aborted and its stream ends with an error (``EngineClient``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_stream_backlog, bool) or self.max_stream_backlog < 1:
+            raise ValueError(
+                f"max_stream_backlog must be a positive integer, got {self.max_stream_backlog!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,50 @@ class HttpLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on what one generation request may ask for, checked before anything costly runs
+    (``api_server.request_limits``); each refusal is a 400 naming its flag.
+
+    ``max_prompt_bytes``: the UTF-8 text of a request's prompts (messages, tool definitions),
+    checked before tokenizing; None: 16 bytes per token of the context, at least 1 MiB.
+    ``max_structured_output_bytes``: one JSON schema, grammar, regex or choice list (a tool's
+    parameters schema too). ``max_choices``: prompts x ``n``. ``max_request_output_tokens``:
+    the tokens all choices may generate together, a choice without ``max_tokens`` counting the
+    rest of the context; None: 16 contexts.
+    """
+
+    max_prompt_bytes: int | None = None
+    max_structured_output_bytes: int = 128 * 1024
+    max_choices: int = 128
+    max_request_output_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_prompt_bytes",
+            "max_structured_output_bytes",
+            "max_choices",
+            "max_request_output_tokens",
+        ):
+            value = getattr(self, name)
+            if value is None and name in ("max_prompt_bytes", "max_request_output_tokens"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def prompt_bytes(self, max_model_len: int) -> int:
+        """``max_prompt_bytes``, or its default for a context of ``max_model_len`` tokens."""
+        if self.max_prompt_bytes is not None:
+            return self.max_prompt_bytes
+        return max(1024 * 1024, 16 * max_model_len)
+
+    def request_output_tokens(self, max_model_len: int) -> int:
+        """``max_request_output_tokens``, or its default for a context of ``max_model_len``."""
+        if self.max_request_output_tokens is not None:
+            return self.max_request_output_tokens
+        return 16 * max_model_len
 
 
 @dataclass(frozen=True)
@@ -113,6 +166,8 @@ class ApiServerConfig:
     """Origins allowed by CORS ("*" for any); empty: CORS off."""
     limits: HttpLimits = field(default_factory=HttpLimits)
     """Request body and header limits (api_server.limits)."""
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
+    """Bounds on what one generation request may ask for (api_server.request_limits)."""
     embedding_model_dir: Path | None = None
     """The embedding model served at /v1/embeddings (by an embedding worker), if any."""
     embedding_model_name: str | None = None
@@ -213,6 +268,44 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
         help="requests whose header names and values take more bytes get 431 "
         "(default: %(default)s)",
     )
+    add_request_limit_flags(parser)
+
+
+def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """The ``RequestLimits`` flags and ``--max-stream-backlog`` (a request above them is a 400,
+    a stream over its backlog is aborted), with their defaults."""
+    parser.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        help="requests whose prompt text (messages and tools) takes more UTF-8 bytes get 400, "
+        "before tokenizing (default: 16 per token of the context, at least 1 MiB)",
+    )
+    parser.add_argument(
+        "--max-structured-output-bytes",
+        type=int,
+        default=RequestLimits.max_structured_output_bytes,
+        help="a larger JSON schema, grammar, regex or choice list gets 400 "
+        "(default: %(default)s, 128 KiB)",
+    )
+    parser.add_argument(
+        "--max-choices-per-request",
+        type=int,
+        default=RequestLimits.max_choices,
+        help="requests asking for more choices (prompts x n) get 400 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-request-output-tokens",
+        type=int,
+        help="requests whose choices may generate more tokens in all (a choice without "
+        "max_tokens counts the rest of the context) get 400 (default: 16 x the context length)",
+    )
+    parser.add_argument(
+        "--max-stream-backlog",
+        type=int,
+        default=EngineClientConfig.max_stream_backlog,
+        help="results a request may have waiting for a client that does not read them; beyond "
+        "it the request is aborted and its stream ends with an error (default: %(default)s)",
+    )
 
 
 def limit_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -221,6 +314,26 @@ def limit_flags(args: argparse.Namespace) -> tuple[str, ...]:
         *("--max-request-body-bytes", str(args.max_request_body_bytes)),
         *("--max-header-count", str(args.max_header_count)),
         *("--max-header-bytes", str(args.max_header_bytes)),
+        *_optional_flag("--max-prompt-bytes", args.max_prompt_bytes),
+        *("--max-structured-output-bytes", str(args.max_structured_output_bytes)),
+        *("--max-choices-per-request", str(args.max_choices_per_request)),
+        *_optional_flag("--max-request-output-tokens", args.max_request_output_tokens),
+        *("--max-stream-backlog", str(args.max_stream_backlog)),
+    )
+
+
+def _optional_flag(name: str, value: int | None) -> tuple[str, ...]:
+    return () if value is None else (name, str(value))
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """The ``add_request_limit_flags`` flags as a ``RequestLimits``; ``ValueError`` for a value
+    below 1."""
+    return RequestLimits(
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_structured_output_bytes=args.max_structured_output_bytes,
+        max_choices=args.max_choices_per_request,
+        max_request_output_tokens=args.max_request_output_tokens,
     )
 
 

@@ -31,6 +31,10 @@ from interfaces.embeddings import EmbeddingsContext, Pooling
 
 MAX_INPUTS = 2048
 """OpenAI's limit on inputs per request."""
+MAX_BYTES_PER_TOKEN = 64
+"""An input text above this many UTF-8 bytes per token the model takes is refused before it is
+tokenized: real text averages under 8, so it could never fit."""
+MIN_INPUT_BYTES = 64 * 1024
 
 
 class EmbeddingRequest(OpenAIBaseModel):
@@ -82,7 +86,7 @@ class EmbeddingModel:
         result = []
         for index, item in enumerate(inputs):
             if isinstance(item, str):
-                token_ids = self.tokenizer.encode(item).ids
+                token_ids = self._encode(index, item)
             elif any(not 0 <= token < vocab_size for token in item):
                 raise invalid_request(
                     f"input {index} has token ids outside [0, {vocab_size})", param="input"
@@ -99,6 +103,19 @@ class EmbeddingModel:
                 )
             result.append(token_ids)
         return result
+
+    def _encode(self, index: int, text: str) -> list[int]:
+        """``text``'s token ids; a 400 first if it is too long to ever fit. (``encode_batch``,
+        unlike ``encode``, lets the event loop run while it tokenizes.)"""
+        max_bytes = max(MIN_INPUT_BYTES, MAX_BYTES_PER_TOKEN * self.max_input_tokens)
+        num_bytes = len(text.encode("utf-8", "surrogatepass"))
+        if num_bytes > max_bytes:
+            raise invalid_request(
+                f"input {index} takes {num_bytes} bytes of text; this model takes at most "
+                f"{self.max_input_tokens} tokens, so at most {max_bytes} bytes",
+                param="input",
+            )
+        return self.tokenizer.encode_batch([text])[0].ids
 
 
 async def create_embeddings(

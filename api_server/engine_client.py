@@ -9,6 +9,12 @@ stays silent for ``scheduler_timeout_s`` every in-flight request fails with
 
 A scheduler that dies is noticed sooner: the socket's monitor reports the dropped connection,
 every request in flight fails at once, and new ones fail at once until the connection is back.
+
+One request can never hurt the others on this connection: a frame larger than the scheduler
+takes (``MAX_SUBMIT_BYTES``; ZeroMQ would drop the whole connection) is refused with a 413
+before it is sent, and a request whose results pile up because its client stopped reading (more
+than ``max_stream_backlog`` waiting) is aborted and ends with ``StreamBacklogFull``, without
+the reader task ever waiting for it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from api_server.config import EngineClientConfig
-from api_server.image_segments import release_images
+from api_server.errors import OpenAIError
+from api_server.image_segments import images_sent, release_images
 from api_server.stats_tickets import StatsTickets, StatsWaiter
 from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
 from interfaces.api_to_scheduler import (
@@ -37,15 +44,47 @@ from interfaces.api_to_scheduler import (
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
 from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats, SchedulerToApiMessage
+from interfaces.transport import FRONTEND
 
 logger = logging.getLogger(__name__)
 
 Result = SchedulerResult[TextGenerationOutput]
 EmbeddingsResult = SchedulerResult[EmbeddingsOutput]
+MAX_SUBMIT_BYTES = 64 << 20
+"""The largest frame the scheduler accepts from an API server (``scheduler.server.
+MAX_API_MESSAGE_BYTES``, its ``ZMQ_MAXMSGSIZE``): a larger one would drop the connection and
+with it every request of this API server."""
 
 
 class SchedulerUnavailable(Exception):
     """The scheduler did not take a message, or went silent while requests were waiting."""
+
+
+class MessageTooLarge(OpenAIError):
+    """413: the request's frame to the scheduler would exceed ``MAX_SUBMIT_BYTES``."""
+
+    def __init__(self, num_bytes: int) -> None:
+        super().__init__(
+            413,
+            f"The request takes {num_bytes} bytes on its way to the scheduler, more than the "
+            f"limit of {MAX_SUBMIT_BYTES} bytes; send a smaller prompt, schema or stop list",
+            "invalid_request_error",
+            code="request_too_large",
+        )
+
+
+class StreamBacklogFull(OpenAIError):
+    """The client stopped reading: more results waited for it than ``max_stream_backlog``, so
+    the request was aborted (a 400 if it comes before the response starts)."""
+
+    def __init__(self, max_stream_backlog: int) -> None:
+        super().__init__(
+            400,
+            f"The client stopped reading the response: more than {max_stream_backlog} results "
+            "were waiting for it (--max-stream-backlog), so the request was aborted",
+            "invalid_request_error",
+            code="stream_backlog_full",
+        )
 
 
 class EngineClient:
@@ -62,7 +101,7 @@ class EngineClient:
         self._decode = msgpack_numpy_decoder(SchedulerToApiMessage)
         self._zmq_context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
-        self._queues: dict[str, asyncio.Queue[Result | SchedulerUnavailable]] = {}
+        self._queues: dict[str, asyncio.Queue[Result | Exception]] = {}
         self._stats_waiters: list[StatsWaiter] = []
         self._stats_tickets = StatsTickets(lost_after_s=config.stats_timeout_s)
         self._tasks: list[asyncio.Task[None]] = []
@@ -94,7 +133,7 @@ class EngineClient:
         monitor = self._socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         )
-        self.config.security.connect(self._socket, self.config.scheduler_addr)
+        self.config.security.connect(self._socket, self.config.scheduler_addr, FRONTEND)
         self._last_heard = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._read_loop()),
@@ -124,8 +163,13 @@ class EngineClient:
         pyzmq completes ``sent``, the send of the SubmitRequest frame (``_was_sent(sent)``);
         the scheduler then unlinks them when the request ends, however it ends. Until then they
         belong to this generator, from its first step: if it ends without sending (a duplicate
-        id, no connection, a submit timeout, cancellation), it withdraws the frame from pyzmq's
-        queue, so that it never leaves, and unlinks them itself.
+        id, no connection, a frame too large, a submit timeout, cancellation), it withdraws the
+        frame from pyzmq's queue, so that it never leaves, and unlinks them itself (or gives up
+        its hold on segments shared with other choices: ``api_server.image_segments``).
+
+        Raises ``MessageTooLarge`` (413) before sending a frame above ``MAX_SUBMIT_BYTES``, and
+        ``StreamBacklogFull`` once the request was aborted for results its consumer left
+        unread.
         """
         request_id = context.request_id
         if request_id in self._queues or self._lost_connection is not None:
@@ -133,16 +177,20 @@ class EngineClient:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             raise SchedulerUnavailable(self._lost_connection)
-        queue: asyncio.Queue[Result | SchedulerUnavailable] = asyncio.Queue()
+        queue: asyncio.Queue[Result | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         sent: asyncio.Future[Any] | None = None
-        finished = False
+        handed_over = finished = False
         try:
-            sent = self._socket_or_raise().send(self._encode(SubmitRequest(context)))
+            sent = self._socket_or_raise().send(self._encode_bounded(SubmitRequest(context)))
             await self._wait_until_sent(sent, self.config.submit_timeout_s)
+            images_sent(context.images)
+            handed_over = True
             while not finished:
                 item = await queue.get()
-                if isinstance(item, SchedulerUnavailable):
+                if isinstance(item, StreamBacklogFull):
+                    finished = True  # already aborted
+                if isinstance(item, Exception):
                     raise item
                 finished = item.stop_stream
                 yield item
@@ -152,8 +200,11 @@ class EngineClient:
                 if sent is not None:
                     sent.cancel()  # pyzmq skips a cancelled send: the frame never leaves
                 release_images(context.images)  # still ours: the scheduler never saw them
-            elif not finished:
-                self.abort([request_id])
+            else:
+                if not handed_over:
+                    images_sent(context.images)
+                if not finished:
+                    self.abort([request_id])
 
     async def embed(self, contexts: list[EmbeddingsContext]) -> dict[RequestID, EmbeddingsResult]:
         """Submit every input for embedding; each one's result, by id. Raises
@@ -172,7 +223,7 @@ class EngineClient:
             await self._send(SubmitEmbeddings(contexts), self.config.submit_timeout_s)
             for request_id, queue in queues.items():
                 item = await queue.get()
-                if isinstance(item, SchedulerUnavailable):
+                if isinstance(item, Exception):
                     raise item
                 results[request_id] = item
             return results
@@ -227,7 +278,15 @@ class EngineClient:
         return self._stats_tickets.sent(), sent
 
     async def _send(self, message: Any, timeout_s: float) -> None:
-        await self._wait_until_sent(self._socket_or_raise().send(self._encode(message)), timeout_s)
+        frame = self._encode_bounded(message)
+        await self._wait_until_sent(self._socket_or_raise().send(frame), timeout_s)
+
+    def _encode_bounded(self, message: Any) -> bytes:
+        """``message`` as one frame; ``MessageTooLarge`` if the scheduler would not take it."""
+        frame = self._encode(message)
+        if len(frame) > MAX_SUBMIT_BYTES:
+            raise MessageTooLarge(len(frame))
+        return frame
 
     async def _wait_until_sent(self, sent: asyncio.Future[Any], timeout_s: float) -> None:
         """Wait for a pyzmq send; on a timeout it is cancelled (never sent) and
@@ -267,6 +326,9 @@ class EngineClient:
                 continue
             self._last_heard = time.monotonic()
             self._dispatch(message)
+            # Let consumers take what arrived before the next message, so that results piled up
+            # while the loop was busy do not count as a backlog their clients left unread.
+            await asyncio.sleep(0)
 
     def _dispatch(self, message: SchedulerResults | SchedulerStats) -> None:
         if isinstance(message, SchedulerStats):
@@ -280,8 +342,24 @@ class EngineClient:
             queue = self._queues.get(request_id)
             if queue is None:
                 logger.debug("dropping a result for request %s, which is not in flight", request_id)
+            elif queue.qsize() >= self.config.max_stream_backlog:
+                self._abort_unread(request_id, queue)
             else:
                 queue.put_nowait(result)
+
+    def _abort_unread(self, request_id: RequestID, queue: asyncio.Queue) -> None:
+        """Abort a request whose consumer left ``max_stream_backlog`` results unread: drop them,
+        and leave it ``StreamBacklogFull`` to find when it reads again."""
+        logger.warning(
+            "aborting request %s: its client left %d results unread",
+            request_id,
+            queue.qsize(),
+        )
+        del self._queues[request_id]
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(StreamBacklogFull(self.config.max_stream_backlog))
+        self.abort([request_id])
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s

@@ -89,6 +89,31 @@ def no_generation_model(model: str | None, is_embedding_model: bool) -> OpenAIEr
     return OpenAIError(404, message, "NotFoundError", "model", "model_not_found")
 
 
+def unsupported_media_type(content_type: str | None) -> OpenAIError:
+    """415 for a body that is not sent as JSON (a web page can POST text/plain cross-origin
+    without a CORS preflight; it cannot POST application/json)."""
+    sent = "no Content-Type" if content_type is None else f"Content-Type {content_type[:100]!r}"
+    return OpenAIError(
+        415,
+        f"The request has {sent}; send the body as JSON with 'Content-Type: application/json'",
+        "invalid_request_error",
+        code="unsupported_media_type",
+    )
+
+
+def invalid_host(bind_host: str) -> OpenAIError:
+    """400 for a ``Host`` header that names neither localhost nor a loopback address, on a
+    server that listens on a loopback address (what a DNS rebinding page would send)."""
+    return OpenAIError(
+        400,
+        f"Invalid Host header: this server listens on the loopback address {bind_host} and "
+        "serves only requests for localhost, 127.0.0.1 or [::1] (any port), so that no web "
+        "page can reach it by DNS rebinding",
+        "invalid_request_error",
+        code="invalid_host",
+    )
+
+
 RETRY_AFTER_S = 1
 """What a 429 or 503 tells the client to wait before retrying (``Retry-After``, seconds)."""
 

@@ -5,15 +5,20 @@ referenced from ``TextContext.images``. The API server owns those segments from 
 until ``EngineClient.generate`` has sent the request's ``SubmitRequest`` to the scheduler; from
 then on the scheduler owns them and unlinks them when the request ends, whatever way it ends.
 Every path that ends before the send (a refusal, a failure, a cancelled request) unlinks them
-here with ``release_images``. Each choice of an ``n > 1`` request is its own scheduler request
-with its own copies (``copy_images``), so each can be unlinked on its own.
+here with ``release_images``.
+
+The choices of an ``n > 1`` request are scheduler requests of their own that name the same
+segments (``share_images``; the pixels are never copied). The scheduler unlinks a segment when
+the last request naming it has left; here, each choice gives up its hold once, by
+``images_sent`` when its ``SubmitRequest`` was sent or ``release_images`` when it never will be,
+and the segments are unlinked only by the last choice to let go, and only if none was sent.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -71,22 +76,50 @@ def _create(pixels: np.ndarray) -> SharedMemoryArray:
         ) from error
 
 
-def copy_images(images: Sequence[ImageMetadata]) -> list[ImageMetadata]:
-    """The same images in new segments of their own (same positions, same hashes), owned by
-    the caller; on failure, the copies made so far are unlinked and the originals are kept."""
-    copies: list[ImageMetadata] = []
-    try:
+@dataclass
+class _Share:
+    """The holds the choices of one request still have on a shared segment."""
+
+    num_holders: int
+    sent: bool = field(default=False)
+
+
+_shares: dict[str, _Share] = {}
+"""Shared segments by name, while a choice still holds them (event loop only)."""
+
+
+def share_images(images: Sequence[ImageMetadata], num_holders: int) -> None:
+    """Let ``num_holders`` choices name ``images``, which the caller owns; from now on each of
+    them lets go once, by ``images_sent`` or ``release_images``."""
+    if num_holders > 1:
         for image in images:
-            segment = _create(image.pixel_values.read())
-            copies.append(ImageMetadata(image.start_idx, image.end_idx, segment, image.image_hash))
-    except BaseException:
-        release_images(copies)
-        raise
-    return copies
+            _shares[image.pixel_values.name] = _Share(num_holders)
+
+
+def images_sent(images: Iterable[ImageMetadata]) -> None:
+    """A choice's ``SubmitRequest`` naming ``images`` was sent: the scheduler owns them now."""
+    for image in images:
+        share = _shares.get(image.pixel_values.name)
+        if share is not None:
+            share.sent = True
+            _let_go(image.pixel_values.name, share)
 
 
 def release_images(images: Iterable[ImageMetadata]) -> None:
     """Unlink the segments of images the API server still owns (never call it for a request
-    the scheduler was sent). Safe to call twice."""
+    the scheduler was sent). Safe to call twice for images no other choice shares; a shared
+    segment counts one hold per call and is unlinked by the last, if no choice was sent."""
     for image in images:
-        image.pixel_values.unlink()
+        share = _shares.get(image.pixel_values.name)
+        is_ours = share is None or (_let_go(image.pixel_values.name, share) and not share.sent)
+        if is_ours:
+            image.pixel_values.unlink()
+
+
+def _let_go(name: str, share: _Share) -> bool:
+    """Count one hold off ``share``; whether it was the last."""
+    share.num_holders -= 1
+    if share.num_holders > 0:
+        return False
+    del _shares[name]
+    return True

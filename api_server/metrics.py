@@ -11,7 +11,10 @@ Two sources, each counted once however many API server processes there are:
   shows the same values, never a sum of them.
 
 HTTP request counts and latencies come from prometheus-fastapi-instrumentator
-(``http_requests_total``, ``http_request_duration_seconds``), as vLLM exposes them.
+(``http_requests_total``, ``http_request_duration_seconds``), as vLLM exposes them. Their labels
+take fixed values only, whatever a client sends (unauthenticated clients included): ``method``
+one of ``HTTP_METHODS`` or "OTHER", ``handler`` a route's template or "none", ``status`` a status
+code this server answers.
 Every ``switchyard:`` metric carries a ``model_name`` label.
 """
 
@@ -81,6 +84,11 @@ SCHEDULER_METRIC_NAMES = (
 """The scheduler's series (histogram series add _bucket, _sum, _count): the same on every API
 server of one scheduler. deploy/prometheus/prometheus.yml scrapes them from one replica only."""
 
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+OTHER_METHOD = "OTHER"
+"""The ``method`` label of any method not in ``HTTP_METHODS`` (uvicorn's h11 parser takes any
+token as a method: 300 made-up ones would otherwise make 300 series)."""
+
 # `_created` series would differ between the in-process and multiprocess modes (the latter has
 # none) and vLLM does not expose them either.
 prometheus_client.disable_created_metrics()
@@ -92,6 +100,9 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         """``ValueError`` when ``PROMETHEUS_MULTIPROC_DIR`` names no directory."""
         self.model_name = model_name
+        self.num_request_changes = 0
+        """Requests this process took, started or finished so far: stats fetched before a
+        change may not show it (api_server.stats_tickets.SchedulerStatsCache)."""
         self.registry = CollectorRegistry()
         self._multiprocess_dir = envs.prometheus_multiproc_dir()
         if self._multiprocess_dir is not None and not os.path.isdir(self._multiprocess_dir):
@@ -176,10 +187,15 @@ class ServerMetrics:
             excluded_handlers=["/metrics"],
             registry=self.registry,
         )
-        instrumentator.add(
-            http_metrics.requests(registry=self.registry),
-            http_metrics.latency(registry=self.registry),
-        )
+        count = http_metrics.requests(registry=self.registry)
+        observe_latency = http_metrics.latency(registry=self.registry)
+
+        def record(info: http_metrics.Info) -> None:
+            info.method = method_label(info.method)
+            count(info)
+            observe_latency(info)
+
+        instrumentator.add(record)
         instrumentator.instrument(app)
 
     def update_scheduler(self, stats: SchedulerStats | None) -> None:
@@ -202,7 +218,14 @@ class ServerMetrics:
         """The recorder of one request (one choice) that arrived at ``arrival_time``
         (``time.monotonic()``); its ``num_prompt_tokens`` are counted once it starts
         generating (0: counted by a sibling choice already)."""
+        self.num_request_changes += 1
         return RequestMetrics(self, arrival_time, num_prompt_tokens)
+
+
+def method_label(method: str) -> str:
+    """The ``method`` label for an HTTP request line's method: itself if it is a standard one,
+    else ``OTHER_METHOD``."""
+    return method if method in HTTP_METHODS else OTHER_METHOD
 
 
 class RequestMetrics:
@@ -234,6 +257,7 @@ class RequestMetrics:
         now = time.monotonic()
         self._first_token_time = self._last_token_time = self._flushed_at = now
         metrics = self._metrics
+        metrics.num_request_changes += 1
         metrics.time_to_first_token.observe(now - self._arrival_time)
         metrics.prompt_tokens.inc(self._num_prompt_tokens)
         if self._num_prompt_tokens:
@@ -264,6 +288,7 @@ class RequestMetrics:
         now = time.monotonic()
         self._flush(now)
         metrics = self._metrics
+        metrics.num_request_changes += 1
         metrics.request_success[reason].inc()
         metrics.e2e_request_latency.observe(now - self._arrival_time)
         if self._first_token_time is not None and self._last_token_time is not None:

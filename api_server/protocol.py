@@ -4,7 +4,10 @@ Every field OpenAI defines is declared, so a request built by an OpenAI SDK pars
 not support yet are rejected by ``api_server.request_builder`` with a 400 naming them. Fields OpenAI
 does not define (and that are not vLLM extensions listed here) fail validation as
 "Unrecognized request argument supplied". Integers that travel to the scheduler are bounded here,
-so none can overflow msgpack. Response schemas live in ``api_server.responses``.
+so none can overflow msgpack, and so are lists that would cost the scheduler or the worker per
+token (stop strings and stop token ids, ``logit_bias``, choice lists, messages, tools). The sizes
+an operator sets (prompt text, schemas, choices x tokens) are checked by
+``api_server.request_limits``. Response schemas live in ``api_server.responses``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+"""Each stop string's length (the stream holds back that much text while it might match)."""
+MAX_STOP_TOKEN_IDS = 1024
+"""More than any vocabulary's special tokens (Llama 3 reserves 256), so no real user meets it;
+the scheduler checks each generated token against the set."""
+MAX_LOGIT_BIAS = 300
+"""OpenAI's bound on ``logit_bias`` entries."""
+MAX_GUIDED_CHOICES = 1000
+"""Alternatives of a choice constraint: OpenAI's bound on the values of a schema's enums."""
+MAX_MESSAGES = 2048
+"""OpenAI's bound on the messages of one chat request."""
+MAX_CACHE_SALT_CHARS = 1024
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
+"""A penalty divides or multiplies logits: below 0.01 it is no longer finite in float32 at
+usual logit sizes, and above 2 no one uses it."""
 MAX_LOGPROBS = 20
 """OpenAI's bound on ``top_logprobs`` (chat) and ``logprobs`` (completions)."""
 MAX_N = 128
@@ -129,7 +147,7 @@ class StructuredOutputsParams(OpenAIBaseModel):
     regex: str | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    choice: list[str] | None = None
+    choice: list[str] | None = Field(default=None, max_length=MAX_GUIDED_CHOICES)
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -139,7 +157,7 @@ class SamplingFields(OpenAIBaseModel):
     """None means the served model (as vLLM allows)."""
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     n: int | None = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
@@ -151,26 +169,31 @@ class SamplingFields(OpenAIBaseModel):
     response_format: ResponseFormat | None = None
     top_k: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(
+        default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     """Keep the matched stop string (or stop token's text) at the end of the text (vLLM)."""
-    stop_token_ids: list[int] | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     """Only requests with the same salt share prefix-cache entries (vLLM's extension)."""
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: str | dict[str, Any] | bool | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=MAX_GUIDED_CHOICES)
 
     @field_validator("stop")
     @classmethod
     def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if any(len(string) > MAX_STOP_STRING_CHARS for string in strings):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         return stop
 
     @property
@@ -196,7 +219,7 @@ class SamplingFields(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False

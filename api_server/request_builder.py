@@ -32,8 +32,9 @@ from interfaces import (
 Check = Callable[[Any], bool]
 Prompt = str | list[int]
 
-MAX_CHOICES = 2048
-"""The most choices (prompts x n) one request may ask for."""
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""A temperature below this samples as greedily as 0 does, and is sent as 0 (vLLM's
+``_SAMPLING_EPS``): dividing logits by it would overflow float32."""
 
 _CHAT_UNSUPPORTED: dict[str, Check] = {
     "echo": lambda r: r.echo,
@@ -185,7 +186,7 @@ def sampling_params(request: SamplingFields, vocab_size: int) -> SamplingParams:
             top_k=-1 if request.top_k is None else request.top_k,
             top_p=1.0 if request.top_p is None else request.top_p,
             min_p=0.0 if request.min_p is None else request.min_p,
-            temperature=1.0 if request.temperature is None else request.temperature,
+            temperature=_temperature(request.temperature),
             frequency_penalty=request.frequency_penalty or 0.0,
             presence_penalty=request.presence_penalty or 0.0,
             repetition_penalty=request.repetition_penalty or 1.0,
@@ -199,6 +200,13 @@ def sampling_params(request: SamplingFields, vocab_size: int) -> SamplingParams:
         )
     except ValueError as error:
         raise invalid_request(str(error), param=_param_of(str(error))) from error
+
+
+def _temperature(temperature: float | None) -> float:
+    """OpenAI's default 1.0 when unset; 0 (greedy) below ``GREEDY_BELOW_TEMPERATURE``."""
+    if temperature is None:
+        return 1.0
+    return 0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature
 
 
 def _param_of(message: str) -> str:
@@ -263,14 +271,9 @@ def chat_generation_request(
 def completion_generation_requests(
     request: CompletionRequest, request_id: str, model_name: str, vocab_size: int
 ) -> list[TextGenerationRequest]:
-    """One ``TextGenerationRequest`` per prompt, ``index`` the prompt's position."""
+    """One ``TextGenerationRequest`` per prompt, ``index`` the prompt's position (their number
+    is bounded by ``api_server.request_limits``)."""
     prompts = split_prompts(request.prompt)
-    if len(prompts) * request.num_choices_per_prompt > MAX_CHOICES:
-        raise invalid_request(
-            f"At most {MAX_CHOICES} choices (prompts x n) per request; got "
-            f"{len(prompts)} x {request.num_choices_per_prompt}",
-            param="prompt",
-        )
     params = sampling_params(request, vocab_size)
     timestamp_ns = time.time_ns()
     return [

@@ -1,12 +1,14 @@
 """The two generation endpoints, /v1/chat/completions and /v1/completions.
 
-Both follow one path: check the model name and the supported fields, build one
-``TextGenerationRequest`` per prompt, tokenize each into a ``TextContext`` (errors → 400), fan
-each out into ``n`` choices, submit them all, and answer either one JSON body or an SSE stream of
-``data: {json}`` events ending with ``data: [DONE]``. The endpoints differ only in their
-``ResponseFormat`` (api_server.formats). Chat messages may hold images (api_server.images),
-whose shared-memory segments this server unlinks on every path that ends before their
-``SubmitRequest`` is sent (api_server.image_segments); completions take none.
+Both follow one path: check the model name and the request's sizes (api_server.request_limits,
+on the event loop, cheap), then the supported fields, structured outputs and tools, build one
+``TextGenerationRequest`` per prompt (in a prepare thread: schema checks are slow), tokenize
+each into a ``TextContext`` (in a prepare thread too; errors → 400), fan each out into ``n``
+choices, submit them all, and answer either one JSON body or an SSE stream of ``data: {json}``
+events ending with ``data: [DONE]``. The endpoints differ only in their ``ResponseFormat``
+(api_server.formats). Chat messages may hold images (api_server.images), whose shared-memory
+segments the choices share and this server unlinks on every path that ends before any of their
+``SubmitRequest``s is sent (api_server.image_segments); completions take none.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from api_server.choices import Choice, ChoiceDelta, Generation, choice_context
-from api_server.config import ApiServerConfig
+from api_server.config import ApiServerConfig, RequestLimits
 from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.errors import (
     OpenAIError,
@@ -35,7 +37,7 @@ from api_server.errors import (
     service_unavailable,
 )
 from api_server.formats import ChatFormat, CompletionFormat, ResponseFormat
-from api_server.image_segments import PreparedImage, release_images
+from api_server.image_segments import PreparedImage, release_images, share_images
 from api_server.images import check_images_accepted, image_inputs, load_images
 from api_server.logprobs import TokenTexts
 from api_server.metrics import ServerMetrics
@@ -46,10 +48,11 @@ from api_server.request_builder import (
     completion_generation_requests,
 )
 from api_server.request_id import current_request_id, engine_request_id
+from api_server.request_limits import OutputBudget, check_request_limits
 from api_server.structured_output import structured_output
 from api_server.text_stream import GenerationStream, RequestFailed, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
-from api_server.tools import chat_constraint, tool_calling
+from api_server.tools import ToolCalling, chat_constraint, tool_calling
 from interfaces import ErrorKind, StructuredOutput, TextContext, TextGenerationRequest
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -72,6 +75,10 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.token_texts = None if self.tokenizer is None else TokenTexts(self.tokenizer.backend)
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return self.config.request_limits
 
     @property
     def model_name(self) -> str | None:
@@ -97,15 +104,11 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     arrival_time = time.monotonic()
     state.check_model(request.model)
     state.check_accepting()
-    check_supported(request)
-    tools = tool_calling(request)
-    constraint = chat_constraint(request, tools)
+    check_request_limits(request, state.request_limits, state.tokenizer.max_model_len)
     response_id = f"chatcmpl-{current_request_id()}"
     request_id = engine_request_id(response_id)
-    vocab_size = state.tokenizer.vocab_size
-    prompt_tools = None if tools is None else tools.tools
-    prompt = chat_generation_request(
-        request, request_id, state.model_name, vocab_size, prompt_tools
+    tools, constraint, prompt = await state.tokenizer.run_in_thread(
+        _checked_chat_request, request, state, request_id
     )
     options = _text_options(request)
     if tools is not None and state.tokenizer.special_token_texts & set(tools.markers):
@@ -131,12 +134,12 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
     arrival_time = time.monotonic()
     state.check_model(request.model)
     state.check_accepting()
-    check_supported(request)
+    check_request_limits(request, state.request_limits, state.tokenizer.max_model_len)
     response_id = f"cmpl-{current_request_id()}"
     request_id = engine_request_id(response_id)
-    vocab_size = state.tokenizer.vocab_size
-    prompts = completion_generation_requests(request, request_id, state.model_name, vocab_size)
-    constraint = structured_output(request)
+    prompts, constraint = await state.tokenizer.run_in_thread(
+        _checked_completion_requests, request, state, request_id
+    )
     options = _text_options(request)
     response_format = CompletionFormat(
         response_id, state.model_name, request.num_logprobs, state.token_texts
@@ -145,6 +148,34 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
         state, request, prompts, request.num_logprobs, constraint, options, arrival_time
     )
     return await _respond(request, generation, response_format)
+
+
+def _checked_chat_request(
+    request: ChatCompletionRequest, state: ServerState, request_id: str
+) -> tuple[ToolCalling | None, StructuredOutput | None, TextGenerationRequest]:
+    """The request's tools, constraint and wire form; a 400 for anything unsupported or invalid.
+    CPU work (meta-validating schemas): run it in a prepare thread."""
+    check_supported(request)
+    max_bytes = state.request_limits.max_structured_output_bytes
+    tools = tool_calling(request, max_bytes)
+    constraint = chat_constraint(request, tools, max_bytes)
+    prompt_tools = None if tools is None else tools.tools
+    vocab_size = state.tokenizer.vocab_size
+    prompt = chat_generation_request(
+        request, request_id, state.model_name, vocab_size, prompt_tools
+    )
+    return tools, constraint, prompt
+
+
+def _checked_completion_requests(
+    request: CompletionRequest, state: ServerState, request_id: str
+) -> tuple[list[TextGenerationRequest], StructuredOutput | None]:
+    """One wire request per prompt and the constraint, as ``_checked_chat_request`` does."""
+    check_supported(request)
+    vocab_size = state.tokenizer.vocab_size
+    prompts = completion_generation_requests(request, request_id, state.model_name, vocab_size)
+    constraint = structured_output(request, state.request_limits.max_structured_output_bytes)
+    return prompts, constraint
 
 
 async def _generation(
@@ -160,33 +191,41 @@ async def _generation(
     """Tokenize every prompt once and make ``n`` choices of each (index prompt * n + sample).
 
     Each choice is one request in the metrics; the prompt's tokens count with its first.
-    ``images`` go with every prompt (chat has one). If anything here fails, every image segment
-    made so far (the prompt's, and the choices' copies) is unlinked."""
+    ``images`` go with every prompt (chat has one); a prompt's choices share its segments. Once
+    a prompt is tokenized, its choices' output tokens count against
+    ``--max-request-output-tokens`` (``OutputBudget``). If anything here fails, every image
+    segment made so far is unlinked (each choice lets go of its hold once)."""
     n = request.num_choices_per_prompt
     several = len(prompts) * n > 1
+    budget = OutputBudget(state.request_limits, state.tokenizer.max_model_len, n)
     choices, num_prompt_tokens = [], 0
-    contexts: list[TextContext] = []  # their image segments are all still ours
+    holders: list[TextContext] = []  # one per hold on image segments that are still ours
     try:
         for prompt in prompts:
             context = await _new_context(state, prompt, num_logprobs, constraint, images)
-            contexts.append(context)
+            holders.append(context)
+            choice_contexts = [context]
+            if several:
+                first_index = prompt.index * n
+                choice_contexts = [
+                    choice_context(context, prompt.request_id, first_index + sample, sample)
+                    for sample in range(n)
+                ]
+                share_images(context.images, n)
+                holders[-1:] = choice_contexts
+            budget.add(context)
             num_prompt_tokens += context.num_prompt_tokens
             echo_text = _echo_text(state, prompt, context) if prompt.echo else None
-            for sample in range(n):
-                index = prompt.index * n + sample
-                context_of_choice = context
-                if several:
-                    context_of_choice = choice_context(context, prompt.request_id, index, sample)
-                    contexts.append(context_of_choice)
+            for sample, context_of_choice in enumerate(choice_contexts):
                 num_prompt_tokens_counted = context.num_prompt_tokens if sample == 0 else 0
                 metrics = state.metrics.request(arrival_time, num_prompt_tokens_counted)
                 stream = GenerationStream(
                     state.engine, context_of_choice, state.tokenizer.backend, options, metrics
                 )
-                choices.append(Choice(index, stream, echo_text))
+                choices.append(Choice(prompt.index * n + sample, stream, echo_text))
     except BaseException:
-        for made in contexts:
-            release_images(made.images)
+        for holder in holders:
+            release_images(holder.images)
         raise
     return Generation(choices, num_prompt_tokens)
 
@@ -298,6 +337,8 @@ async def _sse_events(
             yield _sse(response_format.usage_chunk(generation.usage()))
     except (RequestFailed, SchedulerUnavailable) as error:
         yield _sse(as_openai_error(error).body())
+    except OpenAIError as error:  # e.g. StreamBacklogFull: the client stopped reading
+        yield _sse(error.body())
     finally:
         await deltas.aclose()
     yield SSE_DONE

@@ -8,6 +8,12 @@ against the JSON Schema 2020-12 meta-schema and regexes with Python's ``re``, so
 constraints are a 400 here rather than a failure in the worker; grammars are passed on unchecked
 (the worker compiles them); a choice becomes a grammar of its alternatives. The worker applies
 the constraint as token masks.
+
+Each constraint's text is bounded (``max_bytes``, the API server's
+``--max-structured-output-bytes``) before anything else looks at it: meta-validating a schema
+is slow in pure Python, and the text travels to the scheduler inside the request's frame.
+Schemas travel as compact JSON with non-ASCII characters as they are (escaping them would
+triple their size). These checks are CPU work; the API server runs them off its event loop.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import re
 from typing import Any
 
+import msgspec
 from jsonschema import Draft202012Validator, SchemaError
 
 from api_server.errors import invalid_request
@@ -25,16 +32,17 @@ from interfaces import StructuredOutput
 JsonSpec = str | dict[str, Any] | bool
 
 
-def structured_output(request: SamplingFields) -> StructuredOutput | None:
+def structured_output(request: SamplingFields, max_bytes: int | None) -> StructuredOutput | None:
     """The request's constraint on generated text, or None; a 400 naming the field when the
-    constraint is invalid, unsupported, or given more than once."""
+    constraint is invalid, unsupported, given more than once, or its text takes more than
+    ``max_bytes`` (None: no bound)."""
     sources = {
-        "response_format": _from_response_format(request.response_format),
-        "structured_outputs": _from_structured_outputs(request.structured_outputs),
-        "guided_json": json_schema_output(request.guided_json, "guided_json"),
-        "guided_regex": _regex(request.guided_regex, "guided_regex"),
-        "guided_grammar": _grammar(request.guided_grammar, "guided_grammar"),
-        "guided_choice": _choice(request.guided_choice, "guided_choice"),
+        "response_format": _from_response_format(request.response_format, max_bytes),
+        "structured_outputs": _from_structured_outputs(request.structured_outputs, max_bytes),
+        "guided_json": json_schema_output(request.guided_json, "guided_json", max_bytes=max_bytes),
+        "guided_regex": _regex(request.guided_regex, "guided_regex", max_bytes),
+        "guided_grammar": _grammar(request.guided_grammar, "guided_grammar", max_bytes),
+        "guided_choice": _choice(request.guided_choice, "guided_choice", max_bytes),
     }
     given = {name: output for name, output in sources.items() if output is not None}
     if len(given) > 1:
@@ -46,7 +54,9 @@ def structured_output(request: SamplingFields) -> StructuredOutput | None:
     return next(iter(given.values()), None)
 
 
-def _from_response_format(response_format: ResponseFormat | None) -> StructuredOutput | None:
+def _from_response_format(
+    response_format: ResponseFormat | None, max_bytes: int | None
+) -> StructuredOutput | None:
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
@@ -60,17 +70,19 @@ def _from_response_format(response_format: ResponseFormat | None) -> StructuredO
     if json_schema.schema_ is None:
         return StructuredOutput("json_object")
     where = "response_format.json_schema.schema"
-    return json_schema_output(json_schema.schema_, "response_format", where)
+    return json_schema_output(json_schema.schema_, "response_format", where, max_bytes)
 
 
-def _from_structured_outputs(params: StructuredOutputsParams | None) -> StructuredOutput | None:
+def _from_structured_outputs(
+    params: StructuredOutputsParams | None, max_bytes: int | None
+) -> StructuredOutput | None:
     if params is None:
         return None
     outputs = [
-        json_schema_output(params.json_, "structured_outputs.json"),
-        _regex(params.regex, "structured_outputs.regex"),
-        _grammar(params.grammar, "structured_outputs.grammar"),
-        _choice(params.choice, "structured_outputs.choice"),
+        json_schema_output(params.json_, "structured_outputs.json", max_bytes=max_bytes),
+        _regex(params.regex, "structured_outputs.regex", max_bytes),
+        _grammar(params.grammar, "structured_outputs.grammar", max_bytes),
+        _choice(params.choice, "structured_outputs.choice", max_bytes),
         StructuredOutput("json_object") if params.json_object else None,
     ]
     given = [output for output in outputs if output is not None]
@@ -84,18 +96,22 @@ def _from_structured_outputs(params: StructuredOutputsParams | None) -> Structur
 
 
 def json_schema_output(
-    spec: JsonSpec | None, param: str, where: str | None = None
+    spec: JsonSpec | None, param: str, where: str | None = None, max_bytes: int | None = None
 ) -> StructuredOutput | None:
-    """A ``json_schema`` constraint from a schema given as an object or as JSON text."""
+    """A ``json_schema`` constraint from a schema given as an object or as JSON text, whose
+    text (as given, and as sent) takes at most ``max_bytes`` (None: no bound)."""
     if spec is None:
         return None
     where = where or param
     schema: Any = spec
     if isinstance(spec, str):
+        check_size(spec, param, max_bytes, where)
         try:
             schema = json.loads(spec)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:
             raise invalid_request(f"{where} is not valid JSON: {error}", param=param) from error
+    text = _compact_json(schema, param, where)
+    check_size(text, param, max_bytes, where)
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as error:
@@ -104,12 +120,37 @@ def json_schema_output(
         ) from error
     except RecursionError as error:
         raise invalid_request(f"{where} is nested too deeply", param=param) from error
-    return StructuredOutput("json_schema", json.dumps(schema))
+    return StructuredOutput("json_schema", text)
 
 
-def _regex(pattern: str | None, param: str) -> StructuredOutput | None:
+def check_size(text: str, param: str, max_bytes: int | None, where: str | None = None) -> None:
+    """400 when ``text`` takes more than ``max_bytes`` in UTF-8 (None: no bound)."""
+    if max_bytes is None:
+        return
+    num_bytes = len(text.encode("utf-8", "surrogatepass"))
+    if num_bytes > max_bytes:
+        raise invalid_request(
+            f"{where or param} takes {num_bytes} bytes; the limit is {max_bytes} bytes "
+            "(--max-structured-output-bytes)",
+            param=param,
+        )
+
+
+def _compact_json(value: Any, param: str, where: str) -> str:
+    """``value`` as compact JSON text, non-ASCII characters kept as they are."""
+    try:
+        try:
+            return msgspec.json.encode(value).decode()
+        except UnicodeEncodeError:  # a lone surrogate: escaped, as UTF-8 cannot hold it
+            return json.dumps(value, separators=(",", ":"))
+    except RecursionError as error:
+        raise invalid_request(f"{where} is nested too deeply", param=param) from error
+
+
+def _regex(pattern: str | None, param: str, max_bytes: int | None) -> StructuredOutput | None:
     if pattern is None:
         return None
+    check_size(pattern, param, max_bytes)
     try:
         re.compile(pattern)
     except (re.error, RecursionError, OverflowError) as error:
@@ -118,19 +159,25 @@ def _regex(pattern: str | None, param: str) -> StructuredOutput | None:
     return StructuredOutput("regex", pattern)
 
 
-def _grammar(grammar: str | None, param: str) -> StructuredOutput | None:
+def _grammar(grammar: str | None, param: str, max_bytes: int | None) -> StructuredOutput | None:
     if grammar is None:
         return None
+    check_size(grammar, param, max_bytes)
     if not grammar.strip():
         raise invalid_request(f"{param} must not be empty", param=param)
     return StructuredOutput("grammar", grammar)
 
 
-def _choice(choices: list[str] | None, param: str) -> StructuredOutput | None:
-    """One of ``choices`` exactly, as an EBNF grammar (a JSON string is an EBNF literal)."""
+def _choice(
+    choices: list[str] | None, param: str, max_bytes: int | None
+) -> StructuredOutput | None:
+    """One of ``choices`` exactly, as an EBNF grammar (a JSON string is an EBNF literal); the
+    grammar's text is what ``max_bytes`` bounds."""
     if choices is None:
         return None
     if not choices or not all(choices):
         raise invalid_request(f"{param} must be a list of non-empty strings", param=param)
     alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
-    return StructuredOutput("grammar", f"root ::= {alternatives}")
+    grammar = f"root ::= {alternatives}"
+    check_size(grammar, param, max_bytes)
+    return StructuredOutput("grammar", grammar)

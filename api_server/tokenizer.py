@@ -4,14 +4,22 @@ Text goes through ``tokenizers.Tokenizer`` (tokenizer.json); chat prompts throug
 in tokenizer_config.json or chat_template.jinja, rendered by ``api_server.chat_template``. For a
 vision-language model (``api_server.vision``) each image token of the prompt is expanded to the
 positions its image fills, and the images' pixels go into shared memory with the context.
+
+Rendering and tokenizing a prompt is CPU work proportional to its size, so ``new_context`` does
+it in a small pool of threads (``run_in_thread``, which the server also uses for its other
+costly checks), never on the event loop; tokenizing goes through ``encode_batch``, which
+releases the GIL, so the loop serves other requests meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
@@ -33,7 +41,11 @@ from interfaces import (
 )
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+NUM_PREPARE_THREADS = 2
+"""Requests prepared (checked, rendered, tokenized) at once by one API server; more wait their
+turn. Few, so that pure-Python checks leave the event loop its share of the GIL."""
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class HuggingFaceTokenizer:
@@ -55,6 +67,13 @@ class HuggingFaceTokenizer:
         added_tokens = self.backend.get_added_tokens_decoder().values()
         self._special_token_texts = frozenset(t.content for t in added_tokens if t.special)
         self.vision, self._vision_problem = _load_vision(self.model_dir)
+        self._threads = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="prepare")
+
+    async def run_in_thread(self, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` in the prepare threads, off the event loop; its exception, if
+        any, is raised here. Cancelling the caller leaves the call to finish in its thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, functools.partial(function, *args))
 
     @property
     def eos(self) -> int:
@@ -98,8 +117,9 @@ class HuggingFaceTokenizer:
         return token_ids
 
     def encode_now(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for ``text`` with no length check (synchronous)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids for ``text`` with no length check (synchronous; ``encode_batch``, unlike
+        ``encode``, lets other threads run meanwhile)."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     async def decode(self, encoded: list[int], **kwargs: Any) -> str:
         """Text for ``encoded``; ``skip_special_tokens`` (default False) as in transformers."""
@@ -157,9 +177,10 @@ class HuggingFaceTokenizer:
         ``images`` are the request's images in prompt order (a vision-language model only):
         each goes into a shared-memory segment of its own, created last, once every check has
         passed. The caller owns the segments of the context returned (``api_server.
-        image_segments``); when this raises, none exists.
+        image_segments``); when this raises, none exists. The prompt is rendered and tokenized
+        in a prepare thread.
         """
-        prompt_token_ids = self.prompt_token_ids(request, num_images=len(images))
+        prompt_token_ids = await self.run_in_thread(self.prompt_token_ids, request, len(images))
         num_prompt_tokens = len(prompt_token_ids)
         self._check_prompt_length(num_prompt_tokens)
         max_new_tokens = request.sampling_params.max_new_tokens

@@ -8,21 +8,25 @@
 
 Bad definitions are 400s before anything is queued: a parameters schema that is not a JSON
 schema, a ``tool_choice`` naming a function that is not in ``tools``, forcing a call without
-tools, or a forced call together with a ``response_format`` constraint.
+tools, or a forced call together with a ``response_format`` constraint. Each parameters schema,
+and the constraint a forced call makes of them, takes at most ``max_bytes``
+(``--max-structured-output-bytes``); the tools' count is OpenAI's (``protocol.MAX_TOOLS``) and
+their text counts as prompt text (``api_server.request_limits``).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import msgspec
+
 from api_server.errors import invalid_request
 from api_server.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice
 from api_server.responses import FinishReason
-from api_server.structured_output import json_schema_output, structured_output
+from api_server.structured_output import check_size, json_schema_output, structured_output
 from api_server.tool_parsers import (
     HERMES_TAGS,
     HermesToolParser,
@@ -57,10 +61,10 @@ class ToolCalling:
     """Tags the parser looks for in the text (they must not be skipped as special tokens)."""
 
 
-def tool_calling(request: ChatCompletionRequest) -> ToolCalling | None:
+def tool_calling(request: ChatCompletionRequest, max_bytes: int | None) -> ToolCalling | None:
     """None when the request makes no tool calls (no tools, or ``tool_choice`` "none")."""
     tools = request.tools or []
-    _check_tools(tools)
+    _check_tools(tools, max_bytes)
     choice = request.tool_choice or ("auto" if tools else "none")
     if choice == "none":
         return None
@@ -85,11 +89,11 @@ def tool_calling(request: ChatCompletionRequest) -> ToolCalling | None:
             f"tool_choice names the function {name!r}, which is not among the tools",
             param="tool_choice",
         )
-    constraint = StructuredOutput("json_schema", json.dumps(_parameters(tool)))
+    constraint = StructuredOutput("json_schema", _compact_json(_parameters(tool)))
     return ToolCalling(prompt_tools, constraint, partial(NamedToolParser, name), "stop")
 
 
-def _check_tools(tools: list[ChatCompletionTool]) -> None:
+def _check_tools(tools: list[ChatCompletionTool], max_bytes: int | None) -> None:
     """400 for duplicate function names and parameters that are not a JSON schema of an
     object."""
     names: set[str] = set()
@@ -104,7 +108,7 @@ def _check_tools(tools: list[ChatCompletionTool]) -> None:
         if function.parameters is None:
             continue
         param = f"tools[{index}].function.parameters"
-        json_schema_output(function.parameters, param)
+        json_schema_output(function.parameters, param, max_bytes=max_bytes)
         if function.parameters.get("type", "object") != "object":
             raise invalid_request(
                 f"{param} must describe an object (type 'object'): arguments are named",
@@ -113,12 +117,15 @@ def _check_tools(tools: list[ChatCompletionTool]) -> None:
 
 
 def chat_constraint(
-    request: ChatCompletionRequest, tools: ToolCalling | None
+    request: ChatCompletionRequest, tools: ToolCalling | None, max_bytes: int | None
 ) -> StructuredOutput | None:
     """The constraint on generated text: ``response_format`` (or vLLM's spellings), or the
-    forced tool call; 400 if both are given."""
-    constraint = structured_output(request)
+    forced tool call; 400 if both are given, or if the forced call's schema takes more than
+    ``max_bytes``."""
+    constraint = structured_output(request, max_bytes)
     forced = None if tools is None else tools.constraint
+    if forced is not None:
+        check_size(forced.spec, "tool_choice", max_bytes, "the schema of the forced tool call")
     if constraint is not None and forced is not None:
         raise invalid_request(
             "tool_choice 'required' or a named function cannot be combined with a "
@@ -137,7 +144,12 @@ def _calls_constraint(tools: list[ChatCompletionTool], parallel: bool) -> Struct
     }
     if not parallel:
         calls["maxItems"] = 1
-    return StructuredOutput("json_schema", json.dumps(calls))
+    return StructuredOutput("json_schema", _compact_json(calls))
+
+
+def _compact_json(schema: dict[str, Any]) -> str:
+    """A schema already checked (``check_unicode`` refused lone surrogates) as compact JSON."""
+    return msgspec.json.encode(schema).decode()
 
 
 def _call_schema(tool: ChatCompletionTool) -> dict[str, Any]:

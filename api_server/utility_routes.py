@@ -21,7 +21,7 @@ from api_server.protocol import ChatMessage, OpenAIBaseModel
 from api_server.request_builder import check_message, check_unicode, generation_message
 from api_server.tokenizer import HuggingFaceTokenizer
 
-router = APIRouter(strict_content_type=False)
+router = APIRouter()
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -24,6 +24,7 @@ import setproctitle
 
 from interfaces import RequestID, TextGenerationOutput, envs
 from interfaces.scheduler_to_worker import SchedulerOutput
+from interfaces.worker_to_scheduler import RequestFailure
 
 INSTANT_TOKEN_ID = 1000
 """``()`` in SmolLM2's vocabulary: one visible character pair per token, and not a special token."""
@@ -91,6 +92,14 @@ class InstantTokenGenerator:
     def take_refusals(self) -> dict[RequestID, str]:
         """Requests refused in the last step: never any, since nothing is checked."""
         return {}
+
+    def take_failures(self) -> dict[RequestID, RequestFailure]:
+        """Requests whose sampling failed in the last step: never any, nothing is sampled."""
+        return {}
+
+    def take_deferred(self) -> list[RequestID]:
+        """Requests that waited for a grammar in the last step: never any, none is compiled."""
+        return []
 
     def release(self, request_id: RequestID) -> None:
         self.states.pop(request_id, None)

@@ -17,6 +17,10 @@ from interfaces.shared_memory import SharedMemoryArray
 
 RequestID = str
 """A unique, immutable identifier for a request (MAX's ``RequestID``)."""
+MAX_REQUEST_ID_LENGTH = 256
+"""The longest request id the scheduler takes (the API server's are under 160 characters)."""
+MAX_LOGPROBS = 20
+"""OpenAI's bound on ``top_logprobs`` and ``logprobs``: the most alternatives per token."""
 
 
 class TextGenerationRequestFunction(msgspec.Struct, frozen=True, omit_defaults=True):

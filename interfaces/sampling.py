@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import msgspec
 
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by a smaller
+one overflows float32 (``1e-300`` is 0.0 there) and turns them into infinities and NaN."""
+
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """How to pick each next token.
 
-    Semantics follow MAX: ``top_k=1`` (the default) is greedy, as is ``temperature=0``.
+    Semantics follow MAX: ``top_k=1`` (the default) is greedy, as is ``temperature=0`` (or any
+    temperature below ``GREEDY_TEMPERATURE``).
     ``top_k`` of 0 or -1 means "no top-k limit" (vLLM's convention for OpenAI requests).
     ``max_new_tokens=None`` means "until end of sequence or the context is full".
     ``seed=None`` draws fresh randomness; an integer makes sampling reproducible for this request,
@@ -46,7 +51,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     @property
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _problems(params: SamplingParams):

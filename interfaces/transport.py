@@ -1,18 +1,20 @@
 """Security of the internal ZeroMQ sockets: where they may bind, CURVE keys, heartbeats.
 
-The scheduler binds (two ROUTERs); API servers and workers only connect (DEALERs). So:
+The scheduler binds two ROUTERs and a decode worker binds its KV-transfer socket; API servers
+and workers connect. Every socket belongs to one ``Link`` (``interfaces.curve_keys``): the
+scheduler's frontend (``FRONTEND``), its backend (``BACKEND``) or a KV transfer
+(``KV_TRANSFER``). So:
 
-- the scheduler makes one ``Binder`` per ZeroMQ context (``security.binder(context)``) and binds
-  every socket with ``binder.bind(socket, address)``; ``binder.close()`` after closing the sockets
-  and before ``context.term()``;
-- API servers and workers connect with ``security.connect(socket, address)``.
+- a process that binds makes one ``Binder`` per ZeroMQ context (``security.binder(context)``)
+  and binds every socket with ``binder.bind(socket, address, link)``; ``binder.close()`` after
+  closing the sockets and before ``context.term()``;
+- a process that connects calls ``security.connect(socket, address, link)``.
 
 Sockets bind ``ipc://``, ``inproc://`` or loopback ``tcp://`` unless the operator passes
 ``--allow-remote-bind``. Cross-host traffic should also be authenticated and encrypted with
-CURVE: ``generate_curve_keys(DIR)`` writes the scheduler's key pair (``scheduler.key``,
-``scheduler.key_secret``) and one client key pair (``client.key``, ``client.key_secret``) that
-every API server and worker uses. The scheduler accepts the client public keys found in DIR (every
-``*.key`` but ``scheduler.key``); connecting hosts need only ``scheduler.key`` and the client pair.
+CURVE: ``switchyard keygen --output DIR`` writes one key pair per role, and each bound socket
+accepts only the public key of its link's client role (an API server's key cannot register as
+a worker). Which files each process needs: ``interfaces.curve_keys.FILES_BY_PROCESS``.
 """
 
 from __future__ import annotations
@@ -25,19 +27,26 @@ from pathlib import Path
 from types import TracebackType
 
 import zmq
-import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from interfaces import envs
+from interfaces.curve_keys import (
+    BACKEND,
+    FRONTEND,
+    KV_TRANSFER,
+    Link,
+    generate_curve_keys,
+    key_pair,
+    public_key,
+)
+
+__all__ = ["BACKEND", "FRONTEND", "KV_TRANSFER", "Link", "generate_curve_keys"]
 
 logger = logging.getLogger(__name__)
 
-SERVER_KEY_NAME = "scheduler"
-CLIENT_KEY_NAME = "client"
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 HEARTBEAT_TTL_MS = 3000
-_Z85_KEY_LENGTH = 40
 
 
 def check_bind_address(address: str, allow_remote: bool) -> None:
@@ -75,8 +84,8 @@ class TransportSecurity:
     """How a process's internal sockets bind and connect.
 
     ``curve_keys_dir`` None: plaintext, unauthenticated ZeroMQ (fine on ipc:// and loopback).
-    A directory that does not exist raises ``ValueError`` here; missing key files raise it when
-    the keys are first used (``binder()``, ``connect()``).
+    A directory that does not exist raises ``ValueError`` here; a missing key file raises it
+    when a link first needs it (``Binder.bind``, ``connect``).
     """
 
     allow_remote_bind: bool = False
@@ -97,14 +106,15 @@ class TransportSecurity:
         """The binding side for sockets of ``context`` (starts the authenticator with CURVE)."""
         return Binder(self, context)
 
-    def connect(self, socket: zmq.Socket, address: str) -> None:
-        """Enable heartbeats and, with CURVE, the client keys; then connect ``socket``."""
+    def connect(self, socket: zmq.Socket, address: str, link: Link) -> None:
+        """Enable heartbeats and, with CURVE, ``link``'s keys (the server's public key, the
+        client role's pair); then connect ``socket``."""
         _prepare(socket, address)
         if self.curve_keys_dir is not None:
-            socket.curve_serverkey = _read_key(self.curve_keys_dir / f"{SERVER_KEY_NAME}.key")[0]
-            public, secret = _read_key_pair(self.curve_keys_dir, CLIENT_KEY_NAME)
-            socket.curve_publickey = public
-            socket.curve_secretkey = secret
+            socket.curve_serverkey = public_key(self.curve_keys_dir, link.server)
+            socket.curve_publickey, socket.curve_secretkey = key_pair(
+                self.curve_keys_dir, link.client
+            )
         socket.connect(address)
 
 
@@ -114,28 +124,31 @@ class Binder:
     With CURVE it owns a ZAP authenticator thread on that context, started here (before any
     socket is bound, so no client can slip in unauthenticated) and stopped by ``close()``, which
     the owner calls after closing its sockets and before ``context.term()`` (term would wait for
-    the authenticator's sockets). Also a context manager.
+    the authenticator's sockets). Each socket's link is its ZAP domain, and each domain has its
+    own allowlist: the public key of the link's client role. Also a context manager.
     """
 
     def __init__(self, security: TransportSecurity, context: zmq.Context) -> None:
         self.security = security
         self._context = context
-        self._server_keys: tuple[bytes, bytes] | None = None
         self._authenticator: ThreadAuthenticator | None = None
         if security.curve_keys_dir is not None:
-            self._server_keys = _read_key_pair(security.curve_keys_dir, SERVER_KEY_NAME)
-            authorized = _authorized_client_keys(security.curve_keys_dir)
             self._authenticator = ThreadAuthenticator(context)
-            self._authenticator.configure_curve_callback("*", _AuthorizedKeys(authorized))
             self._authenticator.start()
 
-    def bind(self, socket: zmq.Socket, address: str) -> None:
-        """Check ``address``, enable heartbeats and, with CURVE, the server keys; then bind."""
+    def bind(self, socket: zmq.Socket, address: str, link: Link) -> None:
+        """Check ``address``, enable heartbeats and, with CURVE, ``link``'s server keys and
+        allowlist (``ValueError`` for a key file that is missing); then bind."""
         check_bind_address(address, self.security.allow_remote_bind)
-        if self._server_keys is not None:
+        keys_dir = self.security.curve_keys_dir
+        if keys_dir is not None and self._authenticator is not None:
             if socket.context.underlying != self._context.underlying:
                 raise ValueError("the socket belongs to another context than this Binder's")
-            socket.curve_publickey, socket.curve_secretkey = self._server_keys
+            server_keys = key_pair(keys_dir, link.server)
+            allowed = frozenset({public_key(keys_dir, link.client)})
+            self._authenticator.configure_curve_callback(link.name, _AuthorizedKeys(allowed))
+            socket.zap_domain = link.name.encode()
+            socket.curve_publickey, socket.curve_secretkey = server_keys
             socket.curve_server = True
         elif address.startswith("tcp://") and not _is_loopback(_tcp_host(address)):
             logger.warning(
@@ -162,23 +175,6 @@ class Binder:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def generate_curve_keys(directory: Path) -> None:
-    """Write the scheduler's and the clients' CURVE key pairs into ``directory``.
-
-    Creates the directory (mode 0700) if needed; secret key files get mode 0600. Raises
-    ``ValueError`` rather than overwrite keys already there.
-    """
-    names = (SERVER_KEY_NAME, CLIENT_KEY_NAME)
-    files = [directory / f"{name}{suffix}" for name in names for suffix in (".key", ".key_secret")]
-    existing = [str(path) for path in files if path.exists()]
-    if existing:
-        raise ValueError(f"refusing to overwrite CURVE keys: {', '.join(existing)}")
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for name in names:
-        _, secret_file = zmq.auth.create_certificates(directory, name)
-        Path(secret_file).chmod(0o600)
 
 
 def add_transport_flags(parser: argparse.ArgumentParser, binds: bool) -> None:
@@ -209,45 +205,14 @@ def transport_from_args(args: argparse.Namespace) -> TransportSecurity:
 
 
 class _AuthorizedKeys:
-    """ZAP credentials provider: a client may connect iff its public key is in the set."""
+    """ZAP credentials provider of one link: a client may connect iff its public key is in
+    the set."""
 
     def __init__(self, public_keys: frozenset[bytes]) -> None:
         self.public_keys = public_keys
 
     def callback(self, domain: str, public_key: bytes) -> bool:  # z85-encoded key
         return public_key in self.public_keys
-
-
-def _authorized_client_keys(directory: Path) -> frozenset[bytes]:
-    """The public key of every ``*.key`` file in ``directory`` but the scheduler's own."""
-    paths = sorted(path for path in directory.glob("*.key") if path.stem != SERVER_KEY_NAME)
-    if not paths:
-        raise ValueError(
-            f"no client public key (*.key besides {SERVER_KEY_NAME}.key) in {directory}"
-        )
-    return frozenset(_read_key(path)[0] for path in paths)
-
-
-def _read_key_pair(directory: Path, name: str) -> tuple[bytes, bytes]:
-    path = directory / f"{name}.key_secret"
-    public, secret = _read_key(path)
-    if secret is None:
-        raise ValueError(f"CURVE key file {path} holds no secret key")
-    return public, secret
-
-
-def _read_key(path: Path) -> tuple[bytes, bytes | None]:
-    """(public key, secret key or None) of a ZeroMQ certificate file, both z85-encoded."""
-    try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as error:
-        raise ValueError(
-            f"cannot read CURVE key file {path} ({error}); "
-            "create the key directory with `switchyard keygen --output DIR`"
-        ) from None
-    if any(key is not None and len(key) != _Z85_KEY_LENGTH for key in (public, secret)):
-        raise ValueError(f"CURVE key file {path} holds a malformed key")
-    return public, secret
 
 
 def _prepare(socket: zmq.Socket, address: str) -> None:

@@ -64,6 +64,20 @@ class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
     group: str = ""
     kv_layout: KVLayout | None = None
     transfer_addr: str = ""
+    vocab_size: int = 0
+    """The model's vocabulary size: the scheduler admits only prompt token ids below it (0:
+    not reported, so only ids that fit the wire's integers pass)."""
+
+
+class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
+    """Why the worker could not sample one request's token, for that request's user alone.
+
+    ``invalid_request``: the request's own parameters caused it (its grammar), an HTTP 400;
+    otherwise the failure is the system's, a 500.
+    """
+
+    reason: str
+    invalid_request: bool = False
 
 
 class ModelOutput(msgspec.Struct, tag="output", array_like=True):
@@ -74,15 +88,36 @@ class ModelOutput(msgspec.Struct, tag="output", array_like=True):
     a logit_bias outside the vocabulary), with the reason for the user. Their scheduled tokens
     were still computed, so blocks they share stay valid; they got no token and the worker has
     already released them. The rest of the step ran normally.
+
+    ``failed`` names requests whose token could not be sampled (their logits, logits processing
+    or grammar raised): their scheduled tokens were computed, they got no token, and the worker
+    keeps their state until the scheduler releases them. The others in the step are unaffected.
+
+    ``deferred`` names requests that reached a sampling point before their grammar finished
+    compiling: their scheduled tokens were computed (KV written) but they got no token. The
+    scheduler recomputes their last token once ``GrammarsReady`` names them.
     """
 
     step_id: int
     outputs: dict[RequestID, TextGenerationOutput]
     refused: dict[RequestID, str] = {}
+    failed: dict[RequestID, RequestFailure] = {}
+    deferred: list[RequestID] = []
+
+
+class GrammarsReady(msgspec.Struct, tag="grammars", array_like=True):
+    """Sent by rank 0 between steps, about requests it deferred (``ModelOutput.deferred``):
+    their grammars are ``ready`` to sample with, or ``failed`` to compile (an invalid spec, or
+    past the compile time limit), with the reason for the user (an HTTP 400). A request is named
+    once, and only after the ``ModelOutput`` that deferred it."""
+
+    ready: list[RequestID] = []
+    failed: dict[RequestID, str] = {}
 
 
 class WorkerFailure(msgspec.Struct, tag="failure", array_like=True):
-    """The worker could not run a step; the scheduler fails the step's requests with ``error``."""
+    """The worker could not run a step; the scheduler fails the step's requests. ``error`` is
+    for the logs: it may name any request of the step, so users get a generic message."""
 
     step_id: int
     error: str
@@ -112,5 +147,5 @@ class EmbeddingsModelOutput(msgspec.Struct, tag="embedded", array_like=True):
 
 
 WorkerToSchedulerMessage = (
-    WorkerReady | ModelOutput | WorkerFailure | KVReceived | EmbeddingsModelOutput
+    WorkerReady | ModelOutput | WorkerFailure | KVReceived | EmbeddingsModelOutput | GrammarsReady
 )

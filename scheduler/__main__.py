@@ -10,7 +10,13 @@ from setproctitle import setproctitle
 
 from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import add_transport_flags, transport_from_args
-from scheduler.config import SchedulerConfig, add_kv_transfer_flag, add_queue_flags
+from scheduler.config import (
+    SchedulerConfig,
+    WorkerLimits,
+    add_kv_transfer_flag,
+    add_queue_flags,
+    add_worker_limit_flags,
+)
 from scheduler.server import SchedulerServer
 
 
@@ -38,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_kv_transfer_flag(parser)
     add_queue_flags(parser)
+    add_worker_limit_flags(parser)
     add_transport_flags(parser, binds=True)
     add_log_flags(parser)
     return parser.parse_args(argv)
@@ -57,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
             kv_transfer_timeout_s=args.kv_transfer_timeout,
         )
         security = transport_from_args(args)
-        server = SchedulerServer(config, args.frontend_addr, args.backend_addr, security)
+        limits = WorkerLimits(max_kv_blocks=args.max_worker_kv_blocks)
+        server = SchedulerServer(config, args.frontend_addr, args.backend_addr, security, limits)
     except (ValueError, zmq.ZMQError) as error:
         raise SystemExit(f"switchyard-scheduler: {error}") from None
     for signum in (signal.SIGTERM, signal.SIGINT):

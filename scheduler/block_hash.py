@@ -4,7 +4,11 @@ A block's hash covers its parent's hash, its token ids and any extra keys: the c
 the first block, and the hash of every image whose tokens the block holds (image tokens are one
 placeholder id repeated; the pixels tell them apart). Two requests share a cached block only if
 everything before it matches too.
-SHA-256 keeps collisions, which would hand one tenant another's cached state, out of reach.
+SHA-256 keeps collisions, which would hand one tenant another's cached state, out of reach, and
+every part goes in with its length, so no two different lists of parts hash the same bytes.
+
+Token ids must fit int64: the scheduler admits only prompts whose ids are below the vocabulary
+size (``scheduler.admission.context_problem``), so a hostile id never reaches a hash.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ BlockHash = bytes
 def hash_block(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
 ) -> BlockHash:
-    """The hash of one full block of ``token_ids`` that follows the block hashed ``parent``."""
+    """The hash of one full block of ``token_ids`` that follows the block hashed ``parent``
+    (``OverflowError`` for an id outside int64)."""
     digest = hashlib.sha256(parent or b"")
-    digest.update(array("q", token_ids).tobytes())
+    tokens = array("q", token_ids).tobytes()
+    digest.update(len(tokens).to_bytes(8, "little") + tokens)
     for key in extra_keys:
-        digest.update(b"\x00" + key.encode())
+        encoded = key.encode()
+        digest.update(len(encoded).to_bytes(8, "little") + encoded)
     return digest.digest()
 
 

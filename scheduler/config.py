@@ -90,3 +90,31 @@ def add_kv_transfer_flag(parser: argparse.ArgumentParser) -> None:
         help="with prefill and decode groups: fail a request whose KV blocks have not reached "
         "its decode group this long after its first token",
     )
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    """What a worker's handshake (``WorkerReady``) may claim before the scheduler believes it.
+
+    The scheduler keeps one bookkeeping object per KV block of every group (about 200 bytes and
+    a microsecond each), so a group reporting more than ``max_kv_blocks`` blocks is refused:
+    a million blocks of 16 tokens is 16M tokens of cache, more than one GPU holds for any model
+    in practice. The other bounds are fixed (``scheduler.worker_group.ready_problem``).
+    """
+
+    max_kv_blocks: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_kv_blocks < 1:
+            raise ValueError(f"max_kv_blocks must be at least 1, got {self.max_kv_blocks}")
+
+
+def add_worker_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """``--max-worker-kv-blocks``: the ``WorkerLimits`` of ``python -m scheduler``."""
+    parser.add_argument(
+        "--max-worker-kv-blocks",
+        type=int,
+        default=WorkerLimits.max_kv_blocks,
+        metavar="N",
+        help="refuse a worker group whose KV pool has more blocks than this (default: %(default)s)",
+    )

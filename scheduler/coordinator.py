@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from interfaces import ErrorKind, RequestID, SchedulerResult, TextContext
 from interfaces.scheduler_to_api import SchedulerStats
 from interfaces.scheduler_to_worker import KVTransfers, SchedulerOutput
-from interfaces.worker_to_scheduler import KVReceived, ModelOutput, WorkerReady, WorkerRole
+from interfaces.worker_to_scheduler import (
+    GrammarsReady,
+    KVReceived,
+    ModelOutput,
+    WorkerReady,
+    WorkerRole,
+)
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.disaggregation import Disaggregation, Phase, merge
@@ -189,6 +195,17 @@ class Coordinator:
             request_id in group.scheduler.requests for group in self.groups.values()
         )
 
+    def owner(self, request_id: RequestID) -> bytes | None:
+        """The API server that submitted request ``request_id``; None if it is unknown."""
+        placement = self.disaggregation.placements.get(request_id)
+        if placement is not None:
+            return placement.client_id
+        for group in self.groups.values():
+            request = group.scheduler.requests.get(request_id)
+            if request is not None:
+                return request.client_id
+        return None
+
     def abort_requests(self, request_ids: list[RequestID]) -> ResultsByClient:
         """Drop requests wherever they are and free their blocks; unknown ids are ignored."""
         wanted = set(request_ids)
@@ -258,6 +275,12 @@ class Coordinator:
 
     def fail_step(self, name: str, step: SchedulerOutput, error: str) -> ResultsByClient:
         results = self.groups[name].scheduler.fail_step(step, error)
+        self.disaggregation.settle(results)
+        return results
+
+    def on_grammars(self, name: str, news: GrammarsReady) -> ResultsByClient:
+        """Group ``name``'s driver says which parked requests' grammars are ready or failed."""
+        results = self.groups[name].scheduler.on_grammars(news)
         self.disaggregation.settle(results)
         return results
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -91,7 +92,8 @@ class Disaggregation:
         self.messages: list[tuple[str, KVTransfers]] = []
         """Transfer news for decode groups, to send before any later step."""
         self._transfers: dict[int, RequestID] = {}
-        self._next_transfer_id = 0
+        """Transfers in flight, by id: 64 random bits each (``new_transfer_id``), so a process
+        that can reach a decode worker's transfer socket cannot name one to overwrite its KV."""
 
     def _of_role(self, role: WorkerRole) -> list[ServedGroup]:
         return [group for group in self.groups.values() if group.role is role]
@@ -157,8 +159,7 @@ class Disaggregation:
                 continue  # a chunk; the prompt ends in a later step
             if request.max_new_tokens <= 1:
                 continue  # its first token is its last: nothing to decode
-            transfer_id = self._next_transfer_id
-            self._next_transfer_id += 1
+            transfer_id = self.new_transfer_id()
             placement.transfer_id = transfer_id
             self._transfers[transfer_id] = request_id
             decode = self.groups[placement.decode]
@@ -168,6 +169,13 @@ class Disaggregation:
             )
             receive = KVReceive(transfer_id, request_id, placement.decode_block_ids, group.size)
             self.messages.append((decode.name, KVTransfers(receive=[receive])))
+
+    def new_transfer_id(self) -> int:
+        """An unguessable id no transfer in flight has."""
+        while True:
+            transfer_id = secrets.randbits(64)
+            if transfer_id not in self._transfers:
+                return transfer_id
 
     def hand_off(self, group: ServedGroup) -> None:
         """Take the requests prefill group ``group`` finished after their first token."""

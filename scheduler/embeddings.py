@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 from interfaces import ErrorKind, RequestID, SchedulerResult
 from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
+from interfaces.requests import MAX_REQUEST_ID_LENGTH
 from interfaces.scheduler_to_worker import EmbeddingsStep
 from interfaces.worker_to_scheduler import EmbeddingsModelOutput
+from scheduler.admission import UNREPORTED_VOCAB_LIMIT
 from scheduler.config import SchedulerConfig
 
 EmbeddingsResult = SchedulerResult[EmbeddingsOutput]
@@ -93,6 +95,8 @@ class Embeddings:
             request_id = context.request_id
             if problem is not None:
                 refusals[client_id][request_id] = _cancelled(problem, kind)
+            elif (invalid := input_problem(context)) is not None:
+                refusals[client_id][request_id] = SchedulerResult.rejected_request(invalid)
             elif request_id in self._wanted:
                 refusals[client_id][request_id] = SchedulerResult.rejected_request(
                     f"request id {request_id!r} is already in use"
@@ -103,9 +107,15 @@ class Embeddings:
                 self.queue.append(item)
         return refusals
 
-    def abort(self, request_ids: Iterable[RequestID]) -> None:
-        """Drop queued inputs (one in a running step finishes; its result is not sent)."""
-        dropped = {request_id for request_id in request_ids if request_id in self._wanted}
+    def abort(self, client_id: bytes, request_ids: Iterable[RequestID]) -> None:
+        """Drop the inputs of ``request_ids`` that API server ``client_id`` submitted (one in
+        a running step finishes; its result is not sent); other ids are ignored."""
+        wanted = self._wanted
+        dropped = {
+            request_id
+            for request_id in request_ids
+            if request_id in wanted and wanted[request_id].client_id == client_id
+        }
         if dropped:
             self.queue = deque(i for i in self.queue if i.context.request_id not in dropped)
             for request_id in dropped:
@@ -113,7 +123,7 @@ class Embeddings:
 
     def abort_client(self, client_id: bytes) -> int:
         mine = [rid for rid, item in self._wanted.items() if item.client_id == client_id]
-        self.abort(mine)
+        self.abort(client_id, mine)
         return len(mine)
 
     def schedule(self, idle: Iterable[str]) -> list[tuple[str, EmbeddingsStep]]:
@@ -172,6 +182,17 @@ class Embeddings:
     @property
     def num_waiting(self) -> int:
         return len(self.queue)
+
+
+def input_problem(context: EmbeddingsContext) -> str | None:
+    """Why an input's values cannot be embedded, or None (the worker checks its token ids
+    against its vocabulary and its length against the model)."""
+    if not 1 <= len(context.request_id) <= MAX_REQUEST_ID_LENGTH:
+        return f"the request id must be 1 to {MAX_REQUEST_ID_LENGTH} characters"
+    token_ids = context.token_ids
+    if token_ids and not (min(token_ids) >= 0 and max(token_ids) < UNREPORTED_VOCAB_LIMIT):
+        return f"token ids must be in [0, {UNREPORTED_VOCAB_LIMIT})"
+    return None
 
 
 def _cancelled(error: str, kind: ErrorKind = ErrorKind.UNAVAILABLE) -> EmbeddingsResult:

@@ -28,6 +28,10 @@ class Request:
     identity of the API server that owns the request and receives its results.
     ``num_cached_blocks`` of its leading blocks are registered in the prefix cache;
     ``block_hashes`` grows as its blocks fill.
+    ``waiting_for_grammar``: running, but the worker deferred its token until its grammar
+    compiles (``ModelOutput.deferred``); it is not scheduled until ``GrammarsReady`` names it.
+    ``stop_token_ids`` and ``eos_token_ids`` are sets: every generated token is looked up in
+    them, and a request may bring millions of stop ids.
     """
 
     context: TextContext
@@ -47,8 +51,14 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     """When the request was first admitted to the batch (``time.monotonic()``)."""
+    waiting_for_grammar: bool = False
+    stop_token_ids: frozenset[int] = field(init=False)
+    eos_token_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
+        params = self.context.sampling_params
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        self.eos_token_ids = frozenset(() if params.ignore_eos else self.context.eos_token_ids)
         self.all_token_ids = list(self.context.prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
         max_length = min(self.context.max_length, self.max_model_len)
@@ -76,11 +86,10 @@ class Request:
         self.all_token_ids.append(token_id)
         params = self.context.sampling_params
         num_output = self.num_output_tokens
-        if num_output >= params.min_new_tokens:
-            if token_id in (params.stop_token_ids or ()):
-                return GenerationStatus.END_OF_SEQUENCE
-            if not params.ignore_eos and token_id in self.context.eos_token_ids:
-                return GenerationStatus.END_OF_SEQUENCE
+        if num_output >= params.min_new_tokens and (
+            token_id in self.stop_token_ids or token_id in self.eos_token_ids
+        ):
+            return GenerationStatus.END_OF_SEQUENCE
         if num_output >= self.max_new_tokens:
             return GenerationStatus.MAXIMUM_LENGTH
         return GenerationStatus.ACTIVE

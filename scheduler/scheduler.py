@@ -12,6 +12,12 @@ request off after its first token: the request leaves it (its blocks stay in the
 and ``take_handoffs`` returns it. A decode group's scheduler ``reserve``s blocks for a request
 before its prompt is computed elsewhere, and ``start_decoding`` runs it once its KV arrived;
 the request starts on the worker with its prompt already computed.
+
+One request's failure is its own: the worker reports a request whose token it could not sample
+(``ModelOutput.failed``) and the scheduler ends that request alone, keeping its blocks' prefix
+cache entries (their KV was written). A request whose grammar still compiles when it must
+sample is deferred by the worker: the scheduler parks it (``waiting_for_grammar``, its last token
+to be recomputed) and skips it until ``on_grammars`` says its grammar is ready or failed.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from interfaces import (
 )
 from interfaces.scheduler_to_api import SchedulerStats
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
-from interfaces.worker_to_scheduler import ModelOutput
+from interfaces.worker_to_scheduler import GrammarsReady, ModelOutput, RequestFailure
 from scheduler.admission import admission_problem, queue_overload, refusal
 from scheduler.block_manager import BlockManager
 from scheduler.config import KVCacheConfig, SchedulerConfig
@@ -39,6 +45,9 @@ from scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
+STEP_FAILED = "the worker failed while running this request's batch"
+"""What every request of a step that failed as a whole is told (the worker's error, which may
+name another request, goes to the logs only)."""
 TextResult = SchedulerResult[TextGenerationOutput]
 ResultsByClient = dict[bytes, dict[RequestID, TextResult]]
 """Results to send, grouped by the ZeroMQ identity of the API server that owns each request."""
@@ -205,10 +214,20 @@ class Scheduler:
 
         Requests the worker refused fail alone, as rejected (the client asked for something the
         worker cannot do); their blocks, computed in the step, stay valid in the prefix cache,
-        except from a refused request's first image on (computed without its pixels).
+        except from a refused request's first image on (computed without its pixels). Requests
+        whose sampling failed end alone too; deferred ones are parked (``_park``).
         """
         results: ResultsByClient = defaultdict(dict)
         now = time.monotonic()
+        for request_id, failure in output.failed.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self._finish(request)  # the worker keeps its state until released
+                results[request.client_id][request_id] = _failed(failure)
+        for request_id in output.deferred:
+            request = self.requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self._park(request)
         for request_id, reason in output.refused.items():
             request = self.requests.get(request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
@@ -240,8 +259,25 @@ class Scheduler:
                     self._handoffs.append(request)
         return results
 
+    def on_grammars(self, news: GrammarsReady) -> ResultsByClient:
+        """The worker's news about parked requests: ready ones are scheduled again (their last
+        token recomputed and sampled), failed ones end alone, rejected with the reason. Ids
+        that are not parked here (aborted, preempted meanwhile) are ignored."""
+        results: ResultsByClient = defaultdict(dict)
+        for request_id in news.ready:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.waiting_for_grammar = False
+        for request_id, reason in news.failed.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.waiting_for_grammar:
+                self._finish(request)
+                results[request.client_id][request_id] = SchedulerResult.rejected_request(reason)
+        return results
+
     def fail_step(self, step: SchedulerOutput, error: str) -> ResultsByClient:
-        """The worker could not run ``step``: fail every request in it with ``error``.
+        """The worker could not run ``step``: fail every request in it with ``error`` (the
+        same for all of them: a message that names none of them).
 
         Blocks were registered in the prefix cache when the step was scheduled; their contents
         may never have been written, so the whole prefix cache is dropped.
@@ -302,6 +338,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.waiting_for_grammar:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             new_block_ids = self._allocate_or_preempt(request, num_new)
             if new_block_ids is None:
@@ -366,9 +405,17 @@ class Scheduler:
                 return None
         return new_block_ids
 
+    def _park(self, request: Request) -> None:
+        """The worker computed ``request``'s scheduled tokens but deferred its token until its
+        grammar compiles: skip it until then, and recompute its last token (which the worker
+        needs as the sampling position) when it runs again. Its blocks stay allocated."""
+        request.num_computed_tokens -= 1
+        request.waiting_for_grammar = True
+
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.waiting_for_grammar = False
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.counters.num_preemptions += 1
@@ -421,6 +468,14 @@ def counter_stats(
         kv_transfer_seconds_counts=list(counters.kv_transfer_seconds_counts),
         kv_transfer_seconds_sum=counters.kv_transfer_seconds_sum,
     )
+
+
+def _failed(failure: RequestFailure) -> TextResult:
+    """The result of a request the worker could not sample: 400 when its own parameters caused
+    it, else 500."""
+    if failure.invalid_request:
+        return SchedulerResult.rejected_request(failure.reason)
+    return SchedulerResult.cancelled(failure.reason, ErrorKind.INTERNAL)
 
 
 def _first_token_timings(request: Request, now: float) -> RequestTimings:

@@ -12,17 +12,31 @@ the group is told to shut down; while no group can serve, new requests are refus
 An API server that disconnects has its requests aborted and their blocks freed. Nothing is
 dropped for being queued: the high-water marks are off, so results wait for a busy API server
 instead of vanishing; a peer that dies takes its queue with it.
+
+Nothing that arrives is trusted beyond its types: a request's values are checked against the
+served model (``scheduler.admission.context_problem``) and a bad one is refused to its sender
+alone; a worker's handshake is checked (``scheduler.worker_group.ready_problem``) and a place in
+a group belongs to the connection that took it; an API server may abort only the requests it
+submitted. A message whose handling raises is logged and refused, and the loop serves on.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import msgspec
 import zmq
 
-from interfaces import RequestID, msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces import (
+    ErrorKind,
+    RequestID,
+    SchedulerResult,
+    TextContext,
+    msgpack_numpy_decoder,
+    msgpack_numpy_encoder,
+)
 from interfaces.api_to_scheduler import (
     AbortRequests,
     ApiToSchedulerMessage,
@@ -32,9 +46,10 @@ from interfaces.api_to_scheduler import (
 )
 from interfaces.scheduler_to_api import EmbeddingsResults, SchedulerResults, SchedulerStats
 from interfaces.scheduler_to_worker import SchedulerOutput, Shutdown
-from interfaces.transport import TransportSecurity
+from interfaces.transport import BACKEND, FRONTEND, Link, TransportSecurity
 from interfaces.worker_to_scheduler import (
     EmbeddingsModelOutput,
+    GrammarsReady,
     KVReceived,
     ModelOutput,
     WorkerFailure,
@@ -42,14 +57,16 @@ from interfaces.worker_to_scheduler import (
     WorkerRole,
     WorkerToSchedulerMessage,
 )
-from scheduler.config import SchedulerConfig
+from scheduler.admission import context_problem
+from scheduler.admission import refusal as admission_refusal
+from scheduler.config import SchedulerConfig, WorkerLimits
 from scheduler.coordinator import Coordinator
 from scheduler.counters import SchedulerCounters
 from scheduler.embeddings import Embeddings, EmbeddingsByClient
-from scheduler.images import ImageSegments, unlink_images
+from scheduler.images import ImageSegments
 from scheduler.peers import PeerTracker
-from scheduler.scheduler import ResultsByClient
-from scheduler.worker_group import Registration, WorkerGroups
+from scheduler.scheduler import STEP_FAILED, ResultsByClient, TextResult
+from scheduler.worker_group import Registration, WorkerGroup, WorkerGroups, ready_problem
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +75,16 @@ MAX_API_MESSAGE_BYTES = 64 << 20
 """A bigger inbound frame from an API server drops its connection (a prompt of a million tokens
 is about 5 MB; images travel by shared memory)."""
 MAX_WORKER_MESSAGE_BYTES = 256 << 20
+
+
+class _RequestIdOnly(msgspec.Struct):
+    request_id: str
+
+
+class _SubmittedId(msgspec.Struct, tag="submit", array_like=True):
+    """Just the request id of a ``SubmitRequest`` whose values did not decode, to refuse it."""
+
+    context: _RequestIdOnly
 
 
 class SchedulerServer:
@@ -69,17 +96,20 @@ class SchedulerServer:
         frontend_addr: str,
         backend_addr: str,
         security: TransportSecurity | None = None,
+        worker_limits: WorkerLimits | None = None,
     ) -> None:
         """Binds both sockets; ``ValueError`` for an address ``security`` does not allow."""
         self.config = config
+        self.worker_limits = worker_limits or WorkerLimits()
         self._context = zmq.Context()
         self._binder = (security or TransportSecurity()).binder(self._context)
-        self._frontend = self._bind(frontend_addr, MAX_API_MESSAGE_BYTES)
-        self._backend = self._bind(backend_addr, MAX_WORKER_MESSAGE_BYTES)
+        self._frontend = self._bind(frontend_addr, FRONTEND, MAX_API_MESSAGE_BYTES)
+        self._backend = self._bind(backend_addr, BACKEND, MAX_WORKER_MESSAGE_BYTES)
         self._api_peers = PeerTracker(self._frontend)
         self._worker_peers = PeerTracker(self._backend)
         self._encode = msgpack_numpy_encoder()
         self._decode_api = msgpack_numpy_decoder(ApiToSchedulerMessage)
+        self._decode_submitted_id = msgspec.msgpack.Decoder(_SubmittedId)
         self._decode_worker = msgpack_numpy_decoder(WorkerToSchedulerMessage)
         self.coordinator = Coordinator(config, SchedulerCounters())
         """Its counters are shared by every group's ``Scheduler``, for the life of this process,
@@ -93,13 +123,13 @@ class SchedulerServer:
         """The step each group is running, by group name."""
         self._stopping = threading.Event()
 
-    def _bind(self, address: str, max_message_bytes: int) -> zmq.Socket:
+    def _bind(self, address: str, link: Link, max_message_bytes: int) -> zmq.Socket:
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
-        self._binder.bind(socket, address)
+        self._binder.bind(socket, address, link)
         logger.info("listening on %s", address)
         return socket
 
@@ -145,7 +175,10 @@ class SchedulerServer:
                 continue
             identity = frames[0].bytes
             peers.saw(identity, frames[1])
-            handle(identity, frames[1].buffer)
+            try:
+                handle(identity, frames[1].buffer)
+            except Exception:  # one message must not end the loop that serves everyone
+                logger.exception("could not handle a message; dropped it and serving on")
 
     # -- API servers ---------------------------------------------------------------------------
 
@@ -154,24 +187,68 @@ class SchedulerServer:
             message = self._decode_api(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
             logger.warning("dropped a malformed frame from an API server: %s", error)
+            self._refuse_undecodable(client_id, payload, error)
             return
         if isinstance(message, SubmitRequest):
-            self._on_submit(client_id, message)
+            self._on_submit(client_id, message.context)
         elif isinstance(message, SubmitEmbeddings):
             self._send_embeddings(self.embeddings.submit(client_id, message.contexts))
         elif isinstance(message, AbortRequests):
-            self.embeddings.abort(message.request_ids)
-            self._send_results(self.coordinator.abort_requests(message.request_ids))
+            self._on_abort(client_id, message.request_ids)
         elif isinstance(message, StatsRequest):
             self._frontend.send_multipart([client_id, self._encode(self.stats())])
 
-    def _on_submit(self, client_id: bytes, message: SubmitRequest) -> None:
-        refusal = self.coordinator.add_request(message.context, client_id)
-        if refusal is not None:
-            unlink_images(message.context)
-            self._send_results({client_id: {message.context.request_id: refusal}})
+    def _refuse_undecodable(self, client_id: bytes, payload: memoryview, error: Exception) -> None:
+        """Answer a ``SubmitRequest`` whose values did not decode, if its id did, so its
+        sender does not wait for it forever."""
+        try:
+            request_id = self._decode_submitted_id.decode(payload).context.request_id
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        rejection = SchedulerResult.rejected_request(f"the request is malformed: {error}")
+        self._send_results({client_id: {request_id: rejection}})
+
+    def _on_submit(self, client_id: bytes, context: TextContext) -> None:
+        problem = context_problem(context, self._vocab_size())
+        result = admission_refusal(context, problem, None) if problem is not None else None
+        if result is None:
+            result = self._add_request(client_id, context)
+        if result is not None:
+            self.images.refuse(context)
+            self._send_results({client_id: {context.request_id: result}})
         else:
-            self.images.add(message.context)
+            self.images.add(context)
+
+    def _add_request(self, client_id: bytes, context: TextContext) -> TextResult | None:
+        """``Coordinator.add_request``; a request whose admission raised is dropped again and
+        refused (logged), and the scheduler serves on."""
+        request_id = context.request_id
+        known = self.coordinator.knows(request_id)
+        try:
+            return self.coordinator.add_request(context, client_id)
+        except Exception:
+            logger.exception("could not admit request %s; refused it", request_id)
+            if not known:
+                self.coordinator.abort_requests([request_id])
+            error = "the scheduler could not admit this request"
+            return SchedulerResult.cancelled(error, ErrorKind.INTERNAL)
+
+    def _vocab_size(self) -> int:
+        """The served model's vocabulary size (the smallest reported); 0 if none was."""
+        groups = self.coordinator.groups.values()
+        return min((g.ready.vocab_size for g in groups if g.ready.vocab_size), default=0)
+
+    def _on_abort(self, client_id: bytes, request_ids: list[RequestID]) -> None:
+        """Abort those of ``request_ids`` that API server ``client_id`` submitted; another
+        server's are left alone (logged), unknown ones ignored."""
+        self.embeddings.abort(client_id, request_ids)
+        owners = {request_id: self.coordinator.owner(request_id) for request_id in request_ids}
+        mine = [request_id for request_id, owner in owners.items() if owner == client_id]
+        num_foreign = sum(owner not in (None, client_id) for owner in owners.values())
+        if num_foreign:
+            logger.warning("ignored an abort of %d requests another API server owns", num_foreign)
+        if mine:
+            self._send_results(self.coordinator.abort_requests(mine))
 
     def _on_api_disconnect(self, client_id: bytes) -> None:
         num_aborted = self.coordinator.abort_client(client_id)
@@ -220,8 +297,13 @@ class SchedulerServer:
             return
         serving = group is not None and group.name in self.coordinator.groups
         if isinstance(message, KVReceived):
-            if serving:
+            if serving and _is_own_report(group, worker_id, message):
                 self.coordinator.on_kv_received(group.name, message)
+            elif serving:
+                logger.warning("dropped a KVReceived that is not its sender's: %s", message)
+            return
+        if isinstance(message, GrammarsReady):
+            self._on_grammars(group if serving else None, worker_id, message)
             return
         step = self._in_flight.get(group.name) if serving else None
         if step is None or worker_id != group.driver:
@@ -233,9 +315,17 @@ class SchedulerServer:
             self._send_results(self.coordinator.update_from_output(group.name, message))
         elif isinstance(message, WorkerFailure):
             logger.error("group %r failed step %d: %s", group.name, message.step_id, message.error)
-            del self._in_flight[group.name]
-            error = f"worker error: {message.error}"
-            self._send_results(self.coordinator.fail_step(group.name, step, error))
+            del self._in_flight[group.name]  # the detail may name any request: logs only
+            self._send_results(self.coordinator.fail_step(group.name, step, STEP_FAILED))
+
+    def _on_grammars(
+        self, group: WorkerGroup | None, worker_id: bytes, news: GrammarsReady
+    ) -> None:
+        """A serving group's driver says which parked requests may sample (or failed)."""
+        if group is None or worker_id != group.driver:
+            logger.warning("dropped an unexpected GrammarsReady from a worker")
+            return
+        self._send_results(self.coordinator.on_grammars(group.name, news))
 
     def _on_embedding_worker_message(
         self, name: str, from_driver: bool, message: WorkerToSchedulerMessage
@@ -251,7 +341,7 @@ class SchedulerServer:
         elif isinstance(message, WorkerFailure):
             logger.error("group %r failed embedding step %d: %s", name, message.step_id,
                          message.error)  # fmt: skip
-            self._send_embeddings(self.embeddings.fail_step(name, f"worker error: {message.error}"))
+            self._send_embeddings(self.embeddings.fail_step(name, STEP_FAILED))
 
     def _on_worker_disconnect(self, worker_id: bytes) -> None:
         registration = self._workers.leave(worker_id)
@@ -264,14 +354,18 @@ class SchedulerServer:
         self._retire(registration, "the worker serving this request died")
 
     def _on_worker_ready(self, worker_id: bytes, ready: WorkerReady) -> None:
-        registration = self._workers.register(worker_id, ready)
+        """Register a worker; one whose handshake is refused is told why and shut down, and
+        nothing else changes."""
+        problem = ready_problem(ready, self.worker_limits)
+        if problem is not None:
+            error = f"refused the handshake of a worker of group {ready.group!r}: {problem}"
+            registration = Registration(ready.group, [worker_id], False, False, error)
+        else:
+            registration = self._workers.register(worker_id, ready)
         if registration.error is not None:
             logger.error("%s", registration.error)
-        elif registration.was_serving:
-            logger.error(
-                "group %r registered again; failing the requests of the old one", ready.group
-            )
-        self._retire(registration, "the worker restarted")
+            self._retire(registration, registration.error)
+            return
         if registration.now_serving and ready.role is WorkerRole.EMBEDDING:
             self.embeddings.add_group(ready.group)
             logger.info("serving embedding group %r: %s", ready.group, ready.model_name)
@@ -282,7 +376,7 @@ class SchedulerServer:
                 logger.error("%s", refusal)
                 for identity in self._workers.remove(group.name):
                     self._backend.send_multipart([identity, self._encode(Shutdown(refusal))])
-        elif registration.error is None:
+        else:
             logger.info(
                 "worker rank %d of %d of group %r (%s) registered; waiting for the rest",
                 ready.rank,
@@ -335,3 +429,13 @@ class SchedulerServer:
         self._backend.close()
         self._binder.close()
         self._context.term()
+
+
+def _is_own_report(group: WorkerGroup, worker_id: bytes, report: KVReceived) -> bool:
+    """Whether ``report`` comes from the rank it names, and its numbers are ones."""
+    return (
+        group.identities.get(report.rank) == worker_id
+        and report.num_bytes >= 0
+        and math.isfinite(report.seconds)
+        and report.seconds >= 0
+    )

@@ -5,16 +5,76 @@ serves once all ``tensor_parallel_size`` ranks have registered alike (model, KV 
 layout); steps then go to every rank and rank 0 (the driver) answers. ``WorkerGroups.register``
 decides what each registration means, so the server only acts on the outcome; whether a complete
 group fits beside the others (roles, KV layouts) is the coordinator's call.
+
+A handshake's values are checked before any of it is believed (``ready_problem``), and a place
+in a group belongs to the connection that took it until that connection closes: another
+connection naming a serving group, or a rank a forming group already has, is refused, so a
+process that can reach the backend socket cannot retire the real workers and take their
+traffic. A restarted worker takes its place once the scheduler saw its predecessor's
+connection close (at once for a process that died on the same host; within the 3 s heartbeat
+timeout for a host that vanished).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from interfaces.worker_to_scheduler import WorkerReady, WorkerRole
+from interfaces.worker_to_scheduler import KVLayout, WorkerReady, WorkerRole
+from scheduler.config import WorkerLimits
 
-SHARED_FIELDS = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "role", "kv_layout")
+SHARED_FIELDS = (
+    "model_name", "num_kv_blocks", "block_size", "max_model_len", "role", "kv_layout", "vocab_size"
+)  # fmt: skip
 """What every rank of a group must report alike."""
+MAX_NAME_LENGTH = 256
+"""Of a group's and a model's name, and of a transfer address."""
+MAX_TENSOR_PARALLEL_SIZE = 256
+MAX_BLOCK_SIZE = 1024
+MAX_MODEL_LEN = 1 << 24
+MAX_VOCAB_SIZE = 1 << 24
+MAX_LAYOUT_DIMENSION = 1 << 16
+"""Of a KV layout's layers, key-value heads and head size."""
+KV_DTYPES = ("float32", "bfloat16", "float16")
+MAX_GROUPS = 256
+"""Groups forming or serving at once."""
+KV_BLOCKS_HINT = (
+    " (give the worker a larger --block-size or a smaller --kv-cache-memory, or the scheduler "
+    "a larger --max-worker-kv-blocks)"
+)
+
+
+def ready_problem(ready: WorkerReady, limits: WorkerLimits) -> str | None:
+    """Why a handshake's values cannot be believed, or None."""
+    min_blocks = 0 if ready.role is WorkerRole.EMBEDDING else 1  # an encoder has no KV cache
+    bounds = (
+        ("tensor_parallel_size", ready.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE),
+        ("rank", ready.rank, 0, ready.tensor_parallel_size - 1),
+        ("num_kv_blocks", ready.num_kv_blocks, min_blocks, limits.max_kv_blocks),
+        ("block_size", ready.block_size, 1, MAX_BLOCK_SIZE),
+        ("max_model_len", ready.max_model_len, 1, MAX_MODEL_LEN),
+        ("vocab_size", ready.vocab_size, 0, MAX_VOCAB_SIZE),
+    )
+    for name, value, low, high in bounds:
+        if not low <= value <= high:
+            hint = KV_BLOCKS_HINT if name == "num_kv_blocks" and value > high else ""
+            return f"{name} {value} is outside [{low}, {high}]{hint}"
+    for name in ("group", "model_name", "transfer_addr"):
+        value = getattr(ready, name)
+        if len(value) > MAX_NAME_LENGTH or not value.isprintable():
+            return f"{name} must be at most {MAX_NAME_LENGTH} printable characters"
+    if ready.transfer_addr and not ready.transfer_addr.startswith(("tcp://", "ipc://")):
+        return f"transfer_addr {ready.transfer_addr!r} is not a tcp:// or ipc:// address"
+    return _layout_problem(ready.kv_layout) if ready.kv_layout is not None else None
+
+
+def _layout_problem(layout: KVLayout) -> str | None:
+    if layout.dtype not in KV_DTYPES:
+        return f"kv_layout dtype {layout.dtype!r} is not one of {', '.join(KV_DTYPES)}"
+    for name in ("num_layers", "num_kv_heads", "head_dim"):
+        value = getattr(layout, name)
+        if not 1 <= value <= MAX_LAYOUT_DIMENSION:
+            return f"kv_layout {name} {value} is outside [1, {MAX_LAYOUT_DIMENSION}]"
+    return None
 
 
 @dataclass
@@ -73,10 +133,10 @@ class WorkerGroup:
 class Registration:
     """What a ``WorkerReady`` (or a departure) did to group ``group``.
 
-    ``retired`` lost their group: the scheduler tells these identities to shut down. When
-    ``was_serving``, the group had been serving and is over: the scheduler fails its requests.
-    ``now_serving`` is true when this registration completed the group. ``error`` says why a
-    registration was refused or replaced a group (logged by the caller).
+    ``retired`` lost their group, or were refused one: the scheduler tells these identities to
+    shut down (with ``error``, if any). When ``was_serving``, the group had been serving and is
+    over: the scheduler fails its requests. ``now_serving`` is true when this registration
+    completed the group. ``error`` says why a registration was refused (logged by the caller).
     """
 
     group: str
@@ -102,39 +162,49 @@ class WorkerGroups:
         return self.groups.get(name) if name is not None else None
 
     def register(self, identity: bytes, ready: WorkerReady) -> Registration:
-        """Add ``identity`` as rank ``ready.rank`` of group ``ready.group``.
+        """Add ``identity`` as rank ``ready.rank`` of group ``ready.group`` (a new group, or a
+        forming one it matches).
 
-        A rank that joins a forming group it matches is added. Otherwise the newest registration
-        wins: one for a group that serves, from a rank the forming group already has (a
-        restarted worker), or that does not match the forming group (``error`` says how)
-        starts the group anew, and the old group's members are retired.
+        Anything else is refused and changes nothing (``error`` says why; the newcomer is
+        ``retired``, unless it is a connection registered already): a rank out of range, a
+        group that serves, a rank the forming group has, a rank that does not match the
+        forming group, a group beyond ``MAX_GROUPS``. See the module docstring.
         """
         name = ready.group
-        if not 0 <= ready.rank < ready.tensor_parallel_size:
-            error = f"rank {ready.rank} is out of range"
-            return Registration(name, [identity], False, False, error)
+        if identity in self._group_of:
+            registered = self.group_of(identity)
+            error = f"this connection already registered with group {registered.name!r}"
+            return Registration(name, [], False, False, error)
         group = self.groups.get(name)
-        if group is not None and not group.is_complete and ready.rank not in group.identities:
-            mismatch = group.mismatch(ready)
-            if mismatch is None:
-                group.add(identity, ready)
-                self._group_of[identity] = name
-                return Registration(name, [], False, group.is_complete)
-            error = (
-                f"worker rank {ready.rank} of group {name!r} does not match rank(s) "
-                f"{sorted(group.identities)}: {mismatch}; retired them and started the group anew"
-            )
-        else:
-            error = None
-        retired = self.remove(name)
-        was_serving = group is not None and group.is_complete
-        new_group = WorkerGroup(ready)
-        new_group.add(identity, ready)
-        self.groups[name] = new_group
+        error = self._refusal(ready, group)
+        if error is not None:
+            return Registration(name, [identity], False, False, error)
+        if group is None:
+            group = self.groups[name] = WorkerGroup(ready)
+        group.add(identity, ready)
         self._group_of[identity] = name
-        return Registration(
-            name, [m for m in retired if m != identity], was_serving, new_group.is_complete, error
-        )
+        return Registration(name, [], False, group.is_complete)
+
+    def _refusal(self, ready: WorkerReady, group: WorkerGroup | None) -> str | None:
+        """Why rank ``ready.rank`` cannot join ``group`` (None: the group does not exist)."""
+        where = f"worker rank {ready.rank} of group {ready.group!r}"
+        if not 0 <= ready.rank < ready.tensor_parallel_size:
+            return f"{where}: the rank is out of range"
+        if group is None:
+            if len(self.groups) >= MAX_GROUPS:
+                return f"{where}: {MAX_GROUPS} groups are registered already"
+            return None
+        if group.is_complete:
+            return (
+                f"{where}: that group is serving; a worker may take its place once the old "
+                "one has disconnected"
+            )
+        if ready.rank in group.identities:
+            return f"{where}: another connection holds that rank while the group forms"
+        mismatch = group.mismatch(ready)
+        if mismatch is not None:
+            return f"{where} does not match rank(s) {sorted(group.identities)}: {mismatch}"
+        return None
 
     def leave(self, identity: bytes) -> Registration | None:
         """``identity`` disconnected. If it belonged to a group, the group is over: returns

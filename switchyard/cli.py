@@ -12,6 +12,7 @@ from pathlib import Path
 
 from setproctitle import setproctitle
 
+from api_server.bind_address import warn_if_exposed
 from api_server.config import (
     add_limit_flags,
     add_media_flags,
@@ -21,11 +22,13 @@ from api_server.config import (
     split_commas,
 )
 from interfaces import envs
+from interfaces.curve_keys import FILES_BY_PROCESS
 from interfaces.logs import add_log_flags, configure_logging
 from interfaces.transport import generate_curve_keys
 from scheduler.config import SchedulerConfig, add_kv_transfer_flag, add_queue_flags
 from switchyard.launcher import Launcher
 from switchyard.serve_config import DEFAULT_BLOCK_SIZE, ServeConfig
+from worker.grammar_limits import add_grammar_flags, grammar_flags, grammar_limits_from_args
 from worker.model_files import model_name_for
 
 logger = logging.getLogger("switchyard")
@@ -71,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="disaggregate: this many decode worker groups (with --prefill-workers)",
     )
     add_kv_transfer_flag(serve)
+    add_grammar_flags(serve)
     add_log_flags(serve)
     serve.add_argument("--max-model-len", type=int, help="context length (default: model's)")
     serve.add_argument(
@@ -124,9 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_media_flags(serve)
 
     keygen = commands.add_parser(
-        "keygen", help="create CURVE keys for ZeroMQ traffic between hosts (--curve-keys-dir)"
+        "keygen",
+        help="create a CURVE key pair per role (scheduler, API servers, workers, KV transfers) "
+        "for ZeroMQ traffic between hosts (--curve-keys-dir)",
     )
-    keygen.add_argument("--output", required=True, help="new directory for the key files")
+    keygen.add_argument(
+        "--output",
+        required=True,
+        help="directory for the key files: created (0700) if missing; an existing one must be "
+        "yours, writable by no one else, and hold none of the files",
+    )
 
     prepare = commands.add_parser(
         "prepare-model", help="convert a model (e.g. GGUF) once and print its directory"
@@ -198,9 +209,11 @@ def serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         api_server_flags=limit_flags(args),
+        worker_flags=tuple(grammar_flags(grammar_limits_from_args(args))),
         log_level=args.log_level,
         log_format=args.log_format,
     )
+    warn_if_exposed(config.host, config.api_key)
     launcher = Launcher(config)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: launcher.stop())
@@ -226,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "keygen":
             generate_curve_keys(Path(args.output))
-            print(f"switchyard: CURVE keys written to {args.output}", flush=True)
+            print(f"switchyard: CURVE keys written to {args.output}; each host needs:", flush=True)
+            for process, names in FILES_BY_PROCESS.items():
+                print(f"  {process}: {', '.join(names)}", flush=True)
             return 0
         if args.command == "prepare-model":
             model_dir = prepare_model(args.model)

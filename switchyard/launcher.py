@@ -8,11 +8,14 @@ which meet on a free loopback port) or, disaggregated, ``prefill_workers`` prefi
 directory, and waits until ``/ready`` answers. The workers share the machine's cores evenly.
 Children get ``PR_SET_PDEATHSIG`` so that even a ``kill -9`` of the launcher leaves no orphan.
 
-When a child dies: an API server is started again on the same socket (the others serve on
-meanwhile; the scheduler has already aborted the dead one's requests). The scheduler or the
-worker cannot be replaced without losing every request's state, so the launcher gives the
-survivors ``FAILURE_GRACE_S`` to fail their requests with clear errors and report 503 on
-/health, then stops everything and exits non-zero for the orchestrator to restart the unit.
+When a child dies: an API server is started again on the same socket, after a back-off that
+doubles with each exit in a row (``switchyard.restart_backoff``), while the scheduler, the
+workers and the other API servers serve on (the scheduler has already aborted the dead one's
+requests); only when no API server has stayed up for ``API_SERVER_OUTAGE_LIMIT_S`` does the
+launcher stop the unit and exit 1. The scheduler or the worker cannot be replaced without
+losing every request's state, so the launcher gives the survivors ``FAILURE_GRACE_S`` to fail
+their requests with clear errors and report 503 on /health, then stops everything and exits
+non-zero for the orchestrator to restart the unit.
 
 SIGTERM stops the API servers first (each drains for up to ``shutdown_timeout_s``), then the
 scheduler and the worker, and exits 0. Once every child has exited, the shared-memory segments
@@ -38,6 +41,7 @@ from secrets import token_hex
 
 from interfaces import envs
 from interfaces.shared_memory import segment_paths
+from switchyard.restart_backoff import API_SERVER_OUTAGE_LIMIT_S, RestartBackoff
 from switchyard.serve_config import ServeConfig
 
 logger = logging.getLogger("switchyard")
@@ -47,10 +51,7 @@ STOP_TIMEOUT_S = 10.0
 """How long the scheduler and worker get to exit after SIGTERM, and API servers beyond their
 drain, before they are killed."""
 FAILURE_GRACE_S = 2.0
-MAX_API_SERVER_RESTARTS = 5
-"""API server restarts allowed per ``RESTART_WINDOW_S``; more means something is wrong with
-all of them, and the launcher gives up (exits non-zero)."""
-RESTART_WINDOW_S = 60.0
+POLL_INTERVAL_S = 0.25
 
 
 def _die_with_parent() -> None:
@@ -98,7 +99,8 @@ class Launcher:
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         """Kept open for the launcher's life, so a dead API server can be replaced."""
-        self._restart_times: list[float] = []
+        self._api_server_restarts: dict[str, RestartBackoff] = {}
+        """Each API server's restart schedule, by name."""
         self._ready = False
         self._owns_shm_namespace = not envs.shm_namespace_set()
         self.shm_namespace = token_hex(4) if self._owns_shm_namespace else envs.shm_namespace()
@@ -195,6 +197,7 @@ class Launcher:
         argv = self._api_server_argv(self._ipc("frontend.sock"), fd)
         metrics_dir = {envs.PROMETHEUS_MULTIPROC_DIR_VARIABLE: str(self._metrics_dir)}
         self._spawn(name, argv, pass_fds=(fd,), api_key=self.config.api_key, **metrics_dir)
+        self._api_server_restarts.setdefault(name, RestartBackoff()).started(time.monotonic())
 
     def _scheduler_argv(self, frontend: str, backend: str) -> list[str]:
         config = self.config
@@ -217,6 +220,7 @@ class Launcher:
             *("--served-model-name", config.served_model_name),
             *("--block-size", str(config.block_size)),
             *self._thread_flags(),
+            *config.worker_flags,
         ]
         size = config.tensor_parallel_size
         if master_port is not None:
@@ -285,27 +289,40 @@ class Launcher:
         return None
 
     def wait(self) -> int:
-        """Block until ``stop()`` is called (returns 0) or the scheduler or worker exits, or
-        API servers keep dying (returns 1); a dead API server is replaced meanwhile."""
-        while not self._stopping.wait(0.25):
-            name = self.dead_child()
-            if name is None:
-                continue
-            code = self.children[name].returncode
-            if name.startswith("api-server") and self._ready and self._may_restart():
-                logger.error("%s exited with code %s; starting it again", name, code)
-                self._spawn_api_server(name)
-                continue
-            logger.error("%s exited with code %s; stopping Switchyard", name, code)
-            self._stopping.wait(FAILURE_GRACE_S)  # survivors fail requests, /health says 503
-            return 1
+        """Block until ``stop()`` is called (returns 0) or the unit cannot serve (returns 1):
+        the scheduler or a worker exited, a child exited before the unit was ready, or no API
+        server has stayed up for ``API_SERVER_OUTAGE_LIMIT_S``. A dead API server is started
+        again after its back-off meanwhile."""
+        while not self._stopping.wait(POLL_INTERVAL_S):
+            failure = self._failure(time.monotonic())
+            if failure is not None:
+                logger.error("%s; stopping Switchyard", failure)
+                self._stopping.wait(FAILURE_GRACE_S)  # survivors fail requests, /health says 503
+                return 1
         return 0
 
-    def _may_restart(self) -> bool:
-        now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
-        self._restart_times.append(now)
-        return len(self._restart_times) <= MAX_API_SERVER_RESTARTS
+    def _failure(self, now: float) -> str | None:
+        """Why the unit must stop at ``now``, or None; restarts the API servers that are due."""
+        for name, process in self.children.items():
+            code = process.poll()
+            if code is not None and (name not in self._api_server_restarts or not self._ready):
+                return f"{name} exited with code {code}"
+        for name, backoff in self._api_server_restarts.items():
+            code = self.children[name].poll()
+            if code is None:
+                continue
+            if not backoff.is_waiting:
+                delay = backoff.crashed(now)
+                logger.error(
+                    "%s exited with code %s (%d in a row); starting it again in %g s",
+                    *(name, code, backoff.exits_in_a_row, delay),
+                )
+            elif backoff.is_due(now):
+                self._spawn_api_server(name)
+        failing = [backoff.failing_for(now) for backoff in self._api_server_restarts.values()]
+        if failing and min(failing) >= API_SERVER_OUTAGE_LIMIT_S:
+            return f"no API server has stayed up for {API_SERVER_OUTAGE_LIMIT_S:g} s"
+        return None
 
     def stop(self) -> None:
         """Signal-safe request to end ``wait()``."""

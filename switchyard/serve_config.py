@@ -53,6 +53,9 @@ class ServeConfig:
     max_queued_tokens: int = SchedulerConfig.max_queued_tokens
     api_server_flags: tuple[str, ...] = ()
     """More ``python -m api_server`` flags, as given (the HTTP limits)."""
+    worker_flags: tuple[str, ...] = ()
+    """More ``python -m worker`` flags for text generation workers (the structured-output
+    limits)."""
     log_level: str = "INFO"
     log_format: str = "text"
     """Every child logs this way (interfaces.logs), told through its environment."""

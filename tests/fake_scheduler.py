@@ -75,6 +75,7 @@ class FakeScheduler:
     ``tokens_per_step``: tokens per result; ``step_interval_s``: time between steps.
     ``fail_with`` / ``fail_after_tokens``: cancel each request with this error after that many
     tokens. ``workers_ready``: reported in stats. ``silent``: answer nothing at all.
+    ``num_stats_requests`` counts the StatsRequests received (round trips and pings).
     Embedding inputs are recorded in ``embeddings_submitted`` and never answered.
     """
 
@@ -85,6 +86,7 @@ class FakeScheduler:
         self.submitted: list[TextContext] = []
         self.embeddings_submitted: list[EmbeddingsContext] = []
         self.aborted: list[str] = []
+        self.num_stats_requests = 0
         self.reset()
         self._running: dict[str, _Running] = {}
         self._lock = threading.Lock()
@@ -161,6 +163,7 @@ class FakeScheduler:
 
     def _handle(self, identity: bytes, message: ApiToSchedulerMessage) -> None:
         if isinstance(message, StatsRequest):
+            self.num_stats_requests += 1
             self._send(identity, self.stats())
         elif isinstance(message, SubmitEmbeddings):
             with self._lock:
@@ -274,7 +277,9 @@ class ApiHarness:
     ``tokenizer`` the server's tokenizer. Engine timeouts are short so failure tests finish in
     about a second. ``api_key``, ``allowed_origins`` and ``limits`` (an ``HttpLimits``; None:
     the defaults) and ``embedding_model_dir`` go into the server's config;
-    ``scheduler_timeout_s`` is how long the engine waits on a silent scheduler.
+    ``scheduler_timeout_s`` is how long the engine waits on a silent scheduler. ``bind_host``
+    is the address the app is told it listens on (its ``Host`` check; None: no check);
+    ``heartbeat_interval_s`` how often the engine pings while requests are in flight.
     """
 
     MODEL_NAME = "smollm2-test"
@@ -290,6 +295,8 @@ class ApiHarness:
         limits=None,
         scheduler_timeout_s: float = 1.0,
         embedding_model_dir=None,
+        bind_host: str | None = None,
+        heartbeat_interval_s: float = 0.1,
     ) -> None:
         from api_server.app import create_app
         from api_server.config import ApiServerConfig, EngineClientConfig, HttpLimits
@@ -301,7 +308,7 @@ class ApiHarness:
             submit_timeout_s=1.0,
             stats_timeout_s=1.0,
             scheduler_timeout_s=scheduler_timeout_s,
-            heartbeat_interval_s=0.1,
+            heartbeat_interval_s=heartbeat_interval_s,
         )
         config = ApiServerConfig(
             model_dir,
@@ -313,7 +320,7 @@ class ApiHarness:
             limits or HttpLimits(),
             embedding_model_dir=embedding_model_dir,
         )
-        self.app = create_app(config)
+        self.app = create_app(config, bind_host)
         self.server = UvicornThread(self.app).start()
         self.url = self.server.url
         self.tokenizer = self.app.state.tokenizer

@@ -11,8 +11,14 @@ import zmq
 import zmq.asyncio
 
 from api_server.config import EngineClientConfig
-from api_server.engine_client import EngineClient, SchedulerUnavailable
-from interfaces import SchedulerResult, TextContext, TextGenerationOutput
+from api_server.engine_client import (
+    MAX_SUBMIT_BYTES,
+    EngineClient,
+    MessageTooLarge,
+    SchedulerUnavailable,
+    StreamBacklogFull,
+)
+from interfaces import SchedulerResult, StructuredOutput, TextContext, TextGenerationOutput
 from interfaces.api_to_scheduler import (
     AbortRequests,
     ApiToSchedulerMessage,
@@ -45,7 +51,25 @@ async def receive(router: zmq.asyncio.Socket) -> tuple[bytes, object]:
     return identity, decode(frame)
 
 
-def run_with_router(tmp_path: Path, test: Callable[..., Awaitable[None]], bind: bool = True):
+async def message_types_within(router: zmq.asyncio.Socket, seconds: float) -> set[type]:
+    """The types of the messages the router receives in the next ``seconds``."""
+    messages = set()
+    deadline = asyncio.get_running_loop().time() + seconds
+    while (left := deadline - asyncio.get_running_loop().time()) > 0:
+        try:
+            _, frame = await asyncio.wait_for(router.recv_multipart(), left)
+        except asyncio.TimeoutError:
+            break
+        messages.add(type(decode(frame)))
+    return messages
+
+
+def run_with_router(
+    tmp_path: Path,
+    test: Callable[..., Awaitable[None]],
+    bind: bool = True,
+    max_stream_backlog: int = 1024,
+):
     """Run ``test(client, router)`` with an EngineClient connected to a ROUTER (bound or not)."""
     address = f"ipc://{tmp_path}/scheduler.ipc"
     config = EngineClientConfig(
@@ -54,6 +78,7 @@ def run_with_router(tmp_path: Path, test: Callable[..., Awaitable[None]], bind: 
         stats_timeout_s=0.5,
         scheduler_timeout_s=0.6,
         heartbeat_interval_s=0.1,
+        max_stream_backlog=max_stream_backlog,
     )
 
     async def main() -> None:
@@ -195,3 +220,64 @@ def test_a_request_id_in_flight_cannot_be_reused(tmp_path: Path) -> None:
         first.cancel()
 
     run_with_router(tmp_path, test)
+
+
+def test_a_frame_the_scheduler_would_not_take_is_refused_before_it_is_sent(tmp_path: Path):
+    from scheduler.server import MAX_API_MESSAGE_BYTES
+
+    assert MAX_SUBMIT_BYTES == MAX_API_MESSAGE_BYTES
+    grammar = StructuredOutput("grammar", "x" * MAX_SUBMIT_BYTES)
+    huge = TextContext(
+        request_id="r1", prompt_token_ids=[1], max_length=2, structured_output=grammar
+    )
+
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        with pytest.raises(MessageTooLarge) as raised:
+            await anext(client.generate(huge))
+        assert raised.value.status_code == 413
+        assert raised.value.message == (
+            f"The request takes {len(encode(SubmitRequest(huge)))} bytes on its way to the "
+            f"scheduler, more than the limit of {MAX_SUBMIT_BYTES} bytes; send a smaller prompt, "
+            "schema or stop list"
+        )
+        assert client.num_requests_in_flight == 0
+        stream = client.generate(CONTEXT)  # the connection still serves
+        first = asyncio.ensure_future(anext(stream))
+        identity, message = await receive(router)
+        assert message == SubmitRequest(CONTEXT)
+        done = SchedulerResult.complete(output([2], GenerationStatus.END_OF_SEQUENCE))
+        await router.send_multipart([identity, results("r1", done)])
+        assert await first == done
+
+    run_with_router(tmp_path, test)
+
+
+def test_a_consumer_that_stops_reading_is_aborted_and_told_why(tmp_path: Path) -> None:
+    other = TextContext(request_id="r2", prompt_token_ids=[1, 2], max_length=10)
+
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stalled, reading = client.generate(CONTEXT), client.generate(other)
+        first = asyncio.ensure_future(anext(stalled))
+        identity, _ = await receive(router)
+        other_first = asyncio.ensure_future(anext(reading))
+        await receive(router)
+        await router.send_multipart([identity, results("r1", SchedulerResult.active(output([5])))])
+        assert (await first).result.tokens == [5]
+        for token in range(10, 14):  # nobody reads r1 now: the fourth result is one too many
+            await router.send_multipart(
+                [identity, results("r1", SchedulerResult.active(output([token])))]
+            )
+        assert await receive(router) == (identity, AbortRequests(["r1"]))
+        assert client.num_requests_in_flight == 1
+        with pytest.raises(StreamBacklogFull) as raised:
+            await anext(stalled)  # the three results it left unread were dropped
+        assert raised.value.message == (
+            "The client stopped reading the response: more than 3 results were waiting for it "
+            "(--max-stream-backlog), so the request was aborted"
+        )
+        assert await message_types_within(router, 0.3) <= {StatsRequest}  # aborted once only
+        done = SchedulerResult.complete(output([7], GenerationStatus.END_OF_SEQUENCE))
+        await router.send_multipart([identity, results("r2", done)])
+        assert await other_first == done
+
+    run_with_router(tmp_path, test, max_stream_backlog=3)

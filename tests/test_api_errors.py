@@ -56,7 +56,6 @@ NOT_AN_OBJECT = "The request body must be a JSON object sent as Content-Type: ap
         (b"", "application/json", "A JSON request body is required"),
         (b"[]", "application/json", NOT_AN_OBJECT),
         (b"42", "application/json", NOT_AN_OBJECT),
-        (b'{"messages": []}', "text/plain", NOT_AN_OBJECT),
     ],
 )
 def test_body_that_is_not_a_json_object(
@@ -66,9 +65,43 @@ def test_body_that_is_not_a_json_object(
     assert bad_request(response)["message"] == message
 
 
-def test_a_json_body_without_content_type_is_accepted(client: httpx.Client) -> None:
+@pytest.mark.parametrize(
+    ("content_type", "named"),
+    [
+        (None, "no Content-Type"),
+        ("text/plain", "Content-Type 'text/plain'"),
+        ("application/x-www-form-urlencoded", "Content-Type 'application/x-www-form-urlencoded'"),
+        ("multipart/form-data; boundary=x", "Content-Type 'multipart/form-data; boundary=x'"),
+        ("application/json-patch+json", "Content-Type 'application/json-patch+json'"),
+    ],
+)
+def test_a_json_body_sent_as_anything_but_json_is_415(
+    api: ApiHarness, client: httpx.Client, content_type: str | None, named: str
+) -> None:
+    """What a web page may POST cross-origin without a CORS preflight is never parsed."""
+    num_submitted = len(api.scheduler.submitted)
     body = json.dumps({"messages": MESSAGES}).encode()
-    assert client.post(CHAT, content=body).status_code == 200
+    headers = {} if content_type is None else {"content-type": content_type}
+    response = client.post(CHAT, content=body, headers=headers)
+    assert error_of(response, 415) == {
+        "message": f"The request has {named}; send the body as JSON with "
+        "'Content-Type: application/json'",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "unsupported_media_type",
+    }
+    assert len(api.scheduler.submitted) == num_submitted
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"]
+)
+def test_a_json_content_type_with_or_without_parameters_is_accepted(
+    client: httpx.Client, content_type: str
+) -> None:
+    body = json.dumps({"messages": MESSAGES}).encode()
+    response = client.post(CHAT, content=body, headers={"content-type": content_type})
+    assert response.status_code == 200
 
 
 def test_missing_messages(client: httpx.Client) -> None:

@@ -3,12 +3,16 @@ scheduler, /health and /metrics (real HTTP against the fake scheduler)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import httpx
 import pytest
 
+from api_server.engine_client import SchedulerUnavailable
+from api_server.stats_tickets import SchedulerStatsCache
+from interfaces.scheduler_to_api import SchedulerStats
 from tests.fake_scheduler import ApiHarness, sse_events
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -120,11 +124,18 @@ def test_health_and_ready(api: ApiHarness, client: httpx.Client) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/ready").json() == {"status": "ready"}
     api.scheduler.workers_ready = False
-    for path in ("/health", "/ready"):
-        response = client.get(path)
-        assert response.status_code == 503
-        message = response.json()["error"]["message"]
-        assert message == "the scheduler is up but its workers are not ready"
+    try:
+        # Probes share one stats reply for up to STATS_MAX_AGE_S (0.5 s): well within the 2 s
+        # in which /health promises to report a dead worker.
+        assert api.scheduler.wait_for(lambda: client.get("/health").status_code == 503, 2.0)
+        for path in ("/health", "/ready"):
+            response = client.get(path)
+            assert response.status_code == 503
+            message = response.json()["error"]["message"]
+            assert message == "the scheduler is up but its workers are not ready"
+    finally:
+        api.scheduler.workers_ready = True
+        assert api.scheduler.wait_for(lambda: client.get("/ready").status_code == 200, 2.0)
 
 
 def test_a_draining_server_is_alive_but_not_ready(api: ApiHarness, client: httpx.Client) -> None:
@@ -257,3 +268,77 @@ def test_client_disconnect_during_an_embeddings_request_aborts_its_inputs(
         assert scheduler.wait_for(lambda: request_ids <= set(scheduler.aborted))
     finally:
         harness.close()
+
+
+class StatsRoundTrips:
+    """A stand-in for ``EngineClient.stats``: counts its calls, each answered when ``release``
+    is set with the call's number as ``num_requests_running`` (or failed with ``failure``)."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+        self.release = asyncio.Event()
+        self.failure: Exception | None = None
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    async def fetch(self) -> SchedulerStats:
+        self.num_calls += 1
+        number = self.num_calls
+        await self.release.wait()
+        if self.failure is not None:
+            raise self.failure
+        return SchedulerStats(number, 0, 64, 0, workers_ready=True)
+
+
+def test_stats_probes_share_one_round_trip_per_interval() -> None:
+    async def probe() -> None:
+        trips, changes = StatsRoundTrips(), [0]
+        cache = SchedulerStatsCache(trips.fetch, lambda: changes[0], 0.5, trips.clock)
+        waiting = [asyncio.ensure_future(cache.get()) for _ in range(100)]
+        await asyncio.sleep(0)
+        trips.release.set()
+        assert {stats.num_requests_running for stats in await asyncio.gather(*waiting)} == {1}
+        trips.now = 0.49
+        assert (await cache.get()).num_requests_running == 1
+        trips.now = 0.5  # the reply is as old as the interval: ask again
+        assert (await cache.get()).num_requests_running == 2
+        changes[0] += 1  # this API server took, started or finished a request since
+        assert (await cache.get()).num_requests_running == 3
+        assert (await cache.get()).num_requests_running == 3
+        assert trips.num_calls == 3
+
+    asyncio.run(probe())
+
+
+def test_a_failed_stats_round_trip_is_shared_but_not_kept() -> None:
+    async def probe() -> None:
+        trips = StatsRoundTrips()
+        cache = SchedulerStatsCache(trips.fetch, lambda: 0, 0.5, trips.clock)
+        trips.failure = SchedulerUnavailable("the scheduler did not answer")
+        waiting = [asyncio.ensure_future(cache.get()) for _ in range(10)]
+        await asyncio.sleep(0)
+        trips.release.set()
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        assert [str(result) for result in results] == ["the scheduler did not answer"] * 10
+        assert trips.num_calls == 1
+        trips.failure = None
+        assert (await cache.get()).num_requests_running == 2  # at once, not after 0.5 s
+
+    asyncio.run(probe())
+
+
+def test_a_probe_that_gives_up_leaves_the_round_trip_to_the_others() -> None:
+    async def probe() -> None:
+        trips = StatsRoundTrips()
+        cache = SchedulerStatsCache(trips.fetch, lambda: 0, 0.5, trips.clock)
+        impatient = asyncio.ensure_future(cache.get())
+        patient = asyncio.ensure_future(cache.get())
+        await asyncio.sleep(0)
+        impatient.cancel()
+        trips.release.set()
+        assert (await patient).num_requests_running == 1
+        assert impatient.cancelled() and trips.num_calls == 1
+
+    asyncio.run(probe())

@@ -23,10 +23,20 @@ from fastapi import FastAPI, Response
 from fastapi.responses import RedirectResponse
 from PIL import Image
 
+from api_server import image_segments
 from api_server.app import create_app
 from api_server.choices import Generation
 from api_server.config import ApiServerConfig, EngineClientConfig, MediaConfig
+from api_server.errors import invalid_request
 from api_server.image_processor import ImageProcessor
+from api_server.image_segments import (
+    PreparedImage,
+    create_images,
+    images_sent,
+    release_images,
+    share_images,
+)
+from api_server.request_limits import OutputBudget
 from api_server.vision import VisionModel
 from interfaces.shared_memory import SEGMENT_PREFIX, SharedMemoryArray
 from tests.conftest import LLAVA_IMAGE_TOKEN_ID
@@ -248,17 +258,17 @@ def test_exif_orientation_is_applied_as_transformers_load_image_does(
     assert not np.allclose(ours, hf_pixels(reference, buffer.getvalue()), atol=1e-2)
 
 
-def test_each_of_n_choices_gets_its_own_segments(llava, created) -> None:
+def test_the_n_choices_share_one_segment(llava, created) -> None:
     content = [image_part(data_url(picture(4, fmt="GIF"), "image/gif"))]
     reply = chat(llava.client, content, n=3, max_tokens=2, stream=True)
     assert reply.status_code == 200, reply.text
     assert reply.text.endswith("data: [DONE]\n\n")
     contexts = llava.scheduler.submitted[-3:]
+    assert len({context.request_id for context in contexts}) == 3
     names = {context.images[0].pixel_values.name for context in contexts}
-    assert len(names) == 3 and names == set(created)
+    assert len(names) == 1 and names == set(created)
+    assert live(created) == created  # sent: the scheduler unlinks it, not the API server
     assert len({context.images[0].image_hash for context in contexts}) == 1
-    first = contexts[0].images[0].pixel_values.read()
-    assert all(np.array_equal(c.images[0].pixel_values.read(), first) for c in contexts)
 
 
 def test_local_files_only_inside_the_allowed_directory(
@@ -359,12 +369,12 @@ def test_segments_are_unlinked_when_the_submit_fails_or_the_client_leaves(
     try:
         content = [image_part(data_url(picture(8)))]
         assert chat(harness.client, content, n=2).status_code == 503  # nothing takes the submit
-        assert len(created) == 2 and live(created) == []
+        assert len(created) == 1 and live(created) == []  # shared by both choices
         with pytest.raises(httpx.ReadTimeout):  # the client leaves while the submit waits
             harness.client.post(
                 CHAT, json={"messages": [{"role": "user", "content": content}]}, timeout=0.3
             )
-        assert len(created) == 3
+        assert len(created) == 2
         deadline = time.monotonic() + 5
         while live(created) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -373,20 +383,33 @@ def test_segments_are_unlinked_when_the_submit_fails_or_the_client_leaves(
         harness.close()
 
 
-def test_a_failing_fan_out_unlinks_every_segment(llava, created, monkeypatch) -> None:
-    create = SharedMemoryArray.create  # the recording one
+def test_a_failing_fan_out_unlinks_the_shared_segment(llava, created, monkeypatch) -> None:
+    def refuse(budget, context) -> None:  # after the choices share the prompt's segment
+        raise invalid_request("too many tokens", param="max_tokens")
 
-    def fail_the_copy(array):
-        if created:  # the prompt's image exists: /dev/shm is full for the second choice's copy
-            raise OSError(28, "No space left on device")
-        return create(array)
-
-    monkeypatch.setattr(SharedMemoryArray, "create", fail_the_copy)
+    monkeypatch.setattr(OutputBudget, "add", refuse)
     with httpx.Client(base_url=llava.server.url, timeout=10) as client:
         response = chat(client, [image_part(data_url(picture(9)))], n=2)
-    assert response.status_code == 503
-    assert "no shared memory left for the image's pixels" in response.json()["error"]["message"]
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "too many tokens"
     assert len(created) == 1 and live(created) == []
+    assert image_segments._shares == {}
+
+
+def test_the_shared_segment_is_unlinked_by_the_last_choice_to_let_go(created) -> None:
+    images = create_images([PreparedImage.of(np.ones((3, 2, 2), np.float32))], [(0, 4)])
+    share_images(images, 3)
+    release_images(images)
+    images_sent(images)  # another choice reached the scheduler: the segment is its now
+    assert live(created) == created
+    release_images(images)
+    assert live(created) == created and image_segments._shares == {}
+    unsent = create_images([PreparedImage.of(np.zeros((3, 2, 2), np.float32))], [(0, 4)])
+    share_images(unsent, 2)
+    release_images(unsent)
+    assert live(created) == created
+    release_images(unsent)  # no choice was sent: the last one unlinks it
+    assert live(created) == created[:1]
 
 
 def test_choices_that_never_start_have_their_segments_unlinked(llava, created, monkeypatch):
@@ -396,7 +419,7 @@ def test_choices_that_never_start_have_their_segments_unlinked(llava, created, m
     monkeypatch.setattr(Generation, "_pump", staticmethod(ends_before_its_stream_starts))
     response = chat(llava.client, [image_part(data_url(picture(11)))], n=2)
     assert response.status_code == 200
-    assert len(created) == 2 and live(created) == []
+    assert len(created) == 1 and live(created) == []
 
 
 def test_the_media_flags_reach_the_api_server(tiny_llava_dir, media_root) -> None:

@@ -30,6 +30,7 @@ BODY_TOO_LARGE = {
     "code": "request_too_large",
 }
 NOT_JSON = "The request body is not valid JSON: "
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_a_content_length_over_the_limit_is_413(api: ApiHarness, client: httpx.C
 
 def test_a_chunked_body_over_the_limit_is_413(api: ApiHarness, client: httpx.Client) -> None:
     num_submitted = len(api.scheduler.submitted)
-    response = client.post(CHAT, content=chunks(3))
+    response = client.post(CHAT, content=chunks(3), headers=JSON)
     assert "content-length" not in response.request.headers
     assert (response.status_code, response.json()) == (413, {"error": BODY_TOO_LARGE})
     assert len(api.scheduler.submitted) == num_submitted
@@ -86,7 +87,7 @@ def test_a_chunked_body_over_the_limit_is_413(api: ApiHarness, client: httpx.Cli
 
 @pytest.mark.parametrize("body", [b"x" * 1024, chunks(2)], ids=["content-length", "chunked"])
 def test_a_body_at_the_limit_reaches_the_app(client: httpx.Client, body) -> None:
-    response = client.post(CHAT, content=body)
+    response = client.post(CHAT, content=body, headers=JSON)
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith(NOT_JSON)
 

@@ -112,7 +112,32 @@ def test_logit_bias_is_validated(client: httpx.Client, logit_bias: dict, message
         (
             {"repetition_penalty": 0},
             "repetition_penalty",
-            "repetition_penalty: Input should be greater than 0",
+            "repetition_penalty: Input should be greater than or equal to 0.01",
+        ),
+        (
+            {"repetition_penalty": 1e-300},
+            "repetition_penalty",
+            "repetition_penalty: Input should be greater than or equal to 0.01",
+        ),
+        (
+            {"repetition_penalty": 2.5},
+            "repetition_penalty",
+            "repetition_penalty: Input should be less than or equal to 2",
+        ),
+        (
+            {"stop_token_ids": list(range(1025))},
+            "stop_token_ids",
+            "stop_token_ids: List should have at most 1024 items after validation, not 1025",
+        ),
+        (
+            {"logit_bias": {str(token): 1 for token in range(301)}},
+            "logit_bias",
+            "logit_bias: Dictionary should have at most 300 items after validation, not more",
+        ),
+        (
+            {"stop": ["x" * 1025]},
+            "stop",
+            "stop: Value error, a stop string may have at most 1024 characters",
         ),
         ({"n": 129}, "n", "n: Input should be less than or equal to 128"),
     ],
@@ -190,7 +215,8 @@ def test_too_many_choices(client: httpx.Client) -> None:
     response = client.post("/v1/completions", json={"prompt": ["x"] * 17, "n": 128})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == (
-        "At most 2048 choices (prompts x n) per request; got 17 x 128"
+        "This request asks for 2176 choices (17 prompts x n 128); the limit is 128 "
+        "(--max-choices-per-request)"
     )
 
 
@@ -276,3 +302,10 @@ def test_openai_client(api: ApiHarness, reply: list[int]) -> None:
         1,
         1.2,
     )
+
+
+def test_a_temperature_below_epsilon_is_sent_as_greedy(api: ApiHarness, client: httpx.Client):
+    for temperature, sent in [(1e-300, 0.0), (9e-6, 0.0), (1e-5, 1e-5)]:
+        response = client.post(CHAT, json={"messages": MESSAGES, "temperature": temperature})
+        assert response.status_code == 200
+        assert api.scheduler.submitted[-1].sampling_params.temperature == sent

@@ -3,6 +3,8 @@ in argv)."""
 
 from __future__ import annotations
 
+import logging
+import socket
 from pathlib import Path
 
 import httpx
@@ -10,6 +12,9 @@ import openai
 import pytest
 
 from api_server.__main__ import build_config, parse_args
+from api_server.bind_address import is_loopback, listening_host
+from api_server.security import is_json_media_type, is_local_host_header
+from switchyard import cli
 from switchyard.cli import build_parser
 from switchyard.launcher import Launcher, child_environment
 from switchyard.serve_config import ServeConfig
@@ -51,8 +56,10 @@ def secured(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def plain(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """An API server with neither an API key nor CORS."""
-    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api-plain"))
+    """An API server with neither an API key nor CORS, told it listens on every address."""
+    harness = ApiHarness(
+        default_model_dir, tmp_path_factory.mktemp("api-plain"), bind_host="0.0.0.0"
+    )
     yield harness
     harness.close()
 
@@ -189,3 +196,117 @@ def test_serve_with_an_api_key_becomes_ready(default_model_dir) -> None:
             assert client.get("/v1/models", headers=bearer(KEY)).status_code == 200
     finally:
         serve.kill()
+
+
+@pytest.mark.parametrize(
+    ("host", "local"),
+    [
+        ("localhost", True),
+        ("LocalHost:8000", True),
+        ("localhost.:80", True),
+        ("127.0.0.1", True),
+        ("127.0.0.1:8000", True),
+        ("127.9.9.9:1", True),
+        ("[::1]", True),
+        ("[::1]:8000", True),
+        ("[::ffff:127.0.0.1]:8000", True),
+        ("evil.example", False),
+        ("evil.example:8000", False),
+        ("127.0.0.1.evil.example:8000", False),
+        ("localhost.evil.example", False),
+        ("10.0.0.1:8000", False),
+        ("[::2]:8000", False),
+        ("[::1", False),
+        ("::1", True),  # not a valid Host header, but it names only this host
+        ("", False),
+    ],
+)
+def test_which_host_headers_name_this_host(host: str, local: bool) -> None:
+    assert is_local_host_header(host) is local
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("my-host", False),
+        ("", False),
+    ],
+)
+def test_which_bind_addresses_are_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize(
+    ("content_type", "is_json"),
+    [
+        ("application/json", True),
+        ("Application/JSON ; charset=utf-8", True),
+        ("text/plain", False),
+        ("application/jsonx", False),
+        ("application/ld+json", False),
+    ],
+)
+def test_which_content_types_are_json(content_type: str, is_json: bool) -> None:
+    assert is_json_media_type(content_type) is is_json
+
+
+def test_a_server_listening_beyond_loopback_checks_no_host(plain: ApiHarness) -> None:
+    """A reverse proxy in front of it may use any name; the Host check is for loopback binds
+    (tests/test_hostile_http.py has them, on a real server)."""
+    with httpx.Client(base_url=plain.url, timeout=10) as client:
+        assert client.get("/v1/models", headers={"Host": "api.example:443"}).status_code == 200
+
+
+def test_the_listening_address_of_an_inherited_socket() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        assert listening_host("0.0.0.0", listener.fileno()) == "127.0.0.1"
+        assert listener.getsockname()[0] == "127.0.0.1"  # left open
+    assert listening_host("10.1.2.3", None) == "10.1.2.3"
+
+
+class LauncherStarted(Exception):
+    """Raised by the stand-in Launcher: serve got as far as starting its processes."""
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        (["--host", "0.0.0.0"], True),
+        (["--host", "0.0.0.0", "--api-key", KEY], False),
+        (["--host", "::1"], False),
+        ([], False),
+    ],
+)
+def test_serve_warns_once_when_it_listens_beyond_loopback_without_a_key(
+    flags: list[str],
+    warned: bool,
+    default_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.delenv("SWITCHYARD_API_KEY", raising=False)
+    monkeypatch.setattr(cli, "setproctitle", lambda title: None)
+    monkeypatch.setattr(cli, "_prepare_in_child", lambda model: default_model_dir)
+
+    def launcher(config: ServeConfig) -> None:
+        raise LauncherStarted(config.host)
+
+    monkeypatch.setattr(cli, "Launcher", launcher)
+    args = build_parser().parse_args(["serve", *flags])
+    with caplog.at_level(logging.WARNING), pytest.raises(LauncherStarted):
+        cli.serve(args)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "api_server.bind_address"]
+    expected = (
+        "listening on 0.0.0.0 without an API key: anyone who can reach this address can use "
+        "the model. Set SWITCHYARD_API_KEY (clients then send 'Authorization: Bearer KEY'), or "
+        "listen on 127.0.0.1 behind a proxy that authenticates"
+    )
+    assert warnings == ([expected] if warned else [])

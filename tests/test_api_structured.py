@@ -35,7 +35,7 @@ def json_schema_format(schema, name: str = "person") -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-SCHEMA_OUTPUT = StructuredOutput("json_schema", json.dumps(SCHEMA))
+SCHEMA_OUTPUT = StructuredOutput("json_schema", json.dumps(SCHEMA, separators=(",", ":")))
 GRAMMAR = 'root ::= "yes" | "no"'
 QUOTED_CHOICE = StructuredOutput("grammar", 'root ::= "say \\"hi\\"" | "é"')
 
@@ -162,9 +162,7 @@ def test_openai_client_response_format(api: ApiHarness) -> None:
             "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
         },
     )
-    assert api.scheduler.submitted[-1].structured_output == StructuredOutput(
-        "json_schema", json.dumps(SCHEMA)
-    )
+    assert api.scheduler.submitted[-1].structured_output == SCHEMA_OUTPUT
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(
             model=api.MODEL_NAME, messages=MESSAGES, extra_body={"guided_regex": "(("}

@@ -131,7 +131,7 @@ def test_named_tool_choice_forces_its_arguments(api, reply, openai_client) -> No
     )
     choice = completion.choices[0]
     assert api.scheduler.submitted[-1].structured_output == StructuredOutput(
-        "json_schema", json.dumps(PARAMETERS)
+        "json_schema", json.dumps(PARAMETERS, separators=(",", ":"))
     )
     assert choice.finish_reason == "stop"
     assert choice.message.content is None
@@ -207,7 +207,7 @@ def test_a_function_named_like_a_mode_is_still_forced(api, reply, openai_client)
     )
     # An empty schema would accept any JSON value: the arguments must still be an object.
     assert api.scheduler.submitted[-1].structured_output == StructuredOutput(
-        "json_schema", '{"type": "object"}'
+        "json_schema", '{"type":"object"}'
     )
     [call] = completion.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == ("none", "{}")

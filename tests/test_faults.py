@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -140,38 +142,99 @@ def test_killing_the_worker_or_scheduler_fails_requests_and_exits_non_zero(serve
     assert wait_until(lambda: not any(alive(child) for child in children), 5)
 
 
-def test_killing_one_of_two_api_servers_leaves_the_other_serving(serve_factory):
-    serve = serve_factory("--api-servers", "2")
-    api_pids = serve.pids_of("switchyard-api-server")
-    port = urlsplit(serve.base_url).port
-    streams = open_streams_until_each_server_has_one(serve.base_url, api_pids, port)
-    victim = api_pids[0]
-    os.kill(victim, signal.SIGKILL)
-
-    survivors = [(o, t) for o, t, pid in streams if pid != victim]
-    for outcome, thread in [(o, t) for o, t, pid in streams if pid == victim]:
-        thread.join(5)
-        assert outcome.error is not None  # its connection died with it
-    running = len(survivors)  # the scheduler aborted the dead server's requests
-    assert wait_until(lambda: serve.gauges()["num_requests_running"] == running, 5)
-    for outcome, thread in survivors:
-        assert thread.is_alive() and outcome.error is None
-
-    assert wait_until(lambda: len(serve.pids_of("switchyard-api-server")) == 2, 10)
-    reply = httpx.post(
-        f"{serve.base_url}/v1/chat/completions", json=long_chat(8, False), timeout=30
-    )
-    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
-    assert serve.process.poll() is None
+RESTART_LINE = re.compile(
+    r"(api-server-\d) exited with code -9 \((\d+) in a row\); starting it again in ([\d.]+) s"
+)
+API_SERVER_KILLS = 6
+STREAM_TOKENS = 64
+"""The survivor's streams: long enough to run through the first kills."""
 
 
-def open_streams_until_each_server_has_one(base_url: str, api_pids: list[int], port: int):
-    """Long streams, opened one by one until every API server holds one; (outcome, thread,
-    pid of the API server holding it) each."""
+def test_killing_one_of_two_api_servers_again_and_again_leaves_the_other_serving(
+    default_model_dir, tmp_path
+):
+    """One API server killed as soon as it runs, 6 times in a row: the launcher starts it again
+    after 0.5, 1, 2, 4, 8 and 16 s (a line each), while the other's streams complete and the
+    scheduler, the worker and the unit live on."""
+    log_path = tmp_path / "serve.log"
+    serve = ServeProcess("--api-servers", "2", log_path=log_path)
+    try:
+        engine = serve.pids_of("switchyard-scheduler") + serve.pids_of("switchyard-worker")
+        api_pids = serve.pids_of("switchyard-api-server")
+        port = urlsplit(serve.base_url).port
+        body = {
+            **long_chat(max_tokens=STREAM_TOKENS),
+            "stream_options": {"include_usage": True},
+        }
+        streams = open_streams_until_each_server_has_one(serve.base_url, api_pids, port, body)
+        victim = api_pids[0]
+        os.kill(victim, signal.SIGKILL)
+        killed_at, waited = time.monotonic(), []  # waited: from each kill to the next process
+
+        survivors = [(o, t) for o, t, pid in streams if pid != victim]
+        for outcome, thread in [(o, t) for o, t, pid in streams if pid == victim]:
+            thread.join(5)
+            assert outcome.error is not None  # its connection died with it
+        running = len(survivors)  # the scheduler aborted the dead server's requests
+        assert wait_until(lambda: serve.gauges()["num_requests_running"] <= running, 5)
+
+        for _ in range(API_SERVER_KILLS - 1):  # each new one, as soon as it shows
+            victim = wait_for_a_new_api_server(serve, api_pids, timeout_s=60)
+            waited.append(time.monotonic() - killed_at)
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            api_pids.append(victim)
+            assert all(outcome.error is None for outcome, _ in survivors)
+
+        for outcome, thread in survivors:
+            thread.join(150)
+            assert outcome.error is None and outcome.finish_reasons == ["length"]
+            assert outcome.events[-1]["usage"]["completion_tokens"] == STREAM_TOKENS
+        restarts = wait_for_restart_lines(log_path, API_SERVER_KILLS)
+        assert [int(line[1]) for line in restarts] == list(range(1, API_SERVER_KILLS + 1))
+        delays = [float(line[2]) for line in restarts]
+        assert delays == [0.5, 1, 2, 4, 8, 16]
+        assert all(w >= delay for w, delay in zip(waited, delays, strict=False))
+        assert len({name for name, _, _ in restarts}) == 1  # always the same slot
+
+        reply = httpx.post(
+            f"{serve.base_url}/v1/chat/completions", json=long_chat(8, False), timeout=30
+        )
+        assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
+        assert health_status(serve.base_url) == 200
+        assert serve.process.poll() is None
+        assert all(alive(pid) for pid in engine)
+        assert serve.pids_of("switchyard-scheduler") + serve.pids_of("switchyard-worker") == engine
+    finally:
+        serve.kill()
+
+
+def wait_for_a_new_api_server(serve: ServeProcess, known: list[int], timeout_s: float) -> int:
+    """The pid of an API server process not in ``known``, as soon as one shows."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        new = [pid for pid in serve.pids_of("switchyard-api-server") if pid not in known]
+        if new:
+            return new[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no new API server within {timeout_s} s")
+
+
+def wait_for_restart_lines(log_path: Path, count: int) -> list[tuple[str, str, str]]:
+    """The launcher's first ``count`` restart lines: (name, exits in a row, delay) each."""
+    wait_until(lambda: len(RESTART_LINE.findall(log_path.read_text())) >= count, 5)
+    return RESTART_LINE.findall(log_path.read_text())[:count]
+
+
+def open_streams_until_each_server_has_one(
+    base_url: str, api_pids: list[int], port: int, body: dict
+):
+    """Streams of ``body``, opened one by one until every API server holds one; (outcome,
+    thread, pid of the API server holding it) each."""
     streams = []
     for _ in range(12):
         before = {pid: client_ports(pid, port) for pid in api_pids}
-        outcome, thread = in_background(base_url, long_chat())
+        outcome, thread = in_background(base_url, body)
         assert outcome.first_event.wait(30) and outcome.events
         (holder,) = [pid for pid in api_pids if client_ports(pid, port) - before[pid]]
         streams.append((outcome, thread, holder))
@@ -334,12 +397,18 @@ def timed_requests(base_url: str) -> float:
 
 class SlowReader:
     """A streaming request over a raw socket with a tiny receive buffer that reads nothing
-    until ``read_all()``: the server's writes to it back up."""
+    until ``read_all()``: the server's writes to it back up.
 
-    def __init__(self, base_url: str, body: dict) -> None:
+    ``max_segment`` (bytes) shrinks the TCP segments too: loopback's 64 KiB segments let the
+    server's socket buffer grow to megabytes; with 536-byte ones it stays near 100 KB, so the
+    server's writes back up after a few steps."""
+
+    def __init__(self, base_url: str, body: dict, max_segment: int | None = None) -> None:
         parts = urlsplit(base_url)
         self.socket = socket.socket()
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        if max_segment is not None:
+            self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, max_segment)
         self.socket.connect((parts.hostname, parts.port))
         payload = json.dumps(body).encode()
         head = (

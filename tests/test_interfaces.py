@@ -59,9 +59,11 @@ from interfaces.scheduler_to_worker import (
 )
 from interfaces.worker_to_scheduler import (
     EmbeddingsModelOutput,
+    GrammarsReady,
     KVLayout,
     KVReceived,
     ModelOutput,
+    RequestFailure,
     WorkerFailure,
     WorkerReady,
     WorkerRole,
@@ -133,6 +135,16 @@ MESSAGES = [
     (WorkerToSchedulerMessage, WorkerReady("SmolLM2-135M-Instruct", 1000, 16, 8192, 2, 3)),
     (WorkerToSchedulerMessage, ModelOutput(9, {"req-1": OUTPUT})),
     (WorkerToSchedulerMessage, ModelOutput(9, {}, refused={"x": "invalid regex"})),
+    (
+        WorkerToSchedulerMessage,
+        ModelOutput(
+            9,
+            {"req-1": OUTPUT},
+            failed={"y": RequestFailure("the grammar failed: boom", invalid_request=True)},
+            deferred=["z"],
+        ),
+    ),
+    (WorkerToSchedulerMessage, GrammarsReady(["a"], {"b": "took longer than the limit"})),
     (WorkerToSchedulerMessage, WorkerFailure(9, "CUDA out of memory")),
     (ApiToSchedulerMessage, SubmitEmbeddings([EmbeddingsContext("e-1", [101, 7, 102])])),
     (SchedulerToWorkerMessage, EmbeddingsStep(4, [EmbeddingsContext("e-1", [101, 102])])),
@@ -324,6 +336,8 @@ def test_sampling_params_defaults_are_max_s_and_greedy():
     assert params.is_greedy
     assert SamplingParams(top_k=-1, temperature=0.0).is_greedy
     assert not SamplingParams(top_k=-1, temperature=0.8).is_greedy
+    assert SamplingParams(top_k=-1, temperature=1e-300).is_greedy  # 0.0 in float32
+    assert not SamplingParams(top_k=-1, temperature=1e-5).is_greedy
 
 
 def test_scheduler_result_constructors():

@@ -19,9 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api_server.metrics import (
     FINISHED_REASONS,
+    HTTP_METHODS,
     ITL_BUCKETS,
+    OTHER_METHOD,
     SCHEDULER_METRIC_NAMES,
     BatchedObservations,
+    ServerMetrics,
+    method_label,
 )
 from tests.serve_process import DEFAULT_MODEL_NAME, ServeProcess, chat_messages, long_chat
 
@@ -306,3 +310,48 @@ def test_a_missing_multiprocess_directory_is_a_clear_startup_error(tmp_path):
     assert completed.returncode == 1
     assert "PROMETHEUS_MULTIPROC_DIR=" in completed.stderr
     assert "is not a directory" in completed.stderr
+
+
+def test_made_up_methods_share_one_label_across_processes(server):
+    """In multiprocess mode every label value is a file entry of every process: none may come
+    from the request line."""
+    with httpx.Client(base_url=server.base_url, timeout=10) as client:
+        for index in range(60):
+            assert client.request(f"BREW{index}", "/v1/models").status_code == 405
+        text = client.get("/metrics").text
+    methods = {
+        sample.labels["method"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "http_requests_total"
+    }
+    assert OTHER_METHOD in methods and methods <= HTTP_METHODS | {OTHER_METHOD}
+    assert "BREW" not in text
+
+
+@pytest.mark.parametrize(
+    ("method", "label"),
+    [
+        ("GET", "GET"),
+        ("POST", "POST"),
+        ("OPTIONS", "OPTIONS"),
+        ("DELETE", "DELETE"),
+        ("get", OTHER_METHOD),
+        ("PROPFIND", OTHER_METHOD),
+        ("X" * 1000, OTHER_METHOD),
+    ],
+)
+def test_http_method_labels_take_fixed_values(method: str, label: str) -> None:
+    assert method_label(method) == label
+
+
+def test_each_request_taken_started_and_finished_is_a_change_for_the_stats_cache() -> None:
+    metrics = ServerMetrics("m")
+    request = metrics.request(time.monotonic(), 3)
+    assert metrics.num_request_changes == 1
+    request.started(None)
+    request.generated(2)
+    assert metrics.num_request_changes == 2
+    request.finished("stop")
+    request.finished("stop")  # only the first counts
+    assert metrics.num_request_changes == 3

@@ -13,8 +13,9 @@ from interfaces import (
     SchedulerStatus,
     SharedMemoryArray,
     TextContext,
+    TextGenerationOutput,
 )
-from interfaces.worker_to_scheduler import ModelOutput
+from interfaces.worker_to_scheduler import GrammarsReady, ModelOutput, RequestFailure
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.scheduler import Scheduler
 from tests.fake_worker import FakeTokenGenerator, next_token_for
@@ -380,3 +381,106 @@ def test_abort_client_drops_only_that_api_servers_requests():
     step, _ = run_step(scheduler, worker)
     assert list(step.num_scheduled_tokens) == ["theirs"]
     assert sorted(step.finished_request_ids) == ["mine-1"]  # mine-2 never reached the worker
+
+
+# -- one request's failure is its own -----------------------------------------------------------
+
+
+def test_a_request_whose_sampling_failed_ends_alone_and_its_blocks_stay_cached():
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    scheduler.add_request(context("good", [1, 2, 3, 4, 5]), CLIENT)
+    scheduler.add_request(context("bad", [6, 7, 8, 9, 10]), CLIENT)
+    scheduler.add_request(context("odd", [6, 7, 8, 9, 11]), CLIENT)
+    step = scheduler.schedule()
+    outputs = worker.next_token(step)
+    failed = {
+        "bad": RequestFailure("no token could be sampled: every logit was -inf or NaN"),
+        "odd": RequestFailure("the grammar failed: rejected token 7", invalid_request=True),
+    }
+    output = {"good": outputs["good"]}
+    results = scheduler.update_from_output(ModelOutput(step.step_id, output, failed=failed))
+    scheduler.check_integrity()
+    bad, odd = results[CLIENT]["bad"], results[CLIENT]["odd"]
+    assert (bad.status, bad.error_kind, bad.error) == (
+        SchedulerStatus.CANCELLED,
+        ErrorKind.INTERNAL,
+        "no token could be sampled: every logit was -inf or NaN",
+    )
+    assert (odd.error_kind, odd.error) == (
+        ErrorKind.INVALID_REQUEST,
+        "the grammar failed: rejected token 7",
+    )
+    assert results[CLIENT]["good"].status is SchedulerStatus.ACTIVE
+    next_step, _ = run_step(scheduler, worker)
+    assert next_step.num_scheduled_tokens == {"good": 1}
+    assert sorted(next_step.finished_request_ids) == ["bad", "odd"]  # the worker kept them
+    scheduler.add_request(context("again", [6, 7, 8, 9, 10]), CLIENT)
+    step = scheduler.schedule()
+    assert step.new_requests[0].num_computed_tokens == 4  # the failed request's block is kept
+
+
+def test_a_deferred_request_waits_outside_the_batch_until_its_grammar_is_ready():
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    scheduler.add_request(context("plain", [1, 2, 3]), CLIENT)
+    scheduler.add_request(context("grammar", [4, 5, 6, 7, 8]), CLIENT)
+    step = scheduler.schedule()
+    outputs = worker.next_token(step)
+    del outputs["grammar"]
+    worker.states["grammar"].token_ids.pop()
+    worker.states["grammar"].num_computed_tokens -= 1  # as the real worker gets told to
+    results = scheduler.update_from_output(ModelOutput(step.step_id, outputs, deferred=["grammar"]))
+    assert list(results[CLIENT]) == ["plain"]
+    for _ in range(3):
+        step, results = run_step(scheduler, worker)
+        assert step.num_scheduled_tokens == {"plain": 1}
+    assert scheduler.stats().num_requests_running == 2
+    assert scheduler.on_grammars(GrammarsReady(["grammar", "unknown"], {})) == {}
+    step, results = run_step(scheduler, worker)
+    assert step.num_scheduled_tokens == {"plain": 1, "grammar": 1}
+    assert step.cached_requests[1].num_computed_tokens == 4  # its last token is recomputed
+    assert results["grammar"].result.tokens == expected_tokens([4, 5, 6, 7, 8], 1)
+
+
+def test_a_grammar_that_failed_rejects_its_parked_request_alone():
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    scheduler.add_request(context("grammar", [4, 5, 6]), CLIENT)
+    scheduler.add_request(context("plain", [1, 2, 3]), CLIENT)
+    step = scheduler.schedule()
+    outputs = worker.next_token(step)
+    del outputs["grammar"]
+    scheduler.update_from_output(ModelOutput(step.step_id, outputs, deferred=["grammar"]))
+    reason = "compiling the grammar took longer than the limit of 30 s"
+    results = scheduler.on_grammars(GrammarsReady([], {"grammar": reason, "unknown": "x"}))
+    scheduler.check_integrity()
+    failed = results[CLIENT]["grammar"]
+    assert (failed.error_kind, failed.error) == (ErrorKind.INVALID_REQUEST, reason)
+    assert list(scheduler.requests) == ["plain"]
+    step, _ = run_step(scheduler, worker)
+    assert step.finished_request_ids == ["grammar"]
+
+
+def test_a_preempted_parked_request_starts_over_unparked():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2)
+    scheduler.add_request(context("a", [1] * 8, max_new_tokens=6), CLIENT)
+    scheduler.add_request(context("parked", [2] * 8, max_new_tokens=6), CLIENT)
+    step = scheduler.schedule()  # the two prompts fill the 4 blocks
+    assert step.num_scheduled_tokens == {"a": 8, "parked": 8}
+    token = TextGenerationOutput("a", [9])
+    scheduler.update_from_output(ModelOutput(step.step_id, {"a": token}, deferred=["parked"]))
+    step = scheduler.schedule()  # "a" needs a third block: the newest request, parked, goes
+    assert step.num_scheduled_tokens == {"a": 1}
+    assert scheduler.num_preemptions == 1
+    preempted = scheduler.requests["parked"]
+    assert (preempted.waiting_for_grammar, preempted.num_computed_tokens) == (False, 0)
+    scheduler.check_integrity()
+
+
+def test_stop_token_ids_are_a_set_checked_per_token():
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    prompt = [1, 2, 3]
+    stop = expected_tokens(prompt, 2)[1]
+    many = [*range(2000, 202_000), stop]
+    scheduler.add_request(context("a", prompt, stop_token_ids=many), CLIENT)
+    assert scheduler.requests["a"].stop_token_ids == frozenset(many)
+    finals, _ = run_to_completion(scheduler, worker)
+    assert finals["a"] == (expected_tokens(prompt, 2), GenerationStatus.END_OF_SEQUENCE)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import jsonschema
@@ -15,8 +17,11 @@ import torch
 from transformers import AutoTokenizer
 
 from interfaces import StructuredOutput
-from interfaces.scheduler_to_worker import NewRequestData, SchedulerOutput
+from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
+from interfaces.worker_to_scheduler import GrammarsReady
 from tests.test_worker_sampling import EOS, DrivenRequest, StepDriver, context, small_runner
+from worker.grammar_compiler import GrammarCompiler
+from worker.grammar_limits import GrammarLimits
 from worker.model_runner import ModelRunner
 from worker.structured_output import unpack_bitmask
 
@@ -160,3 +165,118 @@ def test_compiled_grammars_are_cached_by_kind_and_spec(runner):
     compiled = runner.grammars.compile(PHONE)
     assert runner.grammars.compile(StructuredOutput("regex", PHONE.spec)) is compiled
     assert runner.grammars.compile(StructuredOutput("grammar", 'root ::= "x"')) is not compiled
+
+
+# Grammars compile off the step
+
+
+@pytest.fixture
+def blocked_compiles(runner, monkeypatch):
+    """Compiles wait for the returned event (set it to let them finish)."""
+    release = threading.Event()
+    compile_grammar = runner.grammars._compile
+
+    def slow_compile(grammar):
+        assert release.wait(30)
+        return compile_grammar(grammar)
+
+    monkeypatch.setattr(runner.grammars, "_compile", slow_compile)
+    yield release
+    release.set()
+
+
+def _await_news(runner: ModelRunner) -> GrammarsReady:
+    for _ in range(3000):
+        news = runner.grammar_news()
+        if news is not None:
+            return news
+        time.sleep(0.01)
+    raise AssertionError("no grammar news")
+
+
+def test_a_request_waits_for_its_grammar_while_the_batch_steps(
+    runner, tokenizer, chat, blocked_compiles
+):
+    spec = StructuredOutput("grammar", 'root ::= "maybe" | "perhaps"')
+    prompt = chat("Is the sky blue?")
+    plain = NewRequestData(context("plain", [1, 2, 3], 8), [0], 0)
+    waiting = NewRequestData(context("waiting", prompt, 8, structured_output=spec), [1, 2, 3], 0)
+    step = SchedulerOutput(0, [plain, waiting], num_scheduled_tokens={"plain": 3, "waiting": 35})
+    assert len(prompt) == 35
+    assert list(runner.next_token(step)) == ["plain"]
+    assert runner.take_deferred() == ["waiting"]
+    assert runner.take_failures() == {} and runner.grammar_news() is None
+    cached = [CachedRequestData("plain", [], 3)]
+    assert list(runner.next_token(SchedulerOutput(1, [], cached, {"plain": 1}))) == ["plain"]
+    blocked_compiles.set()
+    assert _await_news(runner) == GrammarsReady(["waiting"], {})
+    cached = [CachedRequestData("waiting", [], 34)]  # its last token again
+    outputs = runner.next_token(SchedulerOutput(2, [], cached, {"waiting": 1}))
+    assert runner.take_deferred() == []
+    first = tokenizer.decode(outputs["waiting"].tokens)
+    assert first and ("maybe".startswith(first) or "perhaps".startswith(first))
+    runner.next_token(SchedulerOutput(3, finished_request_ids=["plain", "waiting"]))
+    assert runner.requests == {}
+
+
+def test_a_compile_past_the_time_limit_fails_its_request_alone(runner, blocked_compiles):
+    limits = runner.grammars.limits
+    spec = StructuredOutput("grammar", 'root ::= "slow" | "slower"')
+    slow = NewRequestData(context("slow", [1, 2, 3], 8, structured_output=spec), [0], 0)
+    assert runner.next_token(SchedulerOutput(0, [slow], num_scheduled_tokens={"slow": 3})) == {}
+    assert runner.take_deferred() == ["slow"]
+    job = runner.requests["slow"].pending_grammar.job
+    for _ in range(3000):  # the clock starts once the compile does, on its thread
+        if job.started is not None:
+            break
+        time.sleep(0.01)
+    assert runner.grammar_news(job.started + limits.compile_timeout_s / 2) is None
+    started = job.started
+    news = runner.grammar_news(started + limits.compile_timeout_s + 1)
+    assert news == GrammarsReady(
+        [],
+        {
+            "slow": "compiling the grammar for structured output took longer than the limit of "
+            "30 s (--grammar-compile-timeout)"
+        },
+    )
+    runner.next_token(SchedulerOutput(1, finished_request_ids=["slow"]))
+    assert runner.requests == {}
+
+
+@pytest.mark.parametrize(
+    ("structured", "message"),
+    [
+        (
+            StructuredOutput("regex", "a" * ((1 << 20) + 1)),
+            "the regex for structured output is 1048577 bytes, more than the limit of 1048576 "
+            "bytes (--max-grammar-bytes)",
+        ),
+        (
+            StructuredOutput("json_schema", json.dumps({"enum": list(range(20_001))})),
+            "the json_schema for structured output has 20001 alternatives, more than the limit "
+            "of 20000 (--max-grammar-alternatives)",
+        ),
+    ],
+)
+def test_a_spec_over_the_limits_is_refused_before_compiling(runner, structured, message):
+    big = NewRequestData(context("big", [1, 2, 3], 4, structured_output=structured), [0], 0)
+    assert runner.next_token(SchedulerOutput(0, [big], num_scheduled_tokens={"big": 3})) == {}
+    assert runner.take_refusals() == {"big": f"request 'big': {message}"}
+    assert runner.requests == {}
+
+
+def test_the_grammar_cache_is_bounded_by_memory(default_model_dir):
+    class Compiled:
+        def __init__(self, memory_size_bytes: int) -> None:
+            self.memory_size_bytes = memory_size_bytes
+
+    grammars = GrammarCompiler(default_model_dir, 49152, limits=GrammarLimits(cache_bytes=100))
+    grammars._remember(("regex", "a"), Compiled(60))
+    grammars._remember(("regex", "b"), Compiled(30))
+    assert (list(grammars._cache), grammars._cache_bytes) == ([("regex", "a"), ("regex", "b")], 90)
+    grammars._remember(("regex", "c"), Compiled(50))  # the least recently used goes
+    assert (list(grammars._cache), grammars._cache_bytes) == ([("regex", "b"), ("regex", "c")], 80)
+    grammars._remember(("regex", "huge"), Compiled(101))  # bigger than the whole cache: not kept
+    assert (list(grammars._cache), grammars._cache_bytes) == ([("regex", "b"), ("regex", "c")], 80)
+    grammars.close()

@@ -235,15 +235,26 @@ def test_a_group_serves_once_every_rank_registered_and_ends_with_any_rank():
     assert groups.groups == {} and groups.leave(b"r0") is None
 
 
-def test_a_restarted_rank_starts_a_new_group_and_retires_the_old_one():
+def test_a_rank_is_taken_again_only_once_its_connection_has_closed():
     groups = WorkerGroups()
     groups.register(b"r0", ready(0))
     groups.register(b"r1", ready(1))
-    again = groups.register(b"new-r0", ready(0))
-    assert (again.retired, again.was_serving, again.now_serving) == ([b"r0", b"r1"], True, False)
+    hijack = groups.register(b"new-r0", ready(0))
+    assert (hijack.retired, hijack.was_serving, hijack.now_serving) == ([b"new-r0"], False, False)
+    assert hijack.error == (
+        "worker rank 0 of group '': that group is serving; a worker may take its place once "
+        "the old one has disconnected"
+    )
+    assert groups.serving()[0].identities == {0: b"r0", 1: b"r1"}  # unharmed
+    left = groups.leave(b"r0")  # the real rank 0 died: its group is over
+    assert (left.retired, left.was_serving) == ([b"r1"], True)
+    restarted = groups.register(b"new-r0", ready(0))
+    assert restarted.error is None and groups.groups[""].identities == {0: b"new-r0"}
+    taken = groups.register(b"newer-r0", ready(0))  # the rank is held while the group forms
+    assert taken.retired == [b"newer-r0"] and "another connection holds that rank" in taken.error
+    again = groups.register(b"new-r0", ready(1))  # one connection, one place
+    assert again.retired == [] and "already registered with group ''" in again.error
     assert groups.groups[""].identities == {0: b"new-r0"}
-    forming_again = groups.register(b"newer-r0", ready(0))
-    assert forming_again.retired == [b"new-r0"] and not forming_again.was_serving
 
 
 def test_groups_with_other_names_form_and_serve_side_by_side():
@@ -258,17 +269,16 @@ def test_groups_with_other_names_form_and_serve_side_by_side():
     assert groups.group_of(b"b1").name == "b" and groups.group_of(b"a1") is None
 
 
-def test_a_rank_that_does_not_match_its_group_starts_a_new_one_and_says_why():
+def test_a_rank_that_does_not_match_its_forming_group_is_refused_and_says_why():
     groups = WorkerGroups()
     groups.register(b"r0", ready(0, max_model_len=512))
     mismatch = groups.register(b"r1", ready(1, max_model_len=1024))
-    assert mismatch.retired == [b"r0"] and not mismatch.now_serving
+    assert mismatch.retired == [b"r1"] and not mismatch.now_serving
     assert mismatch.error == (
-        "worker rank 1 of group '' does not match rank(s) [0]: max_model_len 1024 != 512; "
-        "retired them and started the group anew"
+        "worker rank 1 of group '' does not match rank(s) [0]: max_model_len 1024 != 512"
     )
-    assert groups.groups[""].identities == {1: b"r1"}
-    assert groups.register(b"new-r0", ready(0, max_model_len=1024)).now_serving
+    assert groups.groups[""].identities == {0: b"r0"}
+    assert groups.register(b"good-r1", ready(1, max_model_len=512)).now_serving
     other_size = WorkerGroups()
     other_size.register(b"r0", ready(0, size=2))
     error = other_size.register(b"r2", ready(2, size=3)).error

@@ -8,6 +8,7 @@ tests).
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,10 +17,17 @@ import torch
 
 from interfaces import SamplingParams, TextContext, TextGenerationOutput
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
+from interfaces.worker_to_scheduler import RequestFailure
 from worker.config import WorkerConfig
-from worker.logits_processors import SamplingRow, build_logits_processors, token_counts
+from worker.logits_processors import (
+    RequestEdits,
+    SamplingRow,
+    build_logits_processors,
+    token_counts,
+)
 from worker.model_runner import ModelRunner
-from worker.sampler import Sampler, SamplingBatch, check_supported
+from worker.request_state import RequestState
+from worker.sampler import NO_TOKEN, Sampler, SamplingBatch, check_supported
 
 CPU = torch.device("cpu")
 EOS = 2
@@ -62,7 +70,10 @@ class DrivenRequest:
 
 
 class StepDriver:
-    """Plays the scheduler: every unfinished request runs in every step, blocks are shuffled."""
+    """Plays the scheduler: every unfinished request runs in every step, blocks are shuffled.
+
+    A request deferred for its grammar has its last token recomputed once the grammar is ready,
+    as the scheduler does."""
 
     def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
         self.runner = runner
@@ -105,12 +116,27 @@ class StepDriver:
             num_scheduled[request.request_id] = count
         outputs = self.runner.next_token(SchedulerOutput(self.step_id, new, cached, num_scheduled))
         self.step_id += 1
+        assert self.runner.take_failures() == {}
+        deferred = set(self.runner.take_deferred())
         for request in running:
             request.num_computed_tokens += num_scheduled[request.request_id]
+            if request.request_id in deferred:
+                request.num_computed_tokens -= 1
+                continue
             reached_end = request.num_computed_tokens == request.num_tokens
             assert (request.request_id in outputs) == reached_end
             if reached_end:
                 request.outputs.append(outputs[request.request_id])
+        self._await_grammars(deferred)
+
+    def _await_grammars(self, deferred: set[str]) -> None:
+        while deferred:
+            news = self.runner.grammar_news()
+            if news is None:
+                time.sleep(0.01)
+                continue
+            assert news.failed == {}
+            deferred -= set(news.ready)
 
     def _allocate(self, request: DrivenRequest, num_tokens: int) -> list[int]:
         num_needed = -(-num_tokens // self.runner.block_size) - len(request.block_ids)
@@ -312,3 +338,100 @@ def test_seeded_sampling_with_penalties_is_batch_independent(tiny_runner):
     )
     assert StepDriver(tiny_runner, seed=2).run([resumed])["s"].output_token_ids == alone_tokens
     assert len(set(alone_tokens)) > 1
+
+
+# One request never fails its batch
+
+
+def test_non_finite_logits_are_never_sampled():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor(
+        [
+            [nan] * VOCAB,  # nothing to sample
+            [nan, 1.0, inf, 0.0, inf, nan],  # +inf ties: the first wins, never a NaN
+            [nan, 0.0, nan, 0.0, -inf, 0.0],  # sampled: only the finite tokens
+            [0.5, 3.0, 1.0, 0.0, 0.0, 0.0],  # temperature 1e-300 is greedy
+        ]
+    )
+    params = [
+        SamplingParams(),
+        SamplingParams(),
+        SamplingParams(top_k=0, temperature=1.0, top_p=0.9, min_p=0.1),
+        SamplingParams(top_k=0, temperature=1e-300),
+    ]
+    batch = SamplingBatch.from_params(params, [None] * 4, VOCAB, CPU)
+    assert batch.is_greedy.tolist() == [True, True, False, True]
+    seen = set()
+    for seed in range(40):
+        tokens = Sampler(CPU, seed=seed)(logits, batch).tolist()
+        assert tokens[:2] == [NO_TOKEN, 2] and tokens[3] == 1
+        seen.add(tokens[2])
+    assert seen == {1, 3, 5}
+
+
+def test_a_zero_repetition_penalty_stays_inside_the_grammar_mask():
+    """``repetition_penalty: 1e-300`` is 0.0 in float32: seen positive logits become +inf."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.0, 3.0, 0.5]] * 2)
+    allowed = torch.tensor([[False, True, True, False, False, True]] * 2)
+    params = [
+        SamplingParams(repetition_penalty=1e-300),
+        SamplingParams(top_k=0, temperature=1e-300, repetition_penalty=1e-300),
+    ]
+    rows = [SamplingRow(p, [0, 1, 4], 3) for p in params]  # tokens 0, 1 and 4 were seen
+    processors = build_logits_processors(rows, VOCAB, CPU, allowed)
+    batch = SamplingBatch.from_params(params, [None, None], VOCAB, CPU, processors)
+    assert Sampler(CPU, seed=0)(logits, batch).tolist() == [1, 1]  # the allowed +inf token
+
+
+def test_request_edits_match_the_edits_built_from_params():
+    params = SamplingParams(
+        logit_bias={4: 3.5, 0: -1.0}, min_new_tokens=2, stop_token_ids=[5, 1 << 40]
+    )
+    edits = RequestEdits.build(params, [EOS, 99], VOCAB, CPU)
+    assert edits.bias_token_ids.tolist() == [4, 0] and edits.bias_values.tolist() == [3.5, -1.0]
+    assert edits.min_tokens_blocked_ids.tolist() == [EOS, 5]  # ids outside the vocabulary: never
+    logits = torch.zeros(2, VOCAB)
+    blocked = edits.min_tokens_blocked_ids
+    prebuilt = SamplingRow(params, [1], 1, blocked, edits)
+    from_params = SamplingRow(params, [1], 1, [EOS, 5])
+    processed = build_logits_processors([prebuilt, from_params], VOCAB, CPU).apply(logits)
+    inf = float("inf")
+    assert processed.tolist() == [[-1.0, 0.0, -inf, 0.0, 3.5, -inf]] * 2
+
+
+def test_hostile_temperature_and_penalty_run_beside_innocent_requests(tiny_runner):
+    prompt = [51, 52, 53, 54]
+    alone = _tokens(StepDriver(tiny_runner).run([DrivenRequest(context("innocent", prompt, 8))]))
+    hostile = [
+        DrivenRequest(context("cold", [61, 62], 8, top_k=0, temperature=1e-300)),
+        DrivenRequest(context("zero", [63, 64], 8, top_k=0, repetition_penalty=1e-300)),
+    ]
+    batch = [hostile[0], DrivenRequest(context("innocent", prompt, 8)), hostile[1]]
+    tokens = _tokens(StepDriver(tiny_runner).run(batch))
+    assert tokens["innocent"] == alone["innocent"]
+    cold = _tokens(StepDriver(tiny_runner).run([DrivenRequest(context("cold", [61, 62], 8))]))
+    assert tokens["cold"] == cold["cold"]  # greedy
+    assert len(tokens["zero"]) == 8 and all(0 <= t < 49152 for t in tokens["zero"])
+
+
+def test_a_request_whose_sampling_raises_fails_alone(tiny_runner, monkeypatch):
+    prompt = [71, 72, 73]
+    alone = _tokens(StepDriver(tiny_runner).run([DrivenRequest(context("good", prompt, 1))]))
+    original = RequestState.sampling_row
+
+    def sampling_row(state: RequestState) -> SamplingRow:
+        if state.request_id == "bad":
+            raise RuntimeError("boom")
+        return original(state)
+
+    monkeypatch.setattr(RequestState, "sampling_row", sampling_row)
+    new = [
+        NewRequestData(context("bad", [1, 2], 4, top_k=0), [0], 0),
+        NewRequestData(context("good", prompt, 4), [1], 0),
+    ]
+    outputs = tiny_runner.next_token(SchedulerOutput(0, new, [], {"bad": 2, "good": 3}))
+    assert {request_id: o.tokens for request_id, o in outputs.items()} == alone
+    assert tiny_runner.take_failures() == {"bad": RequestFailure("sampling failed: boom")}
+    assert sorted(tiny_runner.requests) == ["bad", "good"]  # until the scheduler releases "bad"
+    tiny_runner.next_token(SchedulerOutput(1, finished_request_ids=["bad", "good"]))
+    assert tiny_runner.requests == {}

@@ -93,7 +93,9 @@ def test_worker_serves_steps_survives_hostile_frames_and_shuts_down(
     identity, ready = receive(socket, STARTUP_TIMEOUT_MS)
     assert ready.group.startswith("hybrid@")  # the role, the host and the pid
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
-    assert ready == WorkerReady("tiny", 128, 16, 512, group=ready.group, kv_layout=layout)
+    assert ready == WorkerReady(
+        "tiny", 128, 16, 512, group=ready.group, kv_layout=layout, vocab_size=49152
+    )
     expected = expected_greedy_tokens(tiny_llama_dir, 2)
 
     context = TextContext("r1", PROMPT, 64, eos_token_ids=[2])

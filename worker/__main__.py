@@ -23,6 +23,7 @@ from interfaces.transport import add_transport_flags, transport_from_args
 from interfaces.worker_to_scheduler import WorkerRole
 from worker.config import DTYPES, WorkerConfig, default_num_threads, parse_memory
 from worker.embeddings import EmbeddingsGenerator
+from worker.grammar_limits import add_grammar_flags, grammar_limits_from_args
 from worker.model_files import model_name_for, resolve_model
 from worker.model_runner import ModelRunner
 from worker.parallel import GroupBroken, destroy_tensor_parallel, init_tensor_parallel
@@ -85,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a decode rank receives KV blocks here; prefill ranks connect to it, so on "
         "several hosts give an address they reach (tcp://HOST:PORT, or :* for a free port)",
     )
+    add_grammar_flags(parser)
     add_transport_flags(parser, binds=True)
     add_log_flags(parser)
     return parser.parse_args(argv)
@@ -141,6 +143,7 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        grammar_limits=grammar_limits_from_args(args),
     )
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from worker.grammar_limits import GrammarLimits
 from worker.parallel import check_rank
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,6 +31,7 @@ class WorkerConfig:
     ``num_threads`` is torch's CPU threads; None means every core this process may run on.
     ``rank`` and ``tensor_parallel_size`` place the worker in its tensor-parallel group;
     ``master_addr``:``master_port`` is where the ranks meet (rank 0 listens there).
+    ``grammar_limits`` bound structured output: spec sizes, compile time, compiled-grammar cache.
     """
 
     model_dir: Path
@@ -45,6 +47,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

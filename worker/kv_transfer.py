@@ -12,9 +12,14 @@ that several prefill ranks replicate is sent once). A decode rank reports ``KVRe
 every shard it expects is written.
 
 Data is written only into the blocks of a transfer the scheduler announced (``KVReceive``) and
-has not cancelled: after an abort the scheduler cancels and reuses the blocks, and anything that
-still arrives for that transfer is dropped. Data may arrive before its announcement (the two
-travel different sockets); it waits up to ``EARLY_SHARD_TTL_S``.
+has not cancelled, and only a shard whose sender, heads, block count and byte count are the ones
+that transfer expects: after an abort the scheduler cancels and reuses the blocks, and anything
+that still arrives for that transfer is dropped. Transfer ids are 64-bit random numbers drawn by
+the scheduler, so another process that can reach the socket cannot name a transfer in flight.
+Data may arrive before its announcement (the two travel different sockets); it waits, within
+bounds, in ``worker.kv_early_shards``, if it could belong to a transfer to this rank at all. A
+frame larger than this rank's whole pool (no shard can be) drops its connection before it is
+buffered (``ZMQ_MAXMSGSIZE``); with CURVE only the workers' key may connect (``KV_TRANSFER``).
 """
 
 from __future__ import annotations
@@ -29,17 +34,17 @@ import torch
 import zmq
 
 from interfaces.scheduler_to_worker import KVReceive, KVSend
-from interfaces.transport import Binder, TransportSecurity
+from interfaces.transport import KV_TRANSFER, Binder, TransportSecurity
 from interfaces.worker_to_scheduler import KVLayout, KVReceived
 from interfaces.worker_to_worker import KVShardHeader
 from worker.kv_cache import KVCache
+from worker.kv_early_shards import EarlyShards
 from worker.parallel import units_of_rank
 
 logger = logging.getLogger(__name__)
 
-EARLY_SHARD_TTL_S = 60.0
-"""How long a shard whose ``KVReceive`` has not come yet is kept before it is dropped."""
-MAX_TRANSFER_MESSAGE_BYTES = 8 << 30
+MAX_HEADER_BYTES = 1024
+"""The frame size limit of a pool too small for a header to fit (a tiny test cache)."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +193,7 @@ class KVSender:
             socket = self._context.socket(zmq.PUSH)
             socket.setsockopt(zmq.SNDHWM, 0)
             socket.setsockopt(zmq.LINGER, 0)
-            self._security.connect(socket, address)
+            self._security.connect(socket, address, KV_TRANSFER)
             self._sockets[address] = socket
         return socket
 
@@ -222,23 +227,27 @@ class KVReceiver:
         rank: int,
         size: int,
     ) -> None:
+        self._cache = _RankCache(cache, layout, rank, size)
+        every_head = Shard(0, rank, self._cache.first_head, self._cache.last_head)
+        self._max_shard_bytes = self._cache.shard_bytes(cache.num_blocks, every_head)
+        """No transfer holds more than the whole pool of this rank's heads."""
         self.socket = context.socket(zmq.PULL)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_TRANSFER_MESSAGE_BYTES)
-        binder.bind(self.socket, address)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max(self._max_shard_bytes, MAX_HEADER_BYTES))
+        binder.bind(self.socket, address, KV_TRANSFER)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._cache = _RankCache(cache, layout, rank, size)
         self._expected: dict[int, _Expected] = {}
-        self._early: dict[int, list[tuple[float, KVShardHeader, zmq.Frame]]] = {}
-        self._last_announced = -1
-        """The newest transfer announced here. Ids only grow and announcements come in order,
-        so a shard of an older transfer that is not expected was cancelled: it is dropped."""
+        self._early = EarlyShards()
         self._decode = msgspec.msgpack.Decoder(KVShardHeader)
 
     @property
     def num_expected(self) -> int:
         return len(self._expected)
+
+    @property
+    def num_early_shards(self) -> int:
+        return self._early.num_shards
 
     def expect(self, receive: KVReceive) -> KVReceived | None:
         """Announce a transfer; returns its report if every shard had already arrived."""
@@ -246,18 +255,17 @@ class KVReceiver:
         plan = transfer_plan(cache.layout.num_kv_heads, receive.source_size, cache.size)
         shards = {s.source: s for s in plan if s.destination == cache.rank}
         self._expected[receive.transfer_id] = _Expected(receive, shards)
-        self._last_announced = max(self._last_announced, receive.transfer_id)
-        self._forget_stale_early_shards()
+        self._early.forget_stale()
         report = None
-        for _arrived, header, payload in self._early.pop(receive.transfer_id, []):
-            report = self._write(header, payload) or report
+        for early in self._early.take(receive.transfer_id):
+            report = self._write(early.header, early.payload) or report
         return report
 
     def cancel(self, transfer_ids: list[int]) -> None:
         """Give up transfers: their blocks are no longer theirs."""
         for transfer_id in transfer_ids:
             self._expected.pop(transfer_id, None)
-            self._early.pop(transfer_id, None)
+            self._early.end(transfer_id)
 
     def receive(self) -> list[KVReceived]:
         """Write every shard waiting on the socket; the reports of transfers now complete."""
@@ -282,20 +290,34 @@ class KVReceiver:
             return None
         if header.transfer_id in self._expected:
             return self._write(header, frames[1])
-        if header.transfer_id <= self._last_announced:
+        if self._early.has_ended(header.transfer_id):
             return None  # cancelled (or finished) already
-        self._forget_stale_early_shards()
-        arrived = time.monotonic()
-        self._early.setdefault(header.transfer_id, []).append((arrived, header, frames[1]))
+        self._keep_early(header, frames[1])
         return None
 
-    def _forget_stale_early_shards(self) -> None:
-        now = time.monotonic()
-        self._early = {
-            transfer_id: kept
-            for transfer_id, kept in self._early.items()
-            if now - kept[0][0] < EARLY_SHARD_TTL_S
-        }
+    def _keep_early(self, header: KVShardHeader, payload: zmq.Frame) -> None:
+        """Keep a shard of a transfer not announced yet, if it could belong to one and there
+        is room (``worker.kv_early_shards``)."""
+        problem = self._header_problem(header, len(payload))
+        if problem is None:
+            problem = self._early.keep(header, payload)
+        if problem is not None:
+            logger.warning("dropped a shard of unannounced KV transfer %d: %s",
+                           header.transfer_id, problem)  # fmt: skip
+
+    def _header_problem(self, header: KVShardHeader, num_bytes: int) -> str | None:
+        """Why a shard cannot belong to any transfer to this rank, or None."""
+        cache = self._cache
+        if not cache.first_head <= header.head_start < header.head_stop <= cache.last_head:
+            return f"heads [{header.head_start}, {header.head_stop}) are not this rank's"
+        if not 0 < header.num_blocks <= cache.cache.num_blocks:
+            return f"{header.num_blocks} blocks do not fit the pool"
+        shard = Shard(header.source_rank, cache.rank, header.head_start, header.head_stop)
+        if num_bytes != cache.shard_bytes(header.num_blocks, shard):
+            return f"{num_bytes} bytes do not make {header.num_blocks} blocks of those heads"
+        if not math.isfinite(header.started_at):
+            return f"its start time {header.started_at} is not a time"
+        return None
 
     def _write(self, header: KVShardHeader, payload: zmq.Frame) -> KVReceived | None:
         expected = self._expected.get(header.transfer_id)
@@ -315,6 +337,8 @@ class KVReceiver:
             problem = f"{header.num_blocks} blocks arrived, {len(block_ids)} were reserved"
         elif len(payload) != self._cache.shard_bytes(len(block_ids), shard):
             problem = f"{len(payload)} bytes arrived for {len(block_ids)} blocks"
+        elif not math.isfinite(header.started_at):
+            problem = f"its start time {header.started_at} is not a time"
         if problem is not None:
             logger.error("dropped a shard of KV transfer %d: %s", header.transfer_id, problem)
             return None
@@ -329,6 +353,7 @@ class KVReceiver:
         if expected.shards:
             return None
         del self._expected[header.transfer_id]
+        self._early.end(header.transfer_id)
         seconds = max(time.time() - expected.started_at, 0.0)
         return KVReceived(header.transfer_id, self._cache.rank, expected.num_bytes, seconds)
 

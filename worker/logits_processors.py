@@ -4,6 +4,10 @@ Applied to a copy of the model's float32 logits before temperature, top-k, top-p
 vLLM V1's order: the grammar mask, min-new-tokens (end-of-sequence and stop ids to -inf), logit
 bias, then the repetition, frequency and presence penalties. Rows that use none of them come out
 bit-for-bit unchanged, which keeps greedy parity with transformers.
+
+A request's own edits (its logit_bias, the ids min-new-tokens blocks) become device tensors once
+per request (``RequestEdits``), not every step: a full-vocabulary logit_bias is ~49k entries,
+and rebuilding it from Python for each row of a batch every step cost seconds per step.
 """
 
 from __future__ import annotations
@@ -17,18 +21,58 @@ from interfaces import SamplingParams
 
 
 @dataclass(frozen=True)
+class RequestEdits:
+    """One request's sparse logit edits as device tensors, built once when it arrives.
+
+    ``bias_token_ids`` (num_biased,) int64 and ``bias_values`` (num_biased,) float32 are its
+    logit_bias; ``min_tokens_blocked_ids`` (num_blocked,) int64 are the vocabulary's ids among
+    its stop ids and, unless ``ignore_eos``, its end-of-sequence ids (blocked until
+    min_new_tokens outputs exist). Ids outside the vocabulary can never be sampled and are left
+    out.
+    """
+
+    bias_token_ids: torch.Tensor
+    bias_values: torch.Tensor
+    min_tokens_blocked_ids: torch.Tensor
+
+    @classmethod
+    def build(
+        cls,
+        params: SamplingParams,
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> RequestEdits:
+        bias = params.logit_bias or {}
+        blocked = set()
+        if params.min_new_tokens:
+            blocked.update(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                blocked.update(eos_token_ids)
+        blocked = {token for token in blocked if token < vocab_size}
+        return cls(
+            bias_token_ids=torch.tensor(list(bias), dtype=torch.int64, device=device),
+            bias_values=torch.tensor(list(bias.values()), dtype=torch.float32, device=device),
+            min_tokens_blocked_ids=torch.tensor(sorted(blocked), dtype=torch.int64, device=device),
+        )
+
+
+@dataclass(frozen=True)
 class SamplingRow:
     """What the logits processors need to know about one request being sampled.
 
     ``token_ids`` is the prompt (its first ``num_prompt_tokens``) followed by the outputs so far;
     the row does not own it and reads it only while the batch is built.
-    ``blocked_token_ids`` are set to -inf for this token (min-new-tokens not reached yet).
+    ``blocked_token_ids`` are set to -inf for this token (min-new-tokens not reached yet): ids,
+    or a (num_blocked,) int64 tensor of them.
+    ``edits`` are the request's prebuilt tensors; None builds the logit bias from ``params``.
     """
 
     params: SamplingParams
     token_ids: Sequence[int]
     num_prompt_tokens: int
-    blocked_token_ids: Sequence[int] = ()
+    blocked_token_ids: Sequence[int] | torch.Tensor = ()
+    edits: RequestEdits | None = None
 
     @property
     def prompt_token_ids(self) -> Sequence[int]:
@@ -50,17 +94,23 @@ class SamplingRow:
 
 @dataclass(frozen=True)
 class TokenEdits:
-    """Sparse edits ``logits[rows[i], token_ids[i]] (+)= values[i]``: three (num_edits,) tensors."""
+    """Sparse edits, row by row: ``logits[row, token_ids] (+)= values`` for each
+    (row, token_ids, values) of ``rows`` (two (num_edits,) tensors, the ids unique in a row).
 
-    rows: torch.Tensor
-    token_ids: torch.Tensor
-    values: torch.Tensor
+    Applied one row at a time, from each request's own tensors: a batch has at most a few
+    hundred rows, while one row may edit the whole vocabulary, and gathering every row's edits
+    into one tensor each step cost seconds for 128 full-vocabulary rows.
+    """
+
+    rows: list[tuple[int, torch.Tensor, torch.Tensor]]
 
     def add_to(self, logits: torch.Tensor) -> None:
-        logits.index_put_((self.rows, self.token_ids), self.values, accumulate=True)
+        for row, token_ids, values in self.rows:
+            logits[row].index_add_(0, token_ids, values)
 
     def write_to(self, logits: torch.Tensor) -> None:
-        logits.index_put_((self.rows, self.token_ids), self.values)
+        for row, token_ids, values in self.rows:
+            logits[row].index_put_((token_ids,), values)
 
 
 @dataclass(frozen=True)
@@ -145,29 +195,28 @@ def build_logits_processors(
 
 
 def _blocked_edits(rows: Sequence[SamplingRow], device: torch.device) -> TokenEdits | None:
-    edits = [(i, token) for i, row in enumerate(rows) for token in row.blocked_token_ids]
-    if not edits:
-        return None
-    return _token_edits(edits, [float("-inf")] * len(edits), device)
+    edits = []
+    for i, row in enumerate(rows):
+        if len(row.blocked_token_ids):
+            token_ids = torch.as_tensor(row.blocked_token_ids, dtype=torch.int64, device=device)
+            edits.append((i, token_ids, torch.full(token_ids.shape, float("-inf"), device=device)))
+    return TokenEdits(edits) if edits else None
 
 
 def _bias_edits(rows: Sequence[SamplingRow], device: torch.device) -> TokenEdits | None:
-    edits, values = [], []
+    edits = []
     for i, row in enumerate(rows):
-        for token, bias in (row.params.logit_bias or {}).items():
-            edits.append((i, token))
-            values.append(bias)
-    if not edits:
-        return None
-    return _token_edits(edits, values, device)
-
-
-def _token_edits(
-    edits: list[tuple[int, int]], values: list[float], device: torch.device
-) -> TokenEdits:
-    rows_and_ids = torch.tensor(edits, dtype=torch.int64, device=device)  # (num_edits, 2)
-    values_tensor = torch.tensor(values, dtype=torch.float32, device=device)
-    return TokenEdits(rows_and_ids[:, 0], rows_and_ids[:, 1], values_tensor)
+        if row.edits is not None:
+            token_ids, values = row.edits.bias_token_ids, row.edits.bias_values
+        elif row.params.logit_bias:
+            bias = row.params.logit_bias
+            token_ids = torch.tensor(list(bias), dtype=torch.int64, device=device)
+            values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
+        else:
+            continue
+        if len(token_ids):
+            edits.append((i, token_ids.to(device), values.to(device)))
+    return TokenEdits(edits) if edits else None
 
 
 def _penalties(

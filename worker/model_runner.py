@@ -5,11 +5,18 @@ computes exactly the tokens the scheduler named, and samples a token for every r
 computed tokens thereby reach the end of its known tokens (prompt plus outputs so far), along with
 the log probabilities and grammar masks the request asked for.
 
+One request never fails its batch (``worker.request_sampler``): an error in its logits
+processing, sampling or grammar fails that request alone (``take_failures``), and a request whose
+grammar is still compiling when it must sample is deferred (``take_deferred``): it gets no token
+this step, and ``grammar_news`` says when its grammar is ready (or failed), for the scheduler to
+recompute its last token.
+
 Tensor-parallel, every rank runs the same step on its share of the model (``worker.parallel``).
 Before the forward pass the ranks agree on which new requests are refused and whether the step
-failed, so their batches stay identical; after it, rank 0 alone samples and sends the tokens to
-the others, which need them as the next step's inputs. A collective that fails leaves the ranks
-out of step, which no step can repair: it raises ``GroupBroken`` and the worker exits.
+failed, so their batches stay identical; after it, rank 0 alone samples (and alone compiles
+grammars) and sends the tokens to the others, which need them as the next step's inputs
+(``NO_TOKEN`` for a request that got none). A collective that fails leaves the ranks out of
+step, which no step can repair: it raises ``GroupBroken`` and the worker exits.
 """
 
 from __future__ import annotations
@@ -19,24 +26,24 @@ import logging
 import msgspec
 import torch
 
-from interfaces import LogProbabilities, RequestID, TextGenerationOutput
+from interfaces import RequestID, TextGenerationOutput
 from interfaces.scheduler_to_worker import NewRequestData, SchedulerOutput
-from interfaces.worker_to_scheduler import KVLayout
+from interfaces.worker_to_scheduler import GrammarsReady, KVLayout, RequestFailure
 from worker import parallel
 from worker.attention import build_batch_layout
 from worker.config import WorkerConfig, default_num_threads
+from worker.grammar_compiler import GrammarCompiler
 from worker.images import RequestImage, input_embeddings, read_images
 from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_blocks_for_budget
 from worker.kv_transfer import kv_layout
-from worker.logits_processors import build_logits_processors
-from worker.logprobs import as_log_probabilities, check_logprob_counts, token_logprobs
+from worker.logprobs import check_logprob_counts
 from worker.models.config import ModelConfig
 from worker.models.loader import load_model
 from worker.parallel import tensor_parallel
 from worker.prompt_logprobs import plan_prompt_logprob_rows, record_prompt_logprobs
+from worker.request_sampler import RequestSampler
 from worker.request_state import RequestState
-from worker.sampler import Sampler, SamplingBatch, check_supported
-from worker.structured_output import GrammarCompiler, allowed_token_mask
+from worker.sampler import NO_TOKEN, Sampler, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +71,16 @@ class ModelRunner:
         """Rank 0's: only it samples, so only it follows grammars."""
         if self.tensor_parallel.is_driver:
             self.grammars = GrammarCompiler(
-                config.model_dir, self.model_config.vocab_size, default_num_threads()
+                config.model_dir,
+                self.model_config.vocab_size,
+                default_num_threads(),
+                config.grammar_limits,
             )
         self.requests: dict[RequestID, RequestState] = {}
         self._refusals: dict[RequestID, str] = {}
+        self.request_sampler = RequestSampler(
+            self.sampler, self.model_config.vocab_size, self.device
+        )
         logger.info(
             "loaded %s on %s (%s), rank %d of %d: %d KV blocks of %d tokens, max_model_len %d",
             config.model_dir,
@@ -96,6 +109,11 @@ class ModelRunner:
     @property
     def model_name(self) -> str:
         return self.config.model_name
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size, reported to the scheduler (``WorkerReady``)."""
+        return self.model_config.vocab_size
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -142,6 +160,7 @@ class ModelRunner:
         except Exception:
             for request_id in _named_request_ids(scheduler_output):
                 self.release(request_id)
+            self.request_sampler.discard_step()  # the whole step fails instead
             raise
         for request_id in scheduler_output.num_scheduled_tokens:
             refusal = self.requests[request_id].refusal
@@ -155,9 +174,32 @@ class ModelRunner:
         refusals, self._refusals = self._refusals, {}
         return refusals
 
+    def take_failures(self) -> dict[RequestID, RequestFailure]:
+        """Requests whose token could not be sampled since the last call (``ModelOutput``'s
+        ``failed``); their state stays until the scheduler releases them."""
+        return self.request_sampler.take_failures()
+
+    def take_deferred(self) -> list[RequestID]:
+        """Requests that waited for their grammar instead of sampling since the last call."""
+        return self.request_sampler.take_deferred()
+
+    def grammar_news(self, now: float | None = None) -> GrammarsReady | None:
+        """Which deferred requests' grammars compiled, or failed (invalid, or past the time
+        limit), since the last call; None when there is nothing new. Rank 0 calls it between
+        steps (``GrammarCompiler.wakeup_fd`` tells when a compile finished)."""
+        if self.grammars is not None:
+            self.grammars.drain_wakeups()
+        return self.request_sampler.grammar_news(self.requests, now)
+
+    @property
+    def grammar_wakeup_fd(self) -> int | None:
+        """A file descriptor readable when a grammar finished compiling (rank 0's)."""
+        return self.grammars.wakeup_fd if self.grammars is not None else None
+
     def release(self, request_id: RequestID) -> None:
         """Forget ``request_id``; unknown ids are ignored. Its blocks belong to the scheduler."""
         self.requests.pop(request_id, None)
+        self.request_sampler.forget(request_id)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
@@ -185,10 +227,11 @@ class ModelRunner:
             check_logprob_counts(context)
             grammar = None
             if context.structured_output is not None and self.grammars is not None:
-                grammar = self.grammars.grammar_for(context)
+                grammar = self.grammars.start(context)
         except ValueError as error:
             return self._refused_state(new, str(error), images)
-        return RequestState.from_new_request(new, self.device, grammar, images)
+        vocab_size = self.model_config.vocab_size
+        return RequestState.from_new_request(new, self.device, vocab_size, grammar, images)
 
     def _refused_state(
         self, new: NewRequestData, reason: str, images: list[RequestImage]
@@ -199,7 +242,8 @@ class ModelRunner:
             new.num_computed_tokens,
             new.output_token_ids,
         )
-        state = RequestState.from_new_request(plain, self.device, images=images)
+        vocab_size = self.model_config.vocab_size
+        state = RequestState.from_new_request(plain, self.device, vocab_size, images=images)
         state.refusal = reason
         return state
 
@@ -264,11 +308,12 @@ class ModelRunner:
             return self._follow(sampled)
         try:
             record_prompt_logprobs(logits[len(sampling) :], prompt_rows)
-            outputs = self._sample(logits[: len(sampling)], sampled)
+            outputs = self.request_sampler.sample(logits[: len(sampling)], sampled)
         except Exception:
             parallel.share_tokens(None, len(sampled))
             raise
-        parallel.share_tokens([outputs[s.request_id].tokens[0] for s in sampled], len(sampled))
+        tokens = [_token_of(outputs.get(state.request_id)) for state in sampled]
+        parallel.share_tokens(tokens, len(sampled))
         return outputs
 
     def _follow(self, sampled: list[RequestState]) -> dict[RequestID, TextGenerationOutput]:
@@ -277,43 +322,9 @@ class ModelRunner:
         if tokens is None:
             raise RuntimeError("rank 0 failed to sample this step")
         for state, token in zip(sampled, tokens, strict=True):
-            state.append_output(token)
+            if token != NO_TOKEN:
+                state.append_output(token)
         return {}
-
-    def _sample(
-        self, logits: torch.Tensor, states: list[RequestState]
-    ) -> dict[RequestID, TextGenerationOutput]:
-        """Sample one token per state from ``logits`` (len(states), vocab_size), raw from the
-        model; advance each state (tokens, grammar) and build its output."""
-        if not states:
-            return {}
-        batch = self._sampling_batch(states)
-        tokens = self.sampler(logits, batch)
-        logprobs = _sampled_logprobs(logits, tokens, states)
-        outputs = {}
-        for state, token, log_probabilities in zip(states, tokens.tolist(), logprobs, strict=True):
-            state.append_output(token)
-            outputs[state.request_id] = TextGenerationOutput(
-                state.request_id,
-                [token],
-                log_probabilities=log_probabilities,
-                prompt_log_probabilities=state.take_prompt_logprobs(),
-            )
-        return outputs
-
-    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
-        vocab_size = self.model_config.vocab_size
-        allowed = allowed_token_mask([state.grammar for state in states], vocab_size, self.device)
-        processors = build_logits_processors(
-            [state.sampling_row() for state in states], vocab_size, self.device, allowed
-        )
-        return SamplingBatch.from_params(
-            [state.sampling_params for state in states],
-            [state.next_token_generator() for state in states],
-            vocab_size,
-            self.device,
-            processors,
-        )
 
     def _input_ids(self, states: list[RequestState], counts: list[int]) -> torch.Tensor:
         input_ids = []
@@ -349,18 +360,8 @@ class ModelRunner:
             raise ValueError(f"request {state.request_id!r}: {problem}")
 
 
-def _sampled_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, states: list[RequestState]
-) -> list[list[LogProbabilities] | None]:
-    """Each state's ``log_probabilities`` output for its sampled token (None: not asked for)."""
-    rows = [i for i, state in enumerate(states) if state.logprobs is not None]
-    results: list[list[LogProbabilities] | None] = [None] * len(states)
-    if not rows:
-        return results
-    entries = token_logprobs(logits[rows], tokens[rows], [states[i].logprobs for i in rows])
-    for row, entry in zip(rows, entries, strict=True):
-        results[row] = [as_log_probabilities([entry])]
-    return results
+def _token_of(output: TextGenerationOutput | None) -> int:
+    return output.tokens[0] if output is not None else NO_TOKEN
 
 
 def _reaches_end(state: RequestState, count: int) -> bool:

@@ -8,8 +8,9 @@ import torch
 
 from interfaces import LogProbabilities, RequestID, SamplingParams
 from interfaces.scheduler_to_worker import NewRequestData
+from worker.grammar_compiler import PendingGrammar
 from worker.images import RequestImage
-from worker.logits_processors import SamplingRow
+from worker.logits_processors import RequestEdits, SamplingRow
 from worker.logprobs import as_log_probabilities
 from worker.sampler import token_seed
 from worker.structured_output import RequestGrammar
@@ -38,7 +39,9 @@ class RequestState:
     ``logprobs`` is the context's (None: no log probabilities for sampled tokens).
     ``prompt_logprobs`` is None unless prompt log probabilities are still to be sent: they go out
     once, with the first sampled token, so a request resumed with outputs has none.
-    ``grammar`` holds the structured-output matcher, advanced by every output token.
+    ``grammar`` holds the structured-output matcher, advanced by every output token; while it
+    compiles, ``pending_grammar`` is set instead (``attach_grammar`` swaps them).
+    ``edits`` are its logit bias and min-new-tokens ids as tensors, built once.
     ``refusal`` is why the worker will not serve the request (set on arrival): its scheduled
     tokens are computed so shared KV blocks stay valid, but it is never sampled.
     ``images`` are a vision-language request's images, their features kept once computed
@@ -56,6 +59,8 @@ class RequestState:
     logprobs: int | None = None
     prompt_logprobs: PromptLogprobs | None = None
     grammar: RequestGrammar | None = None
+    pending_grammar: PendingGrammar | None = None
+    edits: RequestEdits | None = None
     refusal: str | None = None
     images: list[RequestImage] = field(default_factory=list)
 
@@ -64,20 +69,21 @@ class RequestState:
         cls,
         new: NewRequestData,
         device: torch.device,
-        grammar: RequestGrammar | None = None,
+        vocab_size: int,
+        grammar: PendingGrammar | None = None,
         images: list[RequestImage] | None = None,
     ) -> RequestState:
-        """State for a new (or resumed) request; ``grammar`` is replayed over its outputs;
-        ``images`` come from ``worker.images.read_images``.
+        """State for a new (or resumed) request; ``grammar`` is its compiling grammar
+        (``attach_grammar`` replays it over the outputs); ``images`` come from
+        ``worker.images.read_images``.
 
         Raises ``ValueError`` if prompt log probabilities are due but the scheduler starts the
         request past its first token (a prefix-cache hit): those positions are never computed.
         """
         context = new.context
         prompt_logprobs = _prompt_logprobs_due(new)
-        if grammar is not None:
-            grammar.replay(new.output_token_ids)
-        seeded = context.sampling_params.seed is not None
+        params = context.sampling_params
+        seeded = params.seed is not None
         return cls(
             request_id=context.request_id,
             token_ids=[*context.prompt_token_ids, *new.output_token_ids],
@@ -89,7 +95,8 @@ class RequestState:
             generator=torch.Generator(device) if seeded else None,
             logprobs=context.logprobs,
             prompt_logprobs=prompt_logprobs,
-            grammar=grammar,
+            pending_grammar=grammar,
+            edits=RequestEdits.build(params, context.eos_token_ids, vocab_size, device),
             images=images or [],
         )
 
@@ -111,20 +118,27 @@ class RequestState:
     def sampling_row(self) -> SamplingRow:
         """This request as one row of the next sampling batch."""
         return SamplingRow(
-            self.sampling_params, self.token_ids, self.num_prompt_tokens, self.blocked_token_ids()
+            self.sampling_params,
+            self.token_ids,
+            self.num_prompt_tokens,
+            self.blocked_token_ids(),
+            self.edits,
         )
 
-    def blocked_token_ids(self) -> list[int]:
+    def blocked_token_ids(self) -> torch.Tensor | list[int]:
         """Ids the next token may not be: end-of-sequence (unless ``ignore_eos``) and stop ids
         while fewer than ``min_new_tokens`` were generated (a grammar that allows nothing else
         overrides this; see ``LogitsProcessors``)."""
-        params = self.sampling_params
-        if self.num_output_tokens >= params.min_new_tokens:
+        if self.num_output_tokens >= self.sampling_params.min_new_tokens or self.edits is None:
             return []
-        blocked = list(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            blocked += self.eos_token_ids
-        return blocked
+        return self.edits.min_tokens_blocked_ids
+
+    def attach_grammar(self, grammar: RequestGrammar) -> None:
+        """Follow ``grammar``, the compiled ``pending_grammar``, replayed over the outputs so
+        far (``RuntimeError`` if it rejects one)."""
+        self.pending_grammar = None
+        grammar.replay(self.token_ids[self.num_prompt_tokens :])
+        self.grammar = grammar
 
     def append_output(self, token_id: int) -> None:
         """Record a sampled token and advance the grammar (``RuntimeError`` if it rejects it)."""

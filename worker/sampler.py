@@ -7,6 +7,12 @@ Random choices use the exponential race: ``argmax(probs / noise)`` with ``noise 
 token i with probability ``probs[i]``. A request with a seed draws its noise from its own
 generator, re-seeded from (seed, index of the token being generated), so its tokens do not depend
 on which other requests share the batch, nor on whether it was preempted and resumed.
+
+Non-finite logits never reach a probability: NaN counts as -inf (never sampled), +inf as the
+largest float32 (a tie among the infinite tokens), so softmax and argmax stay defined. A row
+with no finite logit left (a model that produced only NaN, or processors that forbid every
+token) has no token to give: ``Sampler.__call__`` returns ``NO_TOKEN`` for it rather than a
+token its grammar forbids. Temperatures below 1e-5 are greedy (``SamplingParams.is_greedy``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from interfaces import SamplingParams
 from worker.logits_processors import LogitsProcessors
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+NO_TOKEN = -1
+"""The token id of a row that had nothing to sample (every logit -inf or NaN)."""
 
 
 def check_supported(params: SamplingParams, vocab_size: int) -> None:
@@ -63,7 +71,7 @@ class SamplingBatch:
         device: torch.device,
         processors: LogitsProcessors | None = None,
     ) -> SamplingBatch:
-        greedy = [p.is_greedy for p in params]
+        greedy = [p.is_greedy for p in params]  # temperatures below 1e-5 too
         return cls(
             temperatures=_tensor(
                 [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device
@@ -97,25 +105,35 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Token ids (num_rows,) int64 for float32 ``logits`` (num_rows, vocab_size).
+        """Token ids (num_rows,) int64 for float32 ``logits`` (num_rows, vocab_size): each in
+        the vocabulary, or ``NO_TOKEN`` for a row without a finite logit.
 
         ``logits`` is not modified (the caller may still need the raw values for logprobs).
         """
         if batch.processors is not None:
             logits = batch.processors.apply(logits)
-        greedy_tokens = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy_tokens
-        probs = filtered_probabilities(logits / batch.temperatures[:, None], batch)
-        sampled = (probs / self._noise(probs, batch.generators)).argmax(dim=-1)
-        return torch.where(batch.is_greedy, greedy_tokens, sampled)
+        logits = finite_logits(logits)
+        nothing_allowed = torch.isneginf(logits).all(dim=-1)  # (num_rows,)
+        tokens = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            scaled = finite_logits(logits / batch.temperatures[:, None])
+            probs = filtered_probabilities(scaled, batch)
+            sampled = (probs / self._noise(probs, batch.generators)).argmax(dim=-1)
+            tokens = torch.where(batch.is_greedy, tokens, sampled)
+        return tokens.masked_fill(nothing_allowed, NO_TOKEN)
 
     def _noise(self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]):
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in enumerate(generators):
             if generator is not None:
                 noise[row].exponential_(generator=generator)
-        return noise
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # 0 / 0 would be NaN
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with NaN as -inf and +inf as the largest float32 (unchanged when all are
+    finite or -inf, so parity rows stay bit-for-bit)."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
 def filtered_probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -3,7 +3,9 @@
 The worker connects a DEALER to the scheduler's backend ROUTER, announces itself with
 ``WorkerReady``, then answers every ``SchedulerOutput`` with ``ModelOutput`` (or
 ``WorkerFailure`` if the step raised) until ``Shutdown``, SIGTERM or SIGINT. It polls with a short
-timeout so signals are noticed between steps; a step in progress always finishes first.
+timeout so signals are noticed between steps; a step in progress always finishes first. Rank 0
+also polls the pipe its grammar compiles write to, and sends ``GrammarsReady`` between steps
+when a deferred request's grammar compiled or failed (``worker.model_runner``).
 
 If the connection to the scheduler drops (the scheduler died, or over TCP went silent past
 ZeroMQ's heartbeat timeout), the worker exits with code 1 at once: its requests and KV cache
@@ -38,7 +40,7 @@ from interfaces.scheduler_to_worker import (
     SchedulerToWorkerMessage,
     Shutdown,
 )
-from interfaces.transport import Binder, TransportSecurity
+from interfaces.transport import BACKEND, Binder, TransportSecurity
 from interfaces.worker_to_scheduler import (
     EmbeddingsModelOutput,
     ModelOutput,
@@ -104,8 +106,13 @@ class WorkerServer:
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.security.connect(socket, self.scheduler_addr)
         try:
+            try:
+                self.security.connect(socket, self.scheduler_addr, BACKEND)
+            except ValueError as error:  # a CURVE key file this worker needs is missing
+                logger.error("cannot connect to the scheduler at %s: %s", self.scheduler_addr,
+                             error)  # fmt: skip
+                return 1
             self._send(socket, self._ready())
             logger.info(
                 "worker ready (%s, group %s); serving the scheduler at %s",
@@ -152,8 +159,13 @@ class WorkerServer:
         poller.register(monitor, zmq.POLLIN)
         if self.receiver is not None:
             poller.register(self.receiver.socket, zmq.POLLIN)
+        grammar_wakeup = getattr(self.runner, "grammar_wakeup_fd", None)
+        if grammar_wakeup is not None:
+            poller.register(grammar_wakeup, zmq.POLLIN)
         while not self.stop_requested:
             events = dict(poller.poll(POLL_INTERVAL_MS))
+            if grammar_wakeup is not None:  # also on every poll timeout: compile time limits
+                self._send_grammar_news(socket)
             if socket in events:  # before the monitor: a Shutdown may precede the disconnect
                 message = self._receive(socket)
                 if isinstance(message, Shutdown):
@@ -200,6 +212,12 @@ class WorkerServer:
         except (RuntimeError, ValueError, zmq.ZMQError):  # the scheduler's timeout fails them
             logger.exception("could not send the KV blocks of step %d", step.step_id)
 
+    def _send_grammar_news(self, socket: zmq.Socket) -> None:
+        """Tell the scheduler which deferred requests' grammars are ready or failed."""
+        news = self.runner.grammar_news()
+        if news is not None:
+            self._send(socket, news)
+
     def _on_transfers(self, socket: zmq.Socket, transfers: KVTransfers) -> None:
         if self.receiver is None:
             logger.error("dropped KV transfer news sent to a %s worker", self.role.value)
@@ -222,10 +240,18 @@ class WorkerServer:
 
     def run_step(self, step: SchedulerOutput) -> ModelOutput | WorkerFailure:
         """Run one step; a step that raises becomes a WorkerFailure and the worker serves on,
-        unless its group broke (``GroupBroken`` propagates)."""
+        unless its group broke (``GroupBroken`` propagates). Requests that failed alone, or
+        wait for their grammar, ride in the ModelOutput."""
+        runner = self.runner
         try:
-            outputs = self.runner.next_token(step)
-            return ModelOutput(step.step_id, outputs, self.runner.take_refusals())
+            outputs = runner.next_token(step)
+            return ModelOutput(
+                step.step_id,
+                outputs,
+                runner.take_refusals(),
+                runner.take_failures(),
+                runner.take_deferred(),
+            )
         except GroupBroken:
             raise
         except Exception as error:
@@ -257,6 +283,7 @@ class WorkerServer:
             self.group,
             runner.kv_layout,
             self.receiver.address if self.receiver is not None else "",
+            runner.vocab_size,
         )
 
     def _send(self, socket: zmq.Socket, message: WorkerToSchedulerMessage) -> None:

@@ -1,0 +1,52 @@
+"""The address an API server listens on: whether it is loopback, and the warning when it is not.
+
+No FastAPI here: ``switchyard serve`` (the launcher) warns too, before it starts API servers.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+
+logger = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, not a ``Host`` header) is localhost or a
+    loopback address (127.0.0.0/8, ::1, their IPv4-mapped forms)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def listening_host(host: str, fd: int | None) -> str:
+    """The address the server listens on: ``host``, or the inherited listening socket's
+    (file descriptor ``fd``, left open) when there is one; "" for a Unix socket."""
+    if fd is None:
+        return host
+    listener = socket.socket(fileno=fd)
+    try:
+        address = listener.getsockname()
+    finally:
+        listener.detach()
+    return address[0] if isinstance(address, tuple) else ""
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> None:
+    """Log a warning when a server about to listen on ``host`` (not a loopback address) has no
+    API key: anyone who can reach the address can use it. Call it once per server started."""
+    if api_key or is_loopback(host):
+        return
+    logger.warning(
+        "listening on %s without an API key: anyone who can reach this address can use the "
+        "model. Set SWITCHYARD_API_KEY (clients then send 'Authorization: Bearer KEY'), or "
+        "listen on 127.0.0.1 behind a proxy that authenticates",
+        host,
+    )

@@ -1,0 +1,136 @@
+"""How much structured-output work one request may ask of a worker: ``GrammarLimits``.
+
+Compiling a grammar costs time superlinear in its size (a 1.1 MB choice list took 55 s), so a
+spec is checked against ``max_spec_bytes`` and ``max_alternatives`` when its request arrives
+(refused alone, an HTTP 400), compiles off the step for at most ``compile_timeout_s`` (then the
+request fails alone, a 400 naming the limit) and compiled grammars are cached up to
+``cache_bytes``. No torch here: ``switchyard serve`` takes the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from interfaces import StructuredOutput
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Bounds on one worker's structured-output work; validated on construction.
+
+    ``max_alternatives`` counts ``|`` in a regex or grammar, and ``enum``, ``anyOf`` and
+    ``oneOf`` entries in a JSON schema.
+    """
+
+    compile_timeout_s: float = 30.0
+    max_spec_bytes: int = 1 << 20
+    max_alternatives: int = 20_000
+    cache_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        if not self.compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar compile timeout must be positive, got {self.compile_timeout_s}"
+            )
+        for name in ("max_spec_bytes", "max_alternatives", "cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def timeout_error(self, kind: str) -> str:
+        return (
+            f"compiling the {kind} for structured output took longer than the limit of "
+            f"{self.compile_timeout_s:g} s (--grammar-compile-timeout)"
+        )
+
+    def check(self, structured: StructuredOutput) -> None:
+        """Raise ``ValueError`` naming the limit when ``structured`` is too big to compile."""
+        spec = structured.spec or ""
+        num_bytes = len(spec.encode())
+        if num_bytes > self.max_spec_bytes:
+            raise ValueError(
+                f"the {structured.kind} for structured output is {num_bytes} bytes, more than "
+                f"the limit of {self.max_spec_bytes} bytes (--max-grammar-bytes)"
+            )
+        num_alternatives = count_alternatives(structured)
+        if num_alternatives > self.max_alternatives:
+            raise ValueError(
+                f"the {structured.kind} for structured output has {num_alternatives} "
+                f"alternatives, more than the limit of {self.max_alternatives} "
+                "(--max-grammar-alternatives)"
+            )
+
+
+def count_alternatives(structured: StructuredOutput) -> int:
+    """``|`` in a regex or grammar; entries of every ``enum``, ``anyOf`` and ``oneOf`` in a
+    JSON schema (0 for one that does not parse: the compiler reports that)."""
+    spec = structured.spec or ""
+    if structured.kind != "json_schema":
+        return spec.count("|")
+    try:
+        schema = json.loads(spec)
+    except (ValueError, RecursionError):
+        return 0
+    count, stack = 0, [schema]
+    while stack:  # iterative: a deeply nested schema must not exhaust the Python stack
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in ("enum", "anyOf", "oneOf"):
+                if isinstance(node.get(key), list):
+                    count += len(node[key])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
+
+
+def add_grammar_flags(parser: argparse.ArgumentParser) -> None:
+    """The structured-output limits; ``switchyard serve`` takes the same flags."""
+    defaults = GrammarLimits()
+    group = parser.add_argument_group("structured output")
+    group.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=defaults.compile_timeout_s,
+        metavar="SECONDS",
+        help="fail a request (400) whose grammar takes longer than this to compile; other "
+        "requests keep running meanwhile",
+    )
+    group.add_argument(
+        "--max-grammar-bytes",
+        type=int,
+        default=defaults.max_spec_bytes,
+        help="refuse (400) a JSON schema, regex, grammar or choice list bigger than this",
+    )
+    group.add_argument(
+        "--max-grammar-alternatives",
+        type=int,
+        default=defaults.max_alternatives,
+        help="refuse (400) a spec with more alternatives than this (choices, enum entries)",
+    )
+    group.add_argument(
+        "--grammar-cache-bytes",
+        type=int,
+        default=defaults.cache_bytes,
+        help="memory for compiled grammars kept for reuse (least recently used go first)",
+    )
+
+
+def grammar_limits_from_args(args: argparse.Namespace) -> GrammarLimits:
+    return GrammarLimits(
+        args.grammar_compile_timeout,
+        args.max_grammar_bytes,
+        args.max_grammar_alternatives,
+        args.grammar_cache_bytes,
+    )
+
+
+def grammar_flags(limits: GrammarLimits) -> list[str]:
+    """``limits`` as ``python -m worker`` flags (what ``switchyard serve`` passes on)."""
+    return [
+        *("--grammar-compile-timeout", str(limits.compile_timeout_s)),
+        *("--max-grammar-bytes", str(limits.max_spec_bytes)),
+        *("--max-grammar-alternatives", str(limits.max_alternatives)),
+        *("--grammar-cache-bytes", str(limits.cache_bytes)),
+    ]

@@ -1,0 +1,222 @@
+"""Rank 0's sampling of one step's requests, where one request's failure is its own.
+
+``RequestSampler.sample`` turns the logits of the requests that reached a sampling point into one
+token each, their log probabilities and their outputs. A request whose grammar still compiles is
+deferred (``take_deferred``; ``grammar_news`` says when it may sample); one whose logits
+processing, sampling, log probabilities or grammar raises, or that has nothing to sample (every
+logit -inf or NaN), fails alone (``take_failures``): a batch that raises is sampled again row by
+row, so only the rows that raise fail, and the others get the tokens they would get alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from interfaces import LogProbabilities, RequestID, TextGenerationOutput
+from interfaces.worker_to_scheduler import GrammarsReady, RequestFailure
+from worker.logits_processors import build_logits_processors
+from worker.logprobs import as_log_probabilities, token_logprobs
+from worker.request_state import RequestState
+from worker.sampler import NO_TOKEN, Sampler, SamplingBatch
+from worker.structured_output import RequestGrammar, allowed_token_mask
+
+logger = logging.getLogger(__name__)
+
+
+class RequestSampler:
+    """Samples for the ModelRunner of rank 0 (from its thread), and remembers which requests
+    failed or were deferred until the runner reports them."""
+
+    def __init__(self, sampler: Sampler, vocab_size: int, device: torch.device) -> None:
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+        self.device = device
+        self._failures: dict[RequestID, RequestFailure] = {}
+        self._deferred: list[RequestID] = []
+        self._parked: set[RequestID] = set()
+        """Deferred requests whose grammar news is not sent yet."""
+
+    def take_failures(self) -> dict[RequestID, RequestFailure]:
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def take_deferred(self) -> list[RequestID]:
+        deferred, self._deferred = self._deferred, []
+        return deferred
+
+    def forget(self, request_id: RequestID) -> None:
+        """``request_id`` left the worker: no news about it is due."""
+        self._parked.discard(request_id)
+
+    def discard_step(self) -> None:
+        """The step failed as a whole: its failures and deferrals are not reported."""
+        self._failures, self._deferred = {}, []
+
+    def grammar_news(
+        self, requests: dict[RequestID, RequestState], now: float | None = None
+    ) -> GrammarsReady | None:
+        """Which deferred requests' grammars compiled (attached to their state), or failed,
+        since the last call; None when nothing is new."""
+        news = GrammarsReady([], {})
+        for request_id in sorted(self._parked):
+            state = requests[request_id]
+            grammar = state.pending_grammar.poll(now)
+            if grammar is None:
+                continue
+            self._parked.discard(request_id)
+            failure = grammar if isinstance(grammar, str) else _attach(state, grammar)
+            if failure is None:
+                news.ready.append(request_id)
+            else:
+                news.failed[request_id] = failure
+        return news if news.ready or news.failed else None
+
+    def sample(
+        self, logits: torch.Tensor, states: list[RequestState]
+    ) -> dict[RequestID, TextGenerationOutput]:
+        """Sample one token per state whose grammar is ready from ``logits`` (len(states),
+        vocab_size), raw from the model; advance each state (tokens, grammar) and build its
+        output. Others are deferred (grammar compiling) or failed alone."""
+        rows = [i for i, state in enumerate(states) if self._grammar_ready(state)]
+        states = [states[i] for i in rows]
+        if not states:
+            return {}
+        logits = logits[rows]
+        tokens = self._sample_isolated(logits, states)
+        sampled = [i for i, token in enumerate(tokens) if token != NO_TOKEN]
+        logprobs = self._logprobs_isolated(logits[sampled], tokens, [states[i] for i in sampled])
+        outputs = {}
+        for i, log_probabilities in zip(sampled, logprobs, strict=True):
+            state = states[i]
+            if state.request_id in self._failures:
+                continue
+            try:
+                state.append_output(tokens[i])  # the grammar may reject it: the request's own
+            except Exception as error:
+                self._fail(state, error, invalid_request=state.grammar is not None)
+                continue
+            try:
+                prompt_logprobs = state.take_prompt_logprobs()
+            except Exception as error:
+                self._fail(state, error)
+                continue
+            outputs[state.request_id] = TextGenerationOutput(
+                state.request_id,
+                [tokens[i]],
+                log_probabilities=log_probabilities,
+                prompt_log_probabilities=prompt_logprobs,
+            )
+        return outputs
+
+    def _grammar_ready(self, state: RequestState) -> bool:
+        """Whether ``state`` may sample now: its grammar (if any) compiled; otherwise it is
+        deferred while compiling, or failed (an invalid spec, the time limit)."""
+        if state.pending_grammar is None:
+            return True
+        grammar = state.pending_grammar.poll()
+        if grammar is None:
+            self._deferred.append(state.request_id)
+            self._parked.add(state.request_id)
+            return False
+        failure = grammar if isinstance(grammar, str) else _attach(state, grammar)
+        if failure is not None:
+            self._failures[state.request_id] = RequestFailure(failure, invalid_request=True)
+            return False
+        return True
+
+    def _sample_isolated(self, logits: torch.Tensor, states: list[RequestState]) -> list[int]:
+        """One token per state, ``NO_TOKEN`` where that request failed: a batch that raises is
+        sampled again row by row, so only the rows that raise fail."""
+        try:
+            return self._sample_batch(logits, states)
+        except Exception as error:
+            if len(states) == 1:
+                self._fail(states[0], error)
+                return [NO_TOKEN]
+            logger.exception("sampling %d requests failed; sampling each alone", len(states))
+        return [self._sample_isolated(logits[i : i + 1], [s])[0] for i, s in enumerate(states)]
+
+    def _sample_batch(self, logits: torch.Tensor, states: list[RequestState]) -> list[int]:
+        grammar_failures: dict[int, str] = {}
+        tokens = self.sampler(logits, self._sampling_batch(states, grammar_failures)).tolist()
+        for row, (state, token) in enumerate(zip(states, tokens, strict=True)):
+            if row in grammar_failures:
+                failure = RequestFailure(grammar_failures[row], invalid_request=True)
+                self._failures[state.request_id] = failure
+            elif token == NO_TOKEN:
+                reason = "no token could be sampled: every logit was -inf or NaN"
+                self._failures[state.request_id] = RequestFailure(reason)
+        return [
+            NO_TOKEN if s.request_id in self._failures else t
+            for s, t in zip(states, tokens, strict=True)
+        ]
+
+    def _logprobs_isolated(
+        self, logits: torch.Tensor, tokens: list[int], states: list[RequestState]
+    ) -> list[list[LogProbabilities] | None]:
+        """``_sampled_logprobs`` of ``states``, row by row (failing alone) if the batch raises."""
+        sampled = torch.tensor([t for t in tokens if t != NO_TOKEN], dtype=torch.int64)
+        try:
+            return _sampled_logprobs(logits, sampled.to(logits.device), states)
+        except Exception as error:
+            if len(states) == 1:
+                self._fail(states[0], error)
+                return [None]
+        return [
+            self._logprobs_isolated(logits[i : i + 1], [int(sampled[i])], [state])[0]
+            for i, state in enumerate(states)
+        ]
+
+    def _fail(self, state: RequestState, error: Exception, invalid_request: bool = False) -> None:
+        """Fail ``state`` alone: its user gets ``error``; the step goes on."""
+        logger.warning(
+            "request %s failed while sampling: %r",
+            state.request_id,
+            error,
+            extra={"request_id": state.request_id},
+        )
+        reason = f"the grammar failed: {error}" if invalid_request else f"sampling failed: {error}"
+        self._failures[state.request_id] = RequestFailure(reason, invalid_request)
+
+    def _sampling_batch(
+        self, states: list[RequestState], grammar_failures: dict[int, str]
+    ) -> SamplingBatch:
+        vocab_size = self.vocab_size
+        grammars = [state.grammar for state in states]
+        allowed = allowed_token_mask(grammars, vocab_size, self.device, grammar_failures)
+        processors = build_logits_processors(
+            [state.sampling_row() for state in states], vocab_size, self.device, allowed
+        )
+        return SamplingBatch.from_params(
+            [state.sampling_params for state in states],
+            [state.next_token_generator() for state in states],
+            vocab_size,
+            self.device,
+            processors,
+        )
+
+
+def _sampled_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, states: list[RequestState]
+) -> list[list[LogProbabilities] | None]:
+    """Each state's ``log_probabilities`` output for its sampled token (None: not asked for)."""
+    rows = [i for i, state in enumerate(states) if state.logprobs is not None]
+    results: list[list[LogProbabilities] | None] = [None] * len(states)
+    if not rows:
+        return results
+    entries = token_logprobs(logits[rows], tokens[rows], [states[i].logprobs for i in rows])
+    for row, entry in zip(rows, entries, strict=True):
+        results[row] = [as_log_probabilities([entry])]
+    return results
+
+
+def _attach(state: RequestState, grammar: RequestGrammar) -> str | None:
+    """Give ``state`` its compiled grammar; the reason for its user if replaying its outputs
+    fails (None on success)."""
+    try:
+        state.attach_grammar(grammar)
+    except Exception as error:
+        return f"the grammar failed: {error}"
+    return None

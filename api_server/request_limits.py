@@ -41,17 +41,28 @@ def check_request_limits(
             "(--max-choices-per-request)",
             param="n",
         )
-    max_prompt_bytes = limits.prompt_bytes(max_model_len)
     num_bytes = chat_prompt_bytes(request) if chat else completion_prompt_bytes(request)
-    if num_bytes > max_prompt_bytes:
-        raise invalid_request(
-            f"The prompt text takes {num_bytes} bytes; the limit is {max_prompt_bytes} bytes "
-            "(--max-prompt-bytes)",
-            param="messages" if chat else "prompt",
-        )
+    check_prompt_bytes(
+        num_bytes, limits.prompt_bytes(max_model_len), "messages" if chat else "prompt"
+    )
     if request.max_new_tokens is not None:
         per_choice = max(request.max_new_tokens, 1)
         _check_output_tokens(num_choices * per_choice, limits.request_output_tokens(max_model_len))
+
+
+def check_prompt_bytes(num_bytes: int, limit: int, param: str) -> None:
+    """400 when prompt text of ``num_bytes`` UTF-8 bytes is above ``limit`` (--max-prompt-bytes)."""
+    if num_bytes > limit:
+        raise invalid_request(
+            f"The prompt text takes {num_bytes} bytes; the limit is {limit} bytes "
+            "(--max-prompt-bytes)",
+            param=param,
+        )
+
+
+def messages_bytes(messages: list[ChatMessage]) -> int:
+    """UTF-8 bytes of the text in ``messages`` (content, names, earlier tool calls)."""
+    return sum(_message_bytes(message) for message in messages)
 
 
 class OutputBudget:
@@ -84,10 +95,10 @@ def _check_output_tokens(num_tokens: int, limit: int) -> None:
 
 def chat_prompt_bytes(request: ChatCompletionRequest) -> int:
     """UTF-8 bytes of the text the chat template will render: messages and tools."""
-    num_bytes = sum(_message_bytes(message) for message in request.messages)
+    num_bytes = messages_bytes(request.messages)
     for index, tool in enumerate(request.tools or []):
         function = tool.function
-        num_bytes += _text_bytes(function.name) + _text_bytes(function.description)
+        num_bytes += text_bytes(function.name) + text_bytes(function.description)
         num_bytes += json_bytes(function.parameters, f"tools[{index}].function.parameters")
     return num_bytes
 
@@ -95,7 +106,7 @@ def chat_prompt_bytes(request: ChatCompletionRequest) -> int:
 def completion_prompt_bytes(request: CompletionRequest) -> int:
     """UTF-8 bytes of the prompts given as text (token id prompts are bounded by the context)."""
     prompts = split_prompts(request.prompt)
-    return sum(_text_bytes(prompt) for prompt in prompts if isinstance(prompt, str))
+    return sum(text_bytes(prompt) for prompt in prompts if isinstance(prompt, str))
 
 
 def json_bytes(value: Any, param: str) -> int:
@@ -104,7 +115,7 @@ def json_bytes(value: Any, param: str) -> int:
         try:
             return len(msgspec.json.encode(value))
         except UnicodeEncodeError:  # a lone surrogate, refused later with its path
-            return _text_bytes(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+            return text_bytes(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
     except RecursionError as error:
         raise invalid_request(f"{param} is nested too deeply", param=param) from error
 
@@ -112,15 +123,15 @@ def json_bytes(value: Any, param: str) -> int:
 def _message_bytes(message: ChatMessage) -> int:
     content = message.content
     if isinstance(content, list):
-        num_bytes = sum(_text_bytes(part.text) for part in content)
+        num_bytes = sum(text_bytes(part.text) for part in content)
     else:
-        num_bytes = _text_bytes(content)
+        num_bytes = text_bytes(content)
     for call in message.tool_calls or []:
-        num_bytes += _text_bytes(call.function.name) + _text_bytes(call.function.arguments)
-        num_bytes += _text_bytes(call.id)
-    return num_bytes + _text_bytes(message.name) + _text_bytes(message.tool_call_id)
+        num_bytes += text_bytes(call.function.name) + text_bytes(call.function.arguments)
+        num_bytes += text_bytes(call.id)
+    return num_bytes + text_bytes(message.name) + text_bytes(message.tool_call_id)
 
 
-def _text_bytes(text: str | None) -> int:
+def text_bytes(text: str | None) -> int:
     """UTF-8 bytes of ``text`` (a lone surrogate counts 3; ``check_unicode`` refuses it)."""
     return 0 if text is None else len(text.encode("utf-8", "surrogatepass"))

@@ -19,6 +19,7 @@ from api_server.errors import invalid_request
 from api_server.images import check_images_accepted, image_inputs
 from api_server.protocol import ChatMessage, OpenAIBaseModel
 from api_server.request_builder import check_message, check_unicode, generation_message
+from api_server.request_limits import check_prompt_bytes, messages_bytes, text_bytes
 from api_server.tokenizer import HuggingFaceTokenizer
 
 router = APIRouter()
@@ -62,7 +63,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state.check_model(body.model)
     check_unicode(body)
     tokenizer: HuggingFaceTokenizer = state.tokenizer
-    token_ids = _token_ids(tokenizer, body, state.model_name)
+    num_bytes = messages_bytes(body.messages or []) + text_bytes(body.prompt)
+    limit = state.request_limits.prompt_bytes(tokenizer.max_model_len)
+    check_prompt_bytes(num_bytes, limit, "prompt" if body.prompt is not None else "messages")
+    token_ids = await tokenizer.run_in_thread(_token_ids, tokenizer, body, state.model_name)
     token_strs = None
     if body.return_token_strs:
         token_strs = [tokenizer.backend.id_to_token(token_id) or "" for token_id in token_ids]
@@ -78,8 +82,17 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = request.app.state.server
     state.check_model(body.model)
+    tokenizer: HuggingFaceTokenizer = state.tokenizer
+    if len(body.tokens) > tokenizer.max_model_len:
+        raise invalid_request(
+            f"{len(body.tokens)} tokens are more than the context length of "
+            f"{tokenizer.max_model_len}",
+            param="tokens",
+        )
     try:
-        return DetokenizeResponse(prompt=state.tokenizer.decode_checked(body.tokens))
+        return DetokenizeResponse(
+            prompt=await tokenizer.run_in_thread(tokenizer.decode_checked, body.tokens)
+        )
     except ValueError as error:
         raise invalid_request(str(error), param="tokens") from error
 

@@ -10,6 +10,11 @@ import numpy as np
 from interfaces.outputs import TextGenerationOutput
 from interfaces.requests import RequestID
 
+MAX_KV_BLOCKS = 1 << 20
+"""The most KV blocks a worker reports in ``WorkerReady``: one whose memory budget holds more
+(a small model on a large GPU) uses this many, and the scheduler refuses a handshake claiming
+more than its ``--max-worker-kv-blocks`` (this by default). 16M tokens of 16-token blocks."""
+
 
 class WorkerRole(enum.Enum):
     """What a worker group does (lmdeploy's EngineRole; MAX's prefill_only / decode_only).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from interfaces.worker_to_scheduler import MAX_KV_BLOCKS
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -97,12 +99,12 @@ class WorkerLimits:
     """What a worker's handshake (``WorkerReady``) may claim before the scheduler believes it.
 
     The scheduler keeps one bookkeeping object per KV block of every group (about 200 bytes and
-    a microsecond each), so a group reporting more than ``max_kv_blocks`` blocks is refused:
-    a million blocks of 16 tokens is 16M tokens of cache, more than one GPU holds for any model
-    in practice. The other bounds are fixed (``scheduler.worker_group.ready_problem``).
+    a microsecond each), so a group reporting more than ``max_kv_blocks`` blocks is refused.
+    The default is ``MAX_KV_BLOCKS``, the most a worker ever reports (it uses no more, however
+    much memory it has). The other bounds are fixed (``scheduler.worker_group.ready_problem``).
     """
 
-    max_kv_blocks: int = 1 << 20
+    max_kv_blocks: int = MAX_KV_BLOCKS
 
     def __post_init__(self) -> None:
         if self.max_kv_blocks < 1:

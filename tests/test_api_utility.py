@@ -158,3 +158,27 @@ def test_models(api: ApiHarness, client: httpx.Client, default_model_dir: Path) 
         "max_model_len": 256,
     }
     assert str(default_model_dir) not in client.get("/v1/models").text
+
+
+def test_tokenize_and_detokenize_are_bounded_before_any_work(client: httpx.Client) -> None:
+    """Prompt text above --max-prompt-bytes (1 MiB for this 256-token context) and more token
+    ids than the context are 400s before anything is rendered, tokenized or decoded."""
+    limit = 1024 * 1024
+    too_long = "é" * (limit // 2 + 1)
+    for body, param in [
+        ({"prompt": too_long}, "prompt"),
+        ({"messages": [{"role": "user", "content": too_long}]}, "messages"),
+    ]:
+        response = client.post("/tokenize", json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == param
+        assert response.json()["error"]["message"] == (
+            f"The prompt text takes {limit + 2} bytes; the limit is {limit} bytes "
+            "(--max-prompt-bytes)"
+        )
+    response = client.post("/detokenize", json={"tokens": [19556] * 257})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "257 tokens are more than the context length of 256"
+    )
+    assert client.post("/detokenize", json={"tokens": [19556] * 256}).status_code == 200

@@ -125,6 +125,39 @@ def test_an_ended_grammar_forces_eos_even_before_min_new_tokens(runner, tokenize
     assert tokenizer.decode(tokens[:-4]) == "123-4567" and tokens[-4:] == [EOS] * 4
 
 
+def test_a_queued_compile_whose_requests_gave_up_is_never_started(
+    runner, blocked_compiles, monkeypatch
+):
+    """Two slow specs take both compile threads; a third spec queues. Its request's time limit
+    runs while it queues, and once it has passed the compile is dropped, never run."""
+    limits = runner.grammars.limits
+    compiled = []
+    compile_grammar = runner.grammars._compile
+
+    def counted(grammar):
+        compiled.append(grammar)
+        return compile_grammar(grammar)
+
+    monkeypatch.setattr(runner.grammars, "_compile", counted)
+    pending = [
+        runner.grammars.start(
+            context(f"r{index}", [1], 8, structured_output=StructuredOutput("regex", pattern))
+        )
+        for index, pattern in enumerate(["a+", "b+", "c+"])
+    ]
+    for _ in range(3000):  # both threads are in a compile; the third job waits in the queue
+        if len(compiled) == 2:
+            break
+        time.sleep(0.01)
+    assert len(compiled) == 2 and not pending[2].job.future.done()
+    pending[2].job.deadline = time.monotonic() - 1  # its only request gave up
+    blocked_compiles.set()
+    assert isinstance(pending[2].job.future.exception(timeout=30), ValueError)
+    assert pending[2].poll() == limits.timeout_error("regex")
+    assert len(compiled) == 2
+    assert all(not isinstance(grammar.poll(), str) for grammar in pending[:2])
+
+
 @pytest.mark.parametrize(
     ("structured", "message"),
     [
@@ -225,14 +258,9 @@ def test_a_compile_past_the_time_limit_fails_its_request_alone(runner, blocked_c
     slow = NewRequestData(context("slow", [1, 2, 3], 8, structured_output=spec), [0], 0)
     assert runner.next_token(SchedulerOutput(0, [slow], num_scheduled_tokens={"slow": 3})) == {}
     assert runner.take_deferred() == ["slow"]
-    job = runner.requests["slow"].pending_grammar.job
-    for _ in range(3000):  # the clock starts once the compile does, on its thread
-        if job.started is not None:
-            break
-        time.sleep(0.01)
-    assert runner.grammar_news(job.started + limits.compile_timeout_s / 2) is None
-    started = job.started
-    news = runner.grammar_news(started + limits.compile_timeout_s + 1)
+    asked = runner.requests["slow"].pending_grammar.waiting_since  # the clock starts here
+    assert runner.grammar_news(asked + limits.compile_timeout_s / 2) is None
+    news = runner.grammar_news(asked + limits.compile_timeout_s + 1)
     assert news == GrammarsReady(
         [],
         {

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from interfaces import SamplingParams, TextContext, TokenGenerator
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
+from interfaces.worker_to_scheduler import MAX_KV_BLOCKS
+from scheduler.config import WorkerLimits
 from worker.attention import build_batch_layout
 from worker.config import WorkerConfig, parse_memory
 from worker.kv_cache import (
@@ -191,6 +193,9 @@ def test_block_count_from_bytes():
     assert block_bytes == 2 * 2 * 16 * 2 * 16 * 4 == 8192
     assert bytes_per_block(30, 16, 3, 64, torch.bfloat16) == 368640
     assert num_blocks_for_budget(100_000, block_bytes) == 12
+    # A small model on a large GPU: no more blocks than the scheduler takes by default.
+    assert num_blocks_for_budget(80 << 30, block_bytes) == MAX_KV_BLOCKS
+    assert WorkerLimits().max_kv_blocks == MAX_KV_BLOCKS
     with pytest.raises(ValueError, match="kv-cache-memory"):
         num_blocks_for_budget(8191, block_bytes)
 

@@ -5,14 +5,17 @@ steps go on meanwhile), each distinct (kind, spec) once; once compiled it yields
 
 A spec is parsed at once (fast; an invalid one is refused with xgrammar's reason) and checked
 against ``GrammarLimits``; the compile against the vocabulary is what takes seconds. A compile
-cannot be interrupted: one past ``GrammarLimits.compile_timeout_s`` fails its requests but runs on
-to the end (its result is cached); the spec limits bound how long that is.
+cannot be interrupted. A request waits at most ``GrammarLimits.compile_timeout_s`` for its grammar,
+counted from when it asked, queueing for a compile thread included; past that it fails (a 400).
+A compile already running runs on to the end (its result is cached; the spec limits bound how long
+that is), and a queued one whose requests have all stopped waiting is never started.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import re
@@ -31,8 +34,10 @@ from worker.structured_output import RequestGrammar
 if TYPE_CHECKING:
     import xgrammar
 
+logger = logging.getLogger(__name__)
+
 COMPILE_THREADS = 2
-"""Grammars compiled at once; a third waits (its time limit starts when its compile does)."""
+"""Grammars compiled at once; a third waits in a queue (its requests' time limits running)."""
 COMPILE_NICENESS = 10
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -40,17 +45,18 @@ _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 class CompileJob:
     """One spec's compile on a compile thread, shared by the requests that ask for it.
 
-    ``started`` (``time.monotonic()``) is set when the compile itself starts: time spent
-    waiting for a thread, or for the tokenizer to load, does not count against the limit.
+    ``deadline`` (``time.monotonic()``) is when the last request waiting for it gives up: a job
+    still queued then is dropped instead of compiled.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str, deadline: float) -> None:
+        self.kind = kind
         self.future: Future = Future()
-        self.started: float | None = None
+        self.deadline = deadline
 
     @classmethod
-    def done(cls, compiled: xgrammar.CompiledGrammar) -> CompileJob:
-        job = cls()
+    def done(cls, kind: str, compiled: xgrammar.CompiledGrammar) -> CompileJob:
+        job = cls(kind, 0.0)
         job.future.set_result(compiled)
         return job
 
@@ -69,6 +75,7 @@ class PendingGrammar:
         self.job = job
         self.eos_token_ids = list(eos_token_ids)
         self.compiler = compiler
+        self.waiting_since = time.monotonic()
 
     def poll(self, now: float | None = None) -> RequestGrammar | str | None:
         """The request's matcher once compiled; the reason for its user (a 400) if the spec
@@ -76,8 +83,7 @@ class PendingGrammar:
         limits, future = self.compiler.limits, self.job.future
         if not future.done():
             now = time.monotonic() if now is None else now
-            started = self.job.started
-            if started is not None and now - started > limits.compile_timeout_s:
+            if now - self.waiting_since > limits.compile_timeout_s:
                 return limits.timeout_error(self.kind)
             return None
         error = future.exception()
@@ -129,16 +135,19 @@ class GrammarCompiler:
         self._collect()
         key = (structured.kind, structured.spec)
         job = self._compiling.get(key)
+        deadline = time.monotonic() + self.limits.compile_timeout_s
         if key in self._cache:
             self._cache.move_to_end(key)
-            job = CompileJob.done(self._cache[key])
-        elif job is None:
+            job = CompileJob.done(structured.kind, self._cache[key])
+        elif job is not None:
+            job.deadline = max(job.deadline, deadline)
+        else:
             try:
                 self.limits.check(structured)
                 grammar = parse(structured)
             except ValueError as error:
                 raise ValueError(f"request {context.request_id!r}: {error}") from None
-            job = CompileJob()
+            job = CompileJob(structured.kind, deadline)
             job.future.add_done_callback(self._wake)
             self._start_threads()
             self._jobs.put((job, grammar))
@@ -189,8 +198,11 @@ class GrammarCompiler:
         _lower_priority()
         while (item := self._jobs.get()) is not None:
             job, grammar = item
+            if time.monotonic() > job.deadline:  # every request waiting for it gave up
+                job.future.set_exception(ValueError(self.limits.timeout_error(job.kind)))
+                continue
             try:
-                compiled = self._run(job, grammar)
+                compiled = self._run(grammar)
             except Exception as error:
                 job.future.set_exception(error)
             else:
@@ -200,11 +212,10 @@ class GrammarCompiler:
         with contextlib.suppress(OSError):  # full (the loop will look anyway) or closed
             os.write(self._wakeup_write, b"\0")
 
-    def _run(self, job: CompileJob, grammar: xgrammar.Grammar) -> xgrammar.CompiledGrammar:
+    def _run(self, grammar: xgrammar.Grammar) -> xgrammar.CompiledGrammar:
         """On a compile thread: load the compiler (``ValueError`` if the model has no
-        tokenizer), then compile, the clock running."""
+        tokenizer), then compile."""
         self._xgrammar_compiler()
-        job.started = time.monotonic()
         return self._compile(grammar)
 
     def _compile(self, grammar: xgrammar.Grammar) -> xgrammar.CompiledGrammar:
@@ -242,8 +253,10 @@ class GrammarCompiler:
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         except (OSError, ValueError) as error:
+            # The path and the loader's text go to the log; the 400 a client sees names neither.
+            logger.error("cannot load the tokenizer in %s for grammars: %s", self.model_dir, error)
             raise ValueError(
-                f"structured output needs the model's tokenizer in {self.model_dir}: {error}"
+                "structured output is not available: the model has no tokenizer"
             ) from None
         self.stop_token_ids = _stop_token_ids(tokenizer, self.model_dir)
         info = xgrammar.TokenizerInfo.from_huggingface(

@@ -7,13 +7,17 @@ of every layer's cache.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from interfaces.worker_to_scheduler import MAX_KV_BLOCKS
 from worker.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_KV_CACHE_FRACTION
+
+logger = logging.getLogger(__name__)
 
 
 class KVCache:
@@ -57,14 +61,17 @@ def bytes_per_block(
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
-    """How many blocks fit in ``budget_bytes``; ``ValueError`` if not even one does."""
+    """How many blocks fit in ``budget_bytes``, at most ``MAX_KV_BLOCKS`` (what the scheduler
+    takes); ``ValueError`` if not even one does."""
     num_blocks = int(budget_bytes) // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"KV cache budget of {int(budget_bytes)} bytes holds no block of {block_bytes} bytes; "
             "raise --kv-cache-memory"
         )
-    return num_blocks
+    if num_blocks > MAX_KV_BLOCKS:
+        logger.info("the KV cache budget holds %d blocks; using %d", num_blocks, MAX_KV_BLOCKS)
+    return min(num_blocks, MAX_KV_BLOCKS)
 
 
 def kv_cache_budget(kv_cache_memory: float | None, device: torch.device) -> int:

@@ -49,7 +49,7 @@ class RequestEdits:
             blocked.update(params.stop_token_ids or ())
             if not params.ignore_eos:
                 blocked.update(eos_token_ids)
-        blocked = {token for token in blocked if token < vocab_size}
+        blocked = {token for token in blocked if 0 <= token < vocab_size}
         return cls(
             bias_token_ids=torch.tensor(list(bias), dtype=torch.int64, device=device),
             bias_values=torch.tensor(list(bias.values()), dtype=torch.float32, device=device),

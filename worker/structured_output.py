@@ -75,7 +75,9 @@ def allowed_token_mask(
         try:
             if grammar.is_terminated:
                 bitmask[row] = 0
-                eos_ids = [token_id for token_id in grammar.eos_token_ids if token_id < vocab_size]
+                eos_ids = [
+                    token_id for token_id in grammar.eos_token_ids if 0 <= token_id < vocab_size
+                ]
                 eos_edits += [(row, token_id) for token_id in eos_ids]
             else:
                 grammar.matcher.fill_next_token_bitmask(bitmask, row)

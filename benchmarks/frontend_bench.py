@@ -61,7 +61,8 @@ class InstantWorkerLauncher(Launcher):
     their PYTHONPATH (``put_repo_on_pythonpath``).
     """
 
-    def _worker_argv(self, backend: str) -> list[str]:
+    def _worker_argv(self, backend: str, rank: int, master_port: int | None) -> list[str]:
+        """The instant worker's command line; it runs alone (one rank, no rendezvous)."""
         config = self.config
         return [
             "benchmarks.instant_worker",

@@ -32,6 +32,9 @@ INSTANT_TOKEN_ID = 1000
 DEFAULT_NUM_KV_BLOCKS = 16384
 """Block ids cost the instant worker nothing; 16384 blocks of 16 tokens hold 64 requests of 4096."""
 
+DEFAULT_VOCAB_SIZE = 49152
+"""SmolLM2's, the default model's."""
+
 PROCESS_TITLE = "switchyard-instant-worker"
 
 logger = logging.getLogger("instant_worker")
@@ -61,11 +64,16 @@ class InstantTokenGenerator:
         max_model_len: int,
         num_kv_blocks: int = DEFAULT_NUM_KV_BLOCKS,
         block_size: int = 16,
+        vocab_size: int = DEFAULT_VOCAB_SIZE,
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.vocab_size = vocab_size
+        """Reported in the handshake: the scheduler refuses token ids outside it."""
+        self.kv_layout = None
+        """No KV cache to describe: the instant worker serves hybrid groups only."""
         self.states: dict[RequestID, InstantRequestState] = {}
 
     def next_token(self, step: SchedulerOutput) -> dict[RequestID, TextGenerationOutput]:
@@ -119,9 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def model_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
 def model_context_length(model_dir: Path) -> int:
     """``max_position_embeddings`` from the model's config.json (what the API server enforces)."""
-    config = json.loads((model_dir / "config.json").read_text())
+    config = model_config(model_dir)
     return int(config["max_position_embeddings"])
 
 
@@ -137,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len or model_context_length(model_dir),
         num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size,
+        vocab_size=model_config(model_dir)["vocab_size"],
     )
     # worker.server imports torch (through ModelRunner); importing it here, not at the top,
     # keeps InstantTokenGenerator usable where torch is not wanted (scheduler_bench, tests).

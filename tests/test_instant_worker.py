@@ -6,9 +6,11 @@ from benchmarks.instant_worker import INSTANT_TOKEN_ID, InstantTokenGenerator
 from interfaces import SamplingParams, TextContext
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
 from interfaces.worker_to_scheduler import ModelOutput
-from scheduler.config import KVCacheConfig, SchedulerConfig
+from scheduler.config import KVCacheConfig, SchedulerConfig, WorkerLimits
 from scheduler.scheduler import Scheduler
+from scheduler.worker_group import ready_problem
 from tests.fake_worker import FakeTokenGenerator
+from worker.server import WorkerServer
 
 CLIENT = b"api-0"
 
@@ -77,3 +79,12 @@ def test_answers_the_same_requests_as_the_checking_fake_through_chunking_and_pre
     assert not schedulers[0].has_unfinished_requests()
     assert schedulers[1].num_preemptions > 0
     assert instant_tokens == {request_id: [INSTANT_TOKEN_ID] * 6 for request_id in prompts}
+
+
+def test_its_handshake_is_one_the_scheduler_believes():
+    """benchmarks/frontend_bench.py runs it behind the real WorkerServer: the WorkerReady built
+    from it must pass the scheduler's checks."""
+    ready = WorkerServer(new_generator(), "ipc:///nonexistent")._ready()
+    assert (ready.num_kv_blocks, ready.block_size, ready.max_model_len) == (16, 4, 64)
+    assert (ready.vocab_size, ready.kv_layout) == (49152, None)
+    assert ready_problem(ready, WorkerLimits()) is None

@@ -11,7 +11,7 @@ A scheduler that dies is noticed sooner: the socket's monitor reports the droppe
 every request in flight fails at once, and new ones fail at once until the connection is back.
 
 One request can never hurt the others on this connection: a frame larger than the scheduler
-takes (``MAX_SUBMIT_BYTES``; ZeroMQ would drop the whole connection) is refused with a 413
+takes (``MAX_API_MESSAGE_BYTES``; ZeroMQ would drop the whole connection) is refused with a 413
 before it is sent, and a request whose results pile up because its client stopped reading (more
 than ``max_stream_backlog`` waiting) is aborted and ends with ``StreamBacklogFull``, without
 the reader task ever waiting for it.
@@ -36,6 +36,7 @@ from api_server.image_segments import images_sent, release_images
 from api_server.stats_tickets import StatsTickets, StatsWaiter
 from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
 from interfaces.api_to_scheduler import (
+    MAX_API_MESSAGE_BYTES,
     AbortRequests,
     StatsRequest,
     SubmitEmbeddings,
@@ -50,10 +51,6 @@ logger = logging.getLogger(__name__)
 
 Result = SchedulerResult[TextGenerationOutput]
 EmbeddingsResult = SchedulerResult[EmbeddingsOutput]
-MAX_SUBMIT_BYTES = 64 << 20
-"""The largest frame the scheduler accepts from an API server (``scheduler.server.
-MAX_API_MESSAGE_BYTES``, its ``ZMQ_MAXMSGSIZE``): a larger one would drop the connection and
-with it every request of this API server."""
 
 
 class SchedulerUnavailable(Exception):
@@ -61,13 +58,13 @@ class SchedulerUnavailable(Exception):
 
 
 class MessageTooLarge(OpenAIError):
-    """413: the request's frame to the scheduler would exceed ``MAX_SUBMIT_BYTES``."""
+    """413: the request's frame to the scheduler would exceed ``MAX_API_MESSAGE_BYTES``."""
 
     def __init__(self, num_bytes: int) -> None:
         super().__init__(
             413,
             f"The request takes {num_bytes} bytes on its way to the scheduler, more than the "
-            f"limit of {MAX_SUBMIT_BYTES} bytes; send a smaller prompt, schema or stop list",
+            f"limit of {MAX_API_MESSAGE_BYTES} bytes; send a smaller prompt, schema or stop list",
             "invalid_request_error",
             code="request_too_large",
         )
@@ -167,7 +164,7 @@ class EngineClient:
         frame from pyzmq's queue, so that it never leaves, and unlinks them itself (or gives up
         its hold on segments shared with other choices: ``api_server.image_segments``).
 
-        Raises ``MessageTooLarge`` (413) before sending a frame above ``MAX_SUBMIT_BYTES``, and
+        Raises ``MessageTooLarge`` (413) before sending a frame above ``MAX_API_MESSAGE_BYTES``, and
         ``StreamBacklogFull`` once the request was aborted for results its consumer left
         unread.
         """
@@ -284,7 +281,7 @@ class EngineClient:
     def _encode_bounded(self, message: Any) -> bytes:
         """``message`` as one frame; ``MessageTooLarge`` if the scheduler would not take it."""
         frame = self._encode(message)
-        if len(frame) > MAX_SUBMIT_BYTES:
+        if len(frame) > MAX_API_MESSAGE_BYTES:
             raise MessageTooLarge(len(frame))
         return frame
 

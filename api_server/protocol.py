@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from interfaces.requests import MAX_LOGPROBS
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 """Each stop string's length (the stream holds back that much text while it might match)."""
@@ -32,8 +34,6 @@ MAX_CACHE_SALT_CHARS = 1024
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
 """A penalty divides or multiplies logits: below 0.01 it is no longer finite in float32 at
 usual logit sizes, and above 2 no one uses it."""
-MAX_LOGPROBS = 20
-"""OpenAI's bound on ``top_logprobs`` (chat) and ``logprobs`` (completions)."""
 MAX_N = 128
 """OpenAI's bound on ``n``."""
 MAX_TOOLS = 128

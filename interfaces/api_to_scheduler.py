@@ -7,6 +7,11 @@ import msgspec
 from interfaces.embeddings import EmbeddingsContext
 from interfaces.requests import RequestID, TextContext
 
+MAX_API_MESSAGE_BYTES = 64 << 20
+"""The largest frame the scheduler takes from an API server (its ``ZMQ_MAXMSGSIZE``): a bigger
+one drops that API server's connection, so the API server refuses such a request before sending
+it (a prompt of a million tokens is about 5 MB; images travel by shared memory)."""
+
 
 class SubmitRequest(msgspec.Struct, tag="submit", array_like=True):
     """Schedule ``context``; results stream back to the sending API server."""

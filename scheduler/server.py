@@ -38,6 +38,7 @@ from interfaces import (
     msgpack_numpy_encoder,
 )
 from interfaces.api_to_scheduler import (
+    MAX_API_MESSAGE_BYTES,
     AbortRequests,
     ApiToSchedulerMessage,
     StatsRequest,
@@ -71,9 +72,6 @@ from scheduler.worker_group import Registration, WorkerGroup, WorkerGroups, read
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100
-MAX_API_MESSAGE_BYTES = 64 << 20
-"""A bigger inbound frame from an API server drops its connection (a prompt of a million tokens
-is about 5 MB; images travel by shared memory)."""
 MAX_WORKER_MESSAGE_BYTES = 256 << 20
 
 

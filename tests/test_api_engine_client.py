@@ -12,7 +12,6 @@ import zmq.asyncio
 
 from api_server.config import EngineClientConfig
 from api_server.engine_client import (
-    MAX_SUBMIT_BYTES,
     EngineClient,
     MessageTooLarge,
     SchedulerUnavailable,
@@ -20,6 +19,7 @@ from api_server.engine_client import (
 )
 from interfaces import SchedulerResult, StructuredOutput, TextContext, TextGenerationOutput
 from interfaces.api_to_scheduler import (
+    MAX_API_MESSAGE_BYTES,
     AbortRequests,
     ApiToSchedulerMessage,
     StatsRequest,
@@ -223,10 +223,7 @@ def test_a_request_id_in_flight_cannot_be_reused(tmp_path: Path) -> None:
 
 
 def test_a_frame_the_scheduler_would_not_take_is_refused_before_it_is_sent(tmp_path: Path):
-    from scheduler.server import MAX_API_MESSAGE_BYTES
-
-    assert MAX_SUBMIT_BYTES == MAX_API_MESSAGE_BYTES
-    grammar = StructuredOutput("grammar", "x" * MAX_SUBMIT_BYTES)
+    grammar = StructuredOutput("grammar", "x" * MAX_API_MESSAGE_BYTES)
     huge = TextContext(
         request_id="r1", prompt_token_ids=[1], max_length=2, structured_output=grammar
     )
@@ -237,8 +234,8 @@ def test_a_frame_the_scheduler_would_not_take_is_refused_before_it_is_sent(tmp_p
         assert raised.value.status_code == 413
         assert raised.value.message == (
             f"The request takes {len(encode(SubmitRequest(huge)))} bytes on its way to the "
-            f"scheduler, more than the limit of {MAX_SUBMIT_BYTES} bytes; send a smaller prompt, "
-            "schema or stop list"
+            f"scheduler, more than the limit of {MAX_API_MESSAGE_BYTES} bytes; send a smaller "
+            "prompt, schema or stop list"
         )
         assert client.num_requests_in_flight == 0
         stream = client.generate(CONTEXT)  # the connection still serves

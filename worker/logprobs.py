@@ -11,8 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from interfaces import LogProbabilities, TextContext
-
-MAX_LOGPROBS = 20
+from interfaces.requests import MAX_LOGPROBS
 
 
 def check_logprob_counts(context: TextContext) -> None:

@@ -16,6 +16,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from api_server.stats_tickets import STATS_MAX_AGE_S
 from tests.serve_process import ServeProcess, alive, chat_messages, long_chat
 
 pytestmark = pytest.mark.slow
@@ -258,6 +259,10 @@ def test_a_dropped_stream_is_aborted_and_its_cache_freed(server):
         lines = response.iter_lines()
         received = [next(lines) for _ in range(6)]
         assert all(line.startswith("data: ") or line == "" for line in received)
+        # /metrics may come from the other API server, which shares stats fetched up to
+        # STATS_MAX_AGE_S ago (before this request started, say): once that long has passed
+        # since the first tokens, every API server's stats are from after the start.
+        time.sleep(STATS_MAX_AGE_S)
         assert server.gauges()["num_requests_running"] == 1
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

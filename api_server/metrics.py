@@ -308,7 +308,7 @@ class BatchedObservations:
 
     prometheus-client has no bulk observe, so ``flush`` adds to the histogram's bucket and sum
     values (``_buckets``, ``_sum``, ``_upper_bounds``: its layout since 2015), exactly what the
-    same ``observe`` calls would have added; tests/test_metrics.py holds it to that.
+    same ``observe`` calls would have added; tests/e2e/test_metrics.py holds it to that.
     """
 
     def __init__(self, histogram: Histogram) -> None:

@@ -3,8 +3,9 @@
 ``InstantTokenGenerator`` stands in for ``ModelRunner`` behind the real ``WorkerServer``: it
 keeps only token counts per request and returns one fixed token (``INSTANT_TOKEN_ID``, never an
 end-of-sequence token) for every request a step brings to the end of its known tokens. What it
-leaves out is the model and the checks of tests/fake_worker.py's ``FakeTokenGenerator``, so the
-processes in front of it (scheduler, API server, clients) are all that a benchmark measures.
+leaves out is the model and the checks of tests/support/fake_worker.py's
+``FakeTokenGenerator``, so the processes in front of it (scheduler, API server, clients) are all
+that a benchmark measures.
 
     python -m benchmarks.instant_worker --scheduler-addr ipc:///tmp/sy/backend --model DIR
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import setproctitle
 
 from interfaces import RequestID, TextGenerationOutput, envs
-from interfaces.scheduler_to_worker import SchedulerOutput
+from interfaces.scheduler_to_worker import ScheduledStep
 from interfaces.worker_to_scheduler import RequestFailure
 
 INSTANT_TOKEN_ID = 1000
@@ -48,9 +49,9 @@ class InstantRequestState:
 
 
 class InstantTokenGenerator:
-    """``TokenGenerator[SchedulerOutput]`` plus what ``WorkerServer`` reads from its runner.
+    """``TokenGenerator[ScheduledStep]`` plus what ``WorkerServer`` reads from its runner.
 
-    Follows the SchedulerOutput contract as a real worker does: a new request arrives in full
+    Follows the ScheduledStep contract as a real worker does: a new request arrives in full
     (its state replaces any earlier one), a cached one as a diff whose ``num_computed_tokens`` it
     takes as given, and ids in ``finished_request_ids`` are forgotten before the step runs. Block
     ids are ignored, since nothing is stored in them. Trusts the scheduler: a step naming a
@@ -76,7 +77,7 @@ class InstantTokenGenerator:
         """No KV cache to describe: the instant worker serves hybrid groups only."""
         self.states: dict[RequestID, InstantRequestState] = {}
 
-    def next_token(self, step: SchedulerOutput) -> dict[RequestID, TextGenerationOutput]:
+    def next_token(self, step: ScheduledStep) -> dict[RequestID, TextGenerationOutput]:
         """Apply the step's diffs; return ``[INSTANT_TOKEN_ID]`` for each request that reaches
         the end of its known tokens."""
         for request_id in step.finished_request_ids:

@@ -6,11 +6,11 @@ through benchmarks/instant_worker.py's model-free ``InstantTokenGenerator`` unti
 is decoding (one token per step each), then times --num-steps steady-state decode steps after
 --warmup-steps more. Each step does what scheduler/server.py does for one step, in its order:
 
-- ``decode``: decode the worker's ModelOutput frame;
+- ``decode``: decode the worker's WorkerOutput frame;
 - ``update``: ``Scheduler.update_from_output`` (record tokens, finish requests);
 - ``encode_results``: encode the SchedulerResults for the API server;
 - ``schedule``: ``Scheduler.schedule`` (decide the next step);
-- ``encode_step``: encode the SchedulerOutput for the worker.
+- ``encode_step``: encode the ScheduledStep for the worker.
 
 ``schedule + update`` is the scheduler's own work (the performance issue's target: under 1 ms
 with 256 running requests); ``total`` adds the wire encoding. Socket calls, and the worker's
@@ -42,8 +42,8 @@ from workload import (
 
 from interfaces import SamplingParams, TextContext, msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.scheduler_to_api import SchedulerResults
-from interfaces.scheduler_to_worker import SchedulerOutput
-from interfaces.worker_to_scheduler import ModelOutput, WorkerToSchedulerMessage
+from interfaces.scheduler_to_worker import ScheduledStep
+from interfaces.worker_to_scheduler import WorkerOutput, WorkerToSchedulerMessage
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.coordinator import new_scheduler
 from scheduler.scheduler import Scheduler
@@ -120,12 +120,12 @@ class StepLoop:
         self.scheduler = scheduler
         self.generator = generator
         self.encode = msgpack_numpy_encoder()
-        self.decode_step = msgpack_numpy_decoder(SchedulerOutput)
+        self.decode_step = msgpack_numpy_decoder(ScheduledStep)
         self.decode_worker = msgpack_numpy_decoder(WorkerToSchedulerMessage)
         self.worker_frame: bytes | None = None
         """The worker's answer to the last step, still to be processed."""
 
-    def run_step(self) -> tuple[SchedulerOutput, dict[str, float]]:
+    def run_step(self) -> tuple[ScheduledStep, dict[str, float]]:
         """Process the worker's answer to the last step, then schedule the next and encode it.
 
         Returns that step and the seconds each of ``PHASES`` took (0 for those not run).
@@ -147,7 +147,7 @@ class StepLoop:
         """What the worker sends back for ``step_frame`` (its time is not the scheduler's)."""
         step = self.decode_step(step_frame)
         outputs = self.generator.next_token(step)
-        return self.encode(ModelOutput(step.step_id, outputs, self.generator.take_refusals()))
+        return self.encode(WorkerOutput(step.step_id, outputs, self.generator.take_refusals()))
 
 
 def _timed(seconds: dict[str, float], phase: str, function: Callable, *args: object) -> object:
@@ -158,7 +158,7 @@ def _timed(seconds: dict[str, float], phase: str, function: Callable, *args: obj
     return result
 
 
-def is_steady_decode(step: SchedulerOutput, num_requests: int) -> bool:
+def is_steady_decode(step: ScheduledStep, num_requests: int) -> bool:
     """True when ``step`` runs one token for each of ``num_requests`` requests and no prefill."""
     return (
         len(step.num_scheduled_tokens) == num_requests

@@ -21,7 +21,7 @@ class SubmitRequest(msgspec.Struct, tag="submit", array_like=True):
 
 class SubmitEmbeddings(msgspec.Struct, tag="embed", array_like=True):
     """Embed each of ``contexts`` on an embedding worker group; one result per context comes
-    back (``EmbeddingsResults``) to the sending API server."""
+    back (``SchedulerEmbeddingsResults``) to the sending API server."""
 
     contexts: list[EmbeddingsContext]
 

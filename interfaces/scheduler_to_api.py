@@ -73,10 +73,10 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
         )
 
 
-class EmbeddingsResults(msgspec.Struct, tag="embeddings", array_like=True):
+class SchedulerEmbeddingsResults(msgspec.Struct, tag="embeddings", array_like=True):
     """Embeddings (or why not) for inputs the receiving API server submitted."""
 
     results: dict[RequestID, SchedulerResult[EmbeddingsOutput]]
 
 
-SchedulerToApiMessage = SchedulerResults | EmbeddingsResults | SchedulerStats
+SchedulerToApiMessage = SchedulerResults | SchedulerEmbeddingsResults | SchedulerStats

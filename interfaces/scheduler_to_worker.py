@@ -1,4 +1,4 @@
-"""Messages the scheduler sends to a worker: one ``SchedulerOutput`` per step.
+"""Messages the scheduler sends to a worker: one ``ScheduledStep`` per step.
 
 A request appears in full (``NewRequestData``) in its first step and after it is resumed;
 afterwards only as a diff (``CachedRequestData``). The worker caches request state by id and
@@ -47,7 +47,7 @@ class KVSend(msgspec.Struct, array_like=True, omit_defaults=True):
     destinations: list[str]
 
 
-class SchedulerOutput(msgspec.Struct, tag="step", array_like=True, omit_defaults=True):
+class ScheduledStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=True):
     """One step: which requests run and how many of their tokens to compute.
 
     For each scheduled request the worker computes ``num_scheduled_tokens[id]`` tokens starting at
@@ -100,4 +100,4 @@ class EmbeddingsStep(msgspec.Struct, tag="embed_step", array_like=True):
     contexts: list[EmbeddingsContext]
 
 
-SchedulerToWorkerMessage = SchedulerOutput | EmbeddingsStep | KVTransfers | Shutdown
+SchedulerToWorkerMessage = ScheduledStep | EmbeddingsStep | KVTransfers | Shutdown

@@ -85,7 +85,7 @@ class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
     invalid_request: bool = False
 
 
-class ModelOutput(msgspec.Struct, tag="output", array_like=True):
+class WorkerOutput(msgspec.Struct, tag="output", array_like=True):
     """The tokens a step produced, for the requests that reached a sampling point (sent by
     rank 0 only, as is ``WorkerFailure``).
 
@@ -111,10 +111,10 @@ class ModelOutput(msgspec.Struct, tag="output", array_like=True):
 
 
 class GrammarsReady(msgspec.Struct, tag="grammars", array_like=True):
-    """Sent by rank 0 between steps, about requests it deferred (``ModelOutput.deferred``):
+    """Sent by rank 0 between steps, about requests it deferred (``WorkerOutput.deferred``):
     their grammars are ``ready`` to sample with, or ``failed`` to compile (an invalid spec, or
     past the compile time limit), with the reason for the user (an HTTP 400). A request is named
-    once, and only after the ``ModelOutput`` that deferred it."""
+    once, and only after the ``WorkerOutput`` that deferred it."""
 
     ready: list[RequestID] = []
     failed: dict[RequestID, str] = {}
@@ -142,7 +142,7 @@ class KVReceived(msgspec.Struct, tag="kv_received", array_like=True):
     seconds: float
 
 
-class EmbeddingsModelOutput(msgspec.Struct, tag="embedded", array_like=True):
+class WorkerEmbeddingsOutput(msgspec.Struct, tag="embedded", array_like=True):
     """An embedding group's answer to ``EmbeddingsStep``: one float32 vector per context, or,
     in ``refused``, why a context could not be embedded (too long for the model)."""
 
@@ -152,5 +152,5 @@ class EmbeddingsModelOutput(msgspec.Struct, tag="embedded", array_like=True):
 
 
 WorkerToSchedulerMessage = (
-    WorkerReady | ModelOutput | WorkerFailure | KVReceived | EmbeddingsModelOutput | GrammarsReady
+    WorkerReady | WorkerOutput | WorkerFailure | KVReceived | WorkerEmbeddingsOutput | GrammarsReady
 )

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from interfaces import ErrorKind, RequestID, SchedulerResult, TextContext
 from interfaces.scheduler_to_api import SchedulerStats
-from interfaces.scheduler_to_worker import KVTransfers, SchedulerOutput
+from interfaces.scheduler_to_worker import KVTransfers, ScheduledStep
 from interfaces.worker_to_scheduler import (
     GrammarsReady,
     KVReceived,
-    ModelOutput,
+    WorkerOutput,
     WorkerReady,
     WorkerRole,
 )
@@ -34,7 +34,7 @@ from scheduler.worker_group import WorkerGroup
 logger = logging.getLogger(__name__)
 
 NO_WORKER = "no worker is ready to serve requests"
-WorkerMessage = SchedulerOutput | KVTransfers
+WorkerMessage = ScheduledStep | KVTransfers
 """What the coordinator asks the server to send to every rank of a group."""
 
 
@@ -265,7 +265,7 @@ class Coordinator:
             or any(self.has_unfinished_requests(name) for name in idle)
         )
 
-    def update_from_output(self, name: str, output: ModelOutput) -> ResultsByClient:
+    def update_from_output(self, name: str, output: WorkerOutput) -> ResultsByClient:
         group = self.groups[name]
         results = group.scheduler.update_from_output(output)
         if group.role is WorkerRole.PREFILL:
@@ -273,7 +273,7 @@ class Coordinator:
         self.disaggregation.settle(results)
         return results
 
-    def fail_step(self, name: str, step: SchedulerOutput, error: str) -> ResultsByClient:
+    def fail_step(self, name: str, step: ScheduledStep, error: str) -> ResultsByClient:
         results = self.groups[name].scheduler.fail_step(step, error)
         self.disaggregation.settle(results)
         return results

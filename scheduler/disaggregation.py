@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from interfaces import ErrorKind, RequestID, SchedulerResult, SchedulerStatus, TextContext
-from interfaces.scheduler_to_worker import KVReceive, KVSend, KVTransfers, SchedulerOutput
+from interfaces.scheduler_to_worker import KVReceive, KVSend, KVTransfers, ScheduledStep
 from interfaces.worker_to_scheduler import KVReceived, WorkerRole
 from scheduler.admission import queue_overload
 from scheduler.config import SchedulerConfig
@@ -147,7 +147,7 @@ class Disaggregation:
 
     # -- the transfer --------------------------------------------------------------------------
 
-    def attach_sends(self, group: ServedGroup, step: SchedulerOutput) -> None:
+    def attach_sends(self, group: ServedGroup, step: ScheduledStep) -> None:
         """Send the KV of every request whose prompt this step completes, and tell its decode
         group to expect it (that message goes out first)."""
         for request_id in step.num_scheduled_tokens:

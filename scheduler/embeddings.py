@@ -19,7 +19,7 @@ from interfaces import ErrorKind, RequestID, SchedulerResult
 from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
 from interfaces.requests import MAX_REQUEST_ID_LENGTH
 from interfaces.scheduler_to_worker import EmbeddingsStep
-from interfaces.worker_to_scheduler import EmbeddingsModelOutput
+from interfaces.worker_to_scheduler import WorkerEmbeddingsOutput
 from scheduler.admission import UNREPORTED_VOCAB_LIMIT
 from scheduler.config import SchedulerConfig
 
@@ -143,7 +143,7 @@ class Embeddings:
             steps.append((name, step))
         return steps
 
-    def on_output(self, name: str, output: EmbeddingsModelOutput) -> EmbeddingsByClient:
+    def on_output(self, name: str, output: WorkerEmbeddingsOutput) -> EmbeddingsByClient:
         """The results of group ``name``'s step (for inputs not aborted meanwhile)."""
         _, batch = self.in_flight.pop(name)
         results: EmbeddingsByClient = defaultdict(dict)

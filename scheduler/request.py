@@ -29,7 +29,7 @@ class Request:
     ``num_cached_blocks`` of its leading blocks are registered in the prefix cache;
     ``block_hashes`` grows as its blocks fill.
     ``waiting_for_grammar``: running, but the worker deferred its token until its grammar
-    compiles (``ModelOutput.deferred``); it is not scheduled until ``GrammarsReady`` names it.
+    compiles (``WorkerOutput.deferred``); it is not scheduled until ``GrammarsReady`` names it.
     ``stop_token_ids`` and ``eos_token_ids`` are sets: every generated token is looked up in
     them, and a request may bring millions of stop ids.
     """

@@ -14,7 +14,7 @@ before its prompt is computed elsewhere, and ``start_decoding`` runs it once its
 the request starts on the worker with its prompt already computed.
 
 One request's failure is its own: the worker reports a request whose token it could not sample
-(``ModelOutput.failed``) and the scheduler ends that request alone, keeping its blocks' prefix
+(``WorkerOutput.failed``) and the scheduler ends that request alone, keeping its blocks' prefix
 cache entries (their KV was written). A request whose grammar still compiles when it must
 sample is deferred by the worker: the scheduler parks it (``waiting_for_grammar``, its last token
 to be recomputed) and skips it until ``on_grammars`` says its grammar is ready or failed.
@@ -35,8 +35,8 @@ from interfaces import (
     TextGenerationOutput,
 )
 from interfaces.scheduler_to_api import SchedulerStats
-from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, SchedulerOutput
-from interfaces.worker_to_scheduler import GrammarsReady, ModelOutput, RequestFailure
+from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, ScheduledStep
+from interfaces.worker_to_scheduler import GrammarsReady, RequestFailure, WorkerOutput
 from scheduler.admission import admission_problem, queue_overload, refusal
 from scheduler.block_manager import BlockManager
 from scheduler.config import KVCacheConfig, SchedulerConfig
@@ -192,12 +192,12 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> ScheduledStep:
         """Decide the next step. Advances ``num_computed_tokens`` of every scheduled request.
 
         Ids the worker should release ride along with the next step that schedules anything.
         """
-        step = SchedulerOutput(step_id=self._next_step_id)
+        step = ScheduledStep(step_id=self._next_step_id)
         self._next_step_id += 1
         budget = self.config.max_num_batched_tokens
         budget, preempted = self._schedule_running(step, budget)
@@ -209,7 +209,7 @@ class Scheduler:
             self.counters.observe_step(step.total_num_scheduled_tokens)
         return step
 
-    def update_from_output(self, output: ModelOutput) -> ResultsByClient:
+    def update_from_output(self, output: WorkerOutput) -> ResultsByClient:
         """Record the tokens a step produced; finish requests that hit a stop condition.
 
         Requests the worker refused fail alone, as rejected (the client asked for something the
@@ -275,7 +275,7 @@ class Scheduler:
                 results[request.client_id][request_id] = SchedulerResult.rejected_request(reason)
         return results
 
-    def fail_step(self, step: SchedulerOutput, error: str) -> ResultsByClient:
+    def fail_step(self, step: ScheduledStep, error: str) -> ResultsByClient:
         """The worker could not run ``step``: fail every request in it with ``error`` (the
         same for all of them: a message that names none of them).
 
@@ -333,7 +333,7 @@ class Scheduler:
             self.waiting.append(request)
         self.num_waiting_tokens += request.num_tokens
 
-    def _schedule_running(self, step: SchedulerOutput, budget: int) -> tuple[int, bool]:
+    def _schedule_running(self, step: ScheduledStep, budget: int) -> tuple[int, bool]:
         """Give running requests their next tokens, oldest first; preempt when blocks run out."""
         index = 0
         while index < len(self.running) and budget > 0:
@@ -359,7 +359,7 @@ class Scheduler:
             index += 1
         return budget, False
 
-    def _schedule_waiting(self, step: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, step: ScheduledStep, budget: int) -> None:
         """Admit waiting requests in arrival order while budget, slots and blocks last."""
         max_running = self.config.max_num_seqs - len(self.reserved)
         while self.waiting and budget > 0 and len(self.running) < max_running:
@@ -428,7 +428,7 @@ class Scheduler:
             extra={"request_id": request.request_id},
         )
 
-    def _commit(self, step: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _commit(self, step: ScheduledStep, request: Request, num_new: int) -> None:
         """Schedule ``num_new`` tokens of ``request`` and register the blocks they fill.
 
         Registering now, before the step runs, lets a request admitted later in this same step

@@ -45,15 +45,15 @@ from interfaces.api_to_scheduler import (
     SubmitEmbeddings,
     SubmitRequest,
 )
-from interfaces.scheduler_to_api import EmbeddingsResults, SchedulerResults, SchedulerStats
-from interfaces.scheduler_to_worker import SchedulerOutput, Shutdown
+from interfaces.scheduler_to_api import SchedulerEmbeddingsResults, SchedulerResults, SchedulerStats
+from interfaces.scheduler_to_worker import ScheduledStep, Shutdown
 from interfaces.transport import BACKEND, FRONTEND, Link, TransportSecurity
 from interfaces.worker_to_scheduler import (
-    EmbeddingsModelOutput,
     GrammarsReady,
     KVReceived,
-    ModelOutput,
+    WorkerEmbeddingsOutput,
     WorkerFailure,
+    WorkerOutput,
     WorkerReady,
     WorkerRole,
     WorkerToSchedulerMessage,
@@ -117,7 +117,7 @@ class SchedulerServer:
         self.embeddings = Embeddings(config)
         """The embedding groups, apart: they run no generation and hold no KV cache."""
         self._workers = WorkerGroups()
-        self._in_flight: dict[str, SchedulerOutput] = {}
+        self._in_flight: dict[str, ScheduledStep] = {}
         """The step each group is running, by group name."""
         self._stopping = threading.Event()
 
@@ -275,7 +275,7 @@ class SchedulerServer:
     def _send_embeddings(self, results: EmbeddingsByClient) -> None:
         for client_id, by_request in results.items():
             if by_request:
-                message = EmbeddingsResults(by_request)
+                message = SchedulerEmbeddingsResults(by_request)
                 self._frontend.send_multipart([client_id, self._encode(message)])
 
     # -- the workers ---------------------------------------------------------------------------
@@ -308,7 +308,7 @@ class SchedulerServer:
             logger.warning("dropped an unexpected %s from a worker", type(message).__name__)
         elif message.step_id != step.step_id:
             logger.warning("dropped output of step %d, expected %d", message.step_id, step.step_id)
-        elif isinstance(message, ModelOutput):
+        elif isinstance(message, WorkerOutput):
             del self._in_flight[group.name]
             self._send_results(self.coordinator.update_from_output(group.name, message))
         elif isinstance(message, WorkerFailure):
@@ -329,12 +329,12 @@ class SchedulerServer:
         self, name: str, from_driver: bool, message: WorkerToSchedulerMessage
     ) -> None:
         step_and_owners = self.embeddings.in_flight.get(name)
-        answer = isinstance(message, EmbeddingsModelOutput | WorkerFailure)
+        answer = isinstance(message, WorkerEmbeddingsOutput | WorkerFailure)
         if step_and_owners is None or not from_driver or not answer:
             logger.warning("dropped an unexpected %s from a worker", type(message).__name__)
         elif message.step_id != step_and_owners[0].step_id:
             logger.warning("dropped embeddings of step %d", message.step_id)
-        elif isinstance(message, EmbeddingsModelOutput):
+        elif isinstance(message, WorkerEmbeddingsOutput):
             self._send_embeddings(self.embeddings.on_output(name, message))
         elif isinstance(message, WorkerFailure):
             logger.error("group %r failed embedding step %d: %s", name, message.step_id,
@@ -405,7 +405,7 @@ class SchedulerServer:
             group = self._workers.groups.get(name)
             if group is None:
                 continue  # it left while the message waited
-            if isinstance(message, SchedulerOutput):
+            if isinstance(message, ScheduledStep):
                 self._in_flight[name] = message
             payload = self._encode(message)
             for identity in group.members:

@@ -1,4 +1,6 @@
-"""Fixtures shared by the whole suite: an isolated cache, the default model, a tiny random Llama."""
+"""Fixtures shared by the whole suite: an isolated cache, the default model, a tiny random Llama
+and a tiny LLaVA. Each folder's conftest holds what only its tests use; tests/support/ holds the
+fakes and process helpers several folders share."""
 
 from __future__ import annotations
 
@@ -147,25 +149,3 @@ def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     processor.save_pretrained(model_dir)
     assert json.loads((model_dir / "config.json").read_text())["image_seq_length"] == 16
     return model_dir
-
-
-@pytest.fixture(scope="module")
-def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A real API server (uvicorn on 127.0.0.1) against a fake scheduler; one per test module.
-
-    A module that needs another set-up (an API key, a preset reply) defines its own ``api``.
-    """
-    from tests.fake_scheduler import ApiHarness
-
-    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api"))
-    yield harness
-    harness.close()
-
-
-@pytest.fixture
-def client(api):
-    """An httpx client for ``api`` with a bounded timeout."""
-    import httpx
-
-    with httpx.Client(base_url=api.url, timeout=httpx.Timeout(10.0)) as http:
-        yield http

@@ -18,7 +18,7 @@ from transformers import AutoModel
 from interfaces import RequestID
 from interfaces.embeddings import Pooling
 from interfaces.scheduler_to_worker import EmbeddingsStep
-from interfaces.worker_to_scheduler import EmbeddingsModelOutput
+from interfaces.worker_to_scheduler import WorkerEmbeddingsOutput
 
 
 class EmbeddingsGenerator:
@@ -54,7 +54,7 @@ class EmbeddingsGenerator:
     def max_model_len(self) -> int:
         return self.pooling.max_seq_length
 
-    def embed(self, step: EmbeddingsStep) -> EmbeddingsModelOutput:
+    def embed(self, step: EmbeddingsStep) -> WorkerEmbeddingsOutput:
         """One step: every context that fits is embedded; the others are refused, with why."""
         refused, batch = {}, {}
         for context in step.contexts:
@@ -68,7 +68,7 @@ class EmbeddingsGenerator:
                 refused[context.request_id] = f"token ids must be in [0, {self.vocab_size})"
             else:
                 batch[context.request_id] = token_ids
-        return EmbeddingsModelOutput(step.step_id, self.encode(batch), refused)
+        return WorkerEmbeddingsOutput(step.step_id, self.encode(batch), refused)
 
     @torch.inference_mode()
     def encode(self, batch: dict[RequestID, list[int]]) -> dict[RequestID, np.ndarray]:

@@ -1,4 +1,4 @@
-"""ModelRunner: turns one SchedulerOutput into one batched forward pass and sampled tokens.
+"""ModelRunner: turns one ScheduledStep into one batched forward pass and sampled tokens.
 
 The runner decides nothing about scheduling. It caches each request's tokens and block ids,
 computes exactly the tokens the scheduler named, and samples a token for every request whose
@@ -27,7 +27,7 @@ import msgspec
 import torch
 
 from interfaces import RequestID, TextGenerationOutput
-from interfaces.scheduler_to_worker import NewRequestData, SchedulerOutput
+from interfaces.scheduler_to_worker import NewRequestData, ScheduledStep
 from interfaces.worker_to_scheduler import GrammarsReady, KVLayout, RequestFailure
 from worker import parallel
 from worker.attention import build_batch_layout
@@ -139,9 +139,7 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def next_token(
-        self, scheduler_output: SchedulerOutput
-    ) -> dict[RequestID, TextGenerationOutput]:
+    def next_token(self, scheduler_output: ScheduledStep) -> dict[RequestID, TextGenerationOutput]:
         """Run one step; return one new token for each request that reached a sampling point.
 
         A new request the worker cannot serve (a bad grammar, logit_bias outside the vocabulary)
@@ -175,7 +173,7 @@ class ModelRunner:
         return refusals
 
     def take_failures(self) -> dict[RequestID, RequestFailure]:
-        """Requests whose token could not be sampled since the last call (``ModelOutput``'s
+        """Requests whose token could not be sampled since the last call (``WorkerOutput``'s
         ``failed``); their state stays until the scheduler releases them."""
         return self.request_sampler.take_failures()
 
@@ -201,7 +199,7 @@ class ModelRunner:
         self.requests.pop(request_id, None)
         self.request_sampler.forget(request_id)
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+    def _update_states(self, scheduler_output: ScheduledStep) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.release(request_id)
         for new in scheduler_output.new_requests:
@@ -247,7 +245,7 @@ class ModelRunner:
         state.refusal = reason
         return state
 
-    def _agree_on_refusals(self, step: SchedulerOutput, failure: Exception | None) -> None:
+    def _agree_on_refusals(self, step: ScheduledStep, failure: Exception | None) -> None:
         """Raise ``failure``, or a failure on another rank; then refuse on every rank each new
         request that some rank refused (rank 0 alone compiles grammars; any rank may fail to
         read an image whose segment was unlinked meanwhile)."""
@@ -368,7 +366,7 @@ def _reaches_end(state: RequestState, count: int) -> bool:
     return state.num_computed_tokens + count == state.num_tokens
 
 
-def _named_request_ids(scheduler_output: SchedulerOutput) -> set[RequestID]:
+def _named_request_ids(scheduler_output: ScheduledStep) -> set[RequestID]:
     named = {new.context.request_id for new in scheduler_output.new_requests}
     named.update(cached.request_id for cached in scheduler_output.cached_requests)
     named.update(scheduler_output.num_scheduled_tokens)

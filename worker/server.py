@@ -1,7 +1,7 @@
 """The worker's ZeroMQ loop: receive a step from the scheduler, run it, send the tokens back.
 
 The worker connects a DEALER to the scheduler's backend ROUTER, announces itself with
-``WorkerReady``, then answers every ``SchedulerOutput`` with ``ModelOutput`` (or
+``WorkerReady``, then answers every ``ScheduledStep`` with ``WorkerOutput`` (or
 ``WorkerFailure`` if the step raised) until ``Shutdown``, SIGTERM or SIGINT. It polls with a short
 timeout so signals are noticed between steps; a step in progress always finishes first. Rank 0
 also polls the pipe its grammar compiles write to, and sends ``GrammarsReady`` between steps
@@ -36,15 +36,15 @@ from interfaces import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.scheduler_to_worker import (
     EmbeddingsStep,
     KVTransfers,
-    SchedulerOutput,
+    ScheduledStep,
     SchedulerToWorkerMessage,
     Shutdown,
 )
 from interfaces.transport import BACKEND, Binder, TransportSecurity
 from interfaces.worker_to_scheduler import (
-    EmbeddingsModelOutput,
-    ModelOutput,
+    WorkerEmbeddingsOutput,
     WorkerFailure,
+    WorkerOutput,
     WorkerReady,
     WorkerRole,
     WorkerToSchedulerMessage,
@@ -174,7 +174,7 @@ class WorkerServer:
                         return 1
                     logger.info("shutdown requested by the scheduler")
                     return 0
-                if isinstance(message, SchedulerOutput):
+                if isinstance(message, ScheduledStep):
                     try:
                         self._step(socket, message)
                     except GroupBroken:
@@ -197,11 +197,11 @@ class WorkerServer:
         logger.info("stopping on signal")
         return 0
 
-    def _step(self, socket: zmq.Socket, step: SchedulerOutput) -> None:
+    def _step(self, socket: zmq.Socket, step: ScheduledStep) -> None:
         answer = self.run_step(step)
         if tensor_parallel().is_driver:
             self._send(socket, answer)
-        if not step.kv_sends or not isinstance(answer, ModelOutput):
+        if not step.kv_sends or not isinstance(answer, WorkerOutput):
             return
         if self.sender is None:
             logger.error("step %d asks a %s worker to send KV", step.step_id, self.role.value)
@@ -228,7 +228,7 @@ class WorkerServer:
             if report is not None:
                 self._send(socket, report)
 
-    def run_embeddings_step(self, step: EmbeddingsStep) -> EmbeddingsModelOutput | WorkerFailure:
+    def run_embeddings_step(self, step: EmbeddingsStep) -> WorkerEmbeddingsOutput | WorkerFailure:
         """An embedding group's step; one that raises becomes a WorkerFailure."""
         if self.role is not WorkerRole.EMBEDDING:
             return WorkerFailure(step.step_id, f"a {self.role.value} worker embeds nothing")
@@ -238,14 +238,14 @@ class WorkerServer:
             logger.exception("embedding step %d failed", step.step_id)
             return WorkerFailure(step.step_id, str(error) or type(error).__name__)
 
-    def run_step(self, step: SchedulerOutput) -> ModelOutput | WorkerFailure:
+    def run_step(self, step: ScheduledStep) -> WorkerOutput | WorkerFailure:
         """Run one step; a step that raises becomes a WorkerFailure and the worker serves on,
         unless its group broke (``GroupBroken`` propagates). Requests that failed alone, or
-        wait for their grammar, ride in the ModelOutput."""
+        wait for their grammar, ride in the WorkerOutput."""
         runner = self.runner
         try:
             outputs = runner.next_token(step)
-            return ModelOutput(
+            return WorkerOutput(
                 step.step_id,
                 outputs,
                 runner.take_refusals(),

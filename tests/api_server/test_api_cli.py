@@ -1,0 +1,103 @@
+"""``python -m api_server`` as the launcher starts it: real processes on an inherited socket."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api_server.__main__ import build_config, parse_args
+from tests.support.fake_scheduler import FakeScheduler
+from tests.support.serve_process import wait_until_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_importing_the_api_server_does_not_import_torch() -> None:
+    code = (
+        "import sys, api_server.app, api_server.__main__\n"
+        "heavy = sorted({'torch', 'transformers'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_a_gguf_file_is_refused_with_a_hint(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    result = subprocess.run(
+        [sys.executable, "-m", "api_server", "--model", str(gguf), "--scheduler-addr", "ipc://x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "is a GGUF file" in result.stderr
+    assert "`switchyard serve` converts it" in result.stderr
+
+
+def test_config_from_flags(default_model_dir: Path) -> None:
+    args = parse_args(
+        ["--model", str(default_model_dir), "--scheduler-addr", "ipc://s", "--max-model-len", "100"]
+    )
+    config = build_config(args)
+    assert config.served_model_name == default_model_dir.resolve().name
+    assert config.max_model_len == 100
+    assert config.engine.scheduler_addr == "ipc://s"
+    args = parse_args(["--model", str(default_model_dir), "--scheduler-addr", "ipc://s"])
+    assert build_config(args).max_model_len == 8192  # config.json's max_position_embeddings
+    too_long = ["--max-model-len", "9000", "--served-model-name", "x"]
+    with pytest.raises(ValueError, match="exceeds the model's context length 8192"):
+        build_config(parse_args([*args_for(default_model_dir), *too_long]))
+
+
+def args_for(model_dir: Path) -> list[str]:
+    return ["--model", str(model_dir), "--scheduler-addr", "ipc://s"]
+
+
+def test_two_processes_serve_one_inherited_socket(default_model_dir: Path, tmp_path: Path) -> None:
+    scheduler = FakeScheduler(f"ipc://{tmp_path}/scheduler.ipc").start()
+    scheduler.reply = [19556, 905]  # "Hello world"
+    scheduler.eos_token_id = 2
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    argv = [sys.executable, "-m", "api_server", "--model", str(default_model_dir)]
+    argv += ["--scheduler-addr", scheduler.address, "--fd", str(listener.fileno())]
+    processes = [subprocess.Popen(argv, cwd=ROOT, pass_fds=(listener.fileno(),)) for _ in range(2)]
+    try:
+        wait_until_ready(url, {f"api-server-{i}": p for i, p in enumerate(processes)}, 60)
+        models = httpx.get(f"{url}/v1/models", timeout=5).json()
+        assert [model["id"] for model in models["data"]] == [default_model_dir.resolve().name]
+        for _ in range(6):
+            body = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10).json()
+            assert body["choices"][0]["text"] == "Hello world"
+        titles = [Path(f"/proc/{p.pid}/cmdline").read_bytes() for p in processes]
+        assert all(title.startswith(b"switchyard-api-server") for title in titles)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=15)
+        listener.close()
+        scheduler.stop()
+    # A graceful SIGTERM shutdown exits 0 (uvicorn's re-raised signal is neutralised).
+    assert [process.returncode for process in processes] == [0, 0]
+
+
+def test_an_api_server_serves_embeddings_alone_or_refuses_to_serve_nothing() -> None:
+    from interfaces.embeddings import default_embedding_model_dir
+
+    embedding_model = ["--embedding-model", str(default_embedding_model_dir())]
+    config = build_config(parse_args(["--scheduler-addr", "ipc://s", *embedding_model]))
+    assert (config.model_dir, config.served_model_name, config.max_model_len) == (None, None, None)
+    with pytest.raises(ValueError, match="give --model, --embedding-model or both"):
+        build_config(parse_args(["--scheduler-addr", "ipc://s"]))
+    with pytest.raises(ValueError, match="--served-model-name and --max-model-len describe"):
+        build_config(
+            parse_args(["--scheduler-addr", "ipc://s", "--max-model-len", "9", *embedding_model])
+        )

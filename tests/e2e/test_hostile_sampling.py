@@ -1,0 +1,147 @@
+"""Hostile sampling settings and grammars beside an innocent stream, on a real `switchyard serve`
+(the default model): the innocent stream completes with the tokens it gets alone, the hostile
+request gets its answer or a clear 400, and the server stays healthy.
+
+A JSON string with a ``maxLength`` is small to send but slow for xgrammar to compile (about 2 s
+for 300 characters on an idle 2-core machine, each such property adding as much), which makes the
+slow compiles here: the API server's caps (bytes, choices) keep a choice list or enum fast.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.support.clients import health_status, in_background
+from tests.support.serve_process import DEFAULT_MODEL_NAME, ServeProcess, chat_messages
+
+pytestmark = pytest.mark.slow
+
+COMPILE_TIMEOUT_S = 10
+INNOCENT = {
+    "model": DEFAULT_MODEL_NAME,
+    "messages": chat_messages("Name three colours."),
+    "max_tokens": 8,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
+
+
+def slow_schema(num_properties: int, max_length: int) -> dict:
+    """An object of ``num_properties`` strings, each compiling for seconds."""
+    properties = {
+        f"p{i}": {"type": "string", "maxLength": max_length + i} for i in range(num_properties)
+    }
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def chat(question: str, **fields) -> dict:
+    return {"model": DEFAULT_MODEL_NAME, "messages": chat_messages(question), **fields}
+
+
+@pytest.fixture(scope="module")
+def serve(default_model_dir):
+    serve = ServeProcess("--grammar-compile-timeout", str(COMPILE_TIMEOUT_S))
+    yield serve
+    serve.kill()
+
+
+@pytest.fixture(scope="module")
+def innocent_alone(serve) -> str:
+    outcome, thread = in_background(serve.base_url, INNOCENT)
+    thread.join(60)
+    return _text(outcome)
+
+
+def _text(outcome) -> str:
+    assert outcome.status == 200 and outcome.finish_reasons == ["length"], outcome
+    return "".join(
+        choice["delta"].get("content") or ""
+        for event in outcome.events
+        for choice in event.get("choices", [])
+    )
+
+
+def _post(serve: ServeProcess, body: dict) -> httpx.Response:
+    return httpx.post(f"{serve.base_url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_a_tiny_temperature_with_a_schema_runs_beside_an_innocent_stream(serve, innocent_alone):
+    """``temperature: 1e-300`` is 0.0 in float32: the worker treats it as greedy instead of
+    dividing by it (which made NaN logits, sampled a token the grammar forbade and failed the
+    whole batch)."""
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}}}
+    hostile = chat(
+        "Name a colour as JSON.",
+        temperature=1e-300,
+        max_tokens=24,
+        response_format=json_schema_format(schema),
+    )
+    lowest_penalty = {**hostile, "temperature": 0.7, "seed": 1, "repetition_penalty": 0.01}
+    innocent, thread = in_background(serve.base_url, INNOCENT)
+    answers = [_post(serve, hostile), _post(serve, lowest_penalty)]
+    thread.join(60)
+    assert _text(innocent) == innocent_alone
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        assert set(json.loads(choice["message"]["content"])) <= {"colour"}
+    greedy = _post(serve, {**hostile, "temperature": 0})
+    assert answers[0].json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+
+
+def test_a_penalty_that_is_not_finite_in_float32_is_refused(serve):
+    answer = _post(serve, chat("Hi", repetition_penalty=1e-300, max_tokens=4))
+    assert answer.status_code == 400
+    assert "repetition_penalty" in answer.text
+
+
+def test_a_slow_compile_does_not_stall_the_batch_and_its_request_waits(serve, innocent_alone):
+    """The grammar compiles on a worker thread while the innocent stream keeps stepping; the
+    grammar request waits outside the batch and then answers within its schema."""
+    schema = slow_schema(1, 12)
+    body = chat("Say hello as JSON.", max_tokens=32, response_format=json_schema_format(schema))
+    innocent, thread = in_background(serve.base_url, INNOCENT)
+    grammar = _post(serve, body)
+    thread.join(60)
+    assert _text(innocent) == innocent_alone
+    assert grammar.status_code == 200, grammar.text
+    choice = grammar.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert len(json.loads(choice["message"]["content"])["p0"]) <= 12
+
+
+def test_a_compile_past_the_time_limit_fails_alone_with_a_400(serve, innocent_alone):
+    """Ten 300-character strings compile for well over the limit (20 s on an idle 2-core
+    machine; the server is killed after this module, compile and all): the innocent stream
+    finishes long before the grammar request hears anything, /health stays 200 meanwhile, and
+    the grammar request gets a 400 naming the limit."""
+    schema = slow_schema(10, 300)
+    body = chat("Fill in the form.", max_tokens=16, response_format=json_schema_format(schema))
+    started = time.monotonic()
+    grammar, grammar_thread = in_background(serve.base_url, {**body, "stream": False})
+    innocent, thread = in_background(serve.base_url, INNOCENT)
+    health = []
+    while thread.is_alive():
+        health.append(health_status(serve.base_url))
+        time.sleep(0.1)
+    grammar_thread.join(120)
+    assert _text(innocent) == innocent_alone
+    assert health and set(health) == {200}
+    assert innocent.ended_at < grammar.ended_at
+    assert grammar.ended_at - started >= COMPILE_TIMEOUT_S
+    assert grammar.status == 400
+    assert grammar.body["error"]["message"] == (
+        "compiling the json_schema for structured output took longer than the limit of "
+        f"{COMPILE_TIMEOUT_S} s (--grammar-compile-timeout)"
+    )
+    assert health_status(serve.base_url) == 200

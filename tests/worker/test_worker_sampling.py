@@ -1,0 +1,437 @@
+"""Penalties, logit bias and min_new_tokens in the worker's batched sampler.
+
+Unit tests use hand-made logits; end-to-end tests drive a ModelRunner on the tiny random Llama
+with hand-built SchedulerOutputs (``StepDriver``, also used by the logprobs and structured-output
+tests).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from interfaces import SamplingParams, TextContext, TextGenerationOutput
+from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, ScheduledStep
+from interfaces.worker_to_scheduler import RequestFailure
+from worker.config import WorkerConfig
+from worker.logits_processors import (
+    RequestEdits,
+    SamplingRow,
+    build_logits_processors,
+    token_counts,
+)
+from worker.model_runner import ModelRunner
+from worker.request_state import RequestState
+from worker.sampler import NO_TOKEN, Sampler, SamplingBatch, check_supported
+
+CPU = torch.device("cpu")
+EOS = 2
+
+
+@dataclass
+class DrivenRequest:
+    """The test scheduler's view of one request; ``outputs`` are the worker's replies."""
+
+    context: TextContext
+    prefill_chunks: list[int] = field(default_factory=list)
+    resumed_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    outputs: list[TextGenerationOutput] = field(default_factory=list)
+    sent: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.context.request_id
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [*self.resumed_token_ids, *(t for o in self.outputs for t in o.tokens)]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.context.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def is_done(self) -> bool:
+        """Stopped as the scheduler would: a stop or end-of-sequence id once min_new_tokens were
+        generated, or the length limit."""
+        tokens, params = self.output_token_ids, self.context.sampling_params
+        if len(tokens) >= self.context.max_new_tokens:
+            return True
+        ends = list(params.stop_token_ids or ())
+        ends += [] if params.ignore_eos else self.context.eos_token_ids
+        return bool(tokens) and len(tokens) >= params.min_new_tokens and tokens[-1] in ends
+
+
+class StepDriver:
+    """Plays the scheduler: every unfinished request runs in every step, blocks are shuffled.
+
+    A request deferred for its grammar has its last token recomputed once the grammar is ready,
+    as the scheduler does."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+        self.runner = runner
+        self.free_blocks = list(range(runner.num_kv_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.step_id = 0
+
+    def run(self, requests: list[DrivenRequest]) -> dict[str, DrivenRequest]:
+        """Run ``requests`` to completion, then release them in the worker."""
+        running = list(requests)
+        while running:
+            self._step(running)
+            running = [r for r in running if not r.is_done]
+        done = [r.request_id for r in requests]
+        self.runner.next_token(ScheduledStep(self.step_id, finished_request_ids=done))
+        self.step_id += 1
+        assert self.runner.requests == {}
+        return {r.request_id: r for r in requests}
+
+    def _step(self, running: list[DrivenRequest]) -> None:
+        new, cached, num_scheduled = [], [], {}
+        for request in running:
+            remaining = request.num_tokens - request.num_computed_tokens
+            count = request.prefill_chunks.pop(0) if request.prefill_chunks else remaining
+            new_blocks = self._allocate(request, request.num_computed_tokens + count)
+            if request.sent:
+                cached.append(
+                    CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+                )
+            else:
+                request.sent = True
+                new.append(
+                    NewRequestData(
+                        request.context,
+                        list(request.block_ids),
+                        request.num_computed_tokens,
+                        list(request.resumed_token_ids),
+                    )
+                )
+            num_scheduled[request.request_id] = count
+        outputs = self.runner.next_token(ScheduledStep(self.step_id, new, cached, num_scheduled))
+        self.step_id += 1
+        assert self.runner.take_failures() == {}
+        deferred = set(self.runner.take_deferred())
+        for request in running:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+            if request.request_id in deferred:
+                request.num_computed_tokens -= 1
+                continue
+            reached_end = request.num_computed_tokens == request.num_tokens
+            assert (request.request_id in outputs) == reached_end
+            if reached_end:
+                request.outputs.append(outputs[request.request_id])
+        self._await_grammars(deferred)
+
+    def _await_grammars(self, deferred: set[str]) -> None:
+        while deferred:
+            news = self.runner.grammar_news()
+            if news is None:
+                time.sleep(0.01)
+                continue
+            assert news.failed == {}
+            deferred -= set(news.ready)
+
+    def _allocate(self, request: DrivenRequest, num_tokens: int) -> list[int]:
+        num_needed = -(-num_tokens // self.runner.block_size) - len(request.block_ids)
+        new_blocks = [self.free_blocks.pop() for _ in range(max(num_needed, 0))]
+        request.block_ids.extend(new_blocks)
+        return new_blocks
+
+
+def context(request_id: str, prompt: list[int], num_new_tokens: int, **fields) -> TextContext:
+    """A TextContext; ``fields`` go to SamplingParams, except TextContext's own field names."""
+    own = {"logprobs", "prompt_logprobs", "structured_output", "eos_token_ids"}
+    context_fields = {k: v for k, v in fields.items() if k in own}
+    params = SamplingParams(**{k: v for k, v in fields.items() if k not in own})
+    context_fields.setdefault("eos_token_ids", [EOS])
+    return TextContext(
+        request_id,
+        prompt,
+        len(prompt) + num_new_tokens,
+        sampling_params=params,
+        **context_fields,
+    )
+
+
+def small_runner(model_dir: Path, kv_cache_memory: int = 8 << 20) -> ModelRunner:
+    """A CPU ModelRunner with a small KV pool, a 256-token context and a fixed sampling seed."""
+    config = WorkerConfig(
+        model_dir, device="cpu", kv_cache_memory=kv_cache_memory, max_model_len=256, seed=0
+    )
+    return ModelRunner(config)
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_llama_dir: Path) -> ModelRunner:
+    return small_runner(tiny_llama_dir)
+
+
+# Logits processors on hand-made logits
+
+VOCAB = 6
+
+
+def _row(prompt: list[int], outputs: list[int], **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), [*prompt, *outputs], len(prompt))
+
+
+def test_penalties_change_logits_exactly_as_the_formula_says():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]] * 3)
+    rows = [
+        _row([0, 1], [3, 3, 4], frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=2),
+        _row([0, 1], [3, 3, 4]),
+        _row([0, 1], [5, 5], frequency_penalty=-1.0),
+    ]
+    processed = build_logits_processors(rows, VOCAB, CPU).apply(logits)
+    # Row 0: repetition over prompt and outputs {0, 1, 3, 4} (2 -> 1, -1 -> -2, 3 -> 1.5,
+    # -2 -> -4), then 0.5 * count (token 3 twice, token 4 once) and 0.25 for presence.
+    assert processed.tolist() == [
+        [1.0, -2.0, 0.5, 0.25, -4.75, 1.0],
+        [2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
+        [2.0, -1.0, 0.5, 3.0, -2.0, 3.0],
+    ]
+    assert logits.tolist() == [[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]] * 3
+
+
+def test_bias_and_blocked_tokens_edit_only_their_rows():
+    logits = torch.zeros(2, VOCAB)
+    rows = [
+        _row([1], [], logit_bias={4: 3.5, 0: -1.0}),
+        SamplingRow(SamplingParams(), [1], 1, blocked_token_ids=[2, 5]),
+    ]
+    processed = build_logits_processors(rows, VOCAB, CPU).apply(logits)
+    inf = float("inf")
+    assert processed.tolist() == [[-1.0, 0.0, 0.0, 0.0, 3.5, 0.0], [0.0, 0.0, -inf, 0.0, 0.0, -inf]]
+
+
+def test_min_new_tokens_yields_to_a_grammar_that_allows_only_eos():
+    logits = torch.zeros(2, VOCAB)
+    allowed = torch.tensor([[False, False, True, False, False, False], [True] * VOCAB])
+    rows = [SamplingRow(SamplingParams(), [1], 1, blocked_token_ids=[2])] * 2
+    processed = build_logits_processors(rows, VOCAB, CPU, allowed).apply(logits)
+    inf = float("inf")
+    assert processed.tolist() == [[-inf, -inf, 0.0, -inf, -inf, -inf], [0, 0, -inf, 0, 0, 0]]
+
+
+def test_rows_without_processors_are_not_copied():
+    logits = torch.randn(2, VOCAB)
+    processors = build_logits_processors([_row([1], [2]), _row([3], [])], VOCAB, CPU)
+    assert processors.is_empty and processors.apply(logits) is logits
+
+
+def test_token_counts():
+    counts = token_counts([[1, 1, 4], [], [0]], VOCAB, CPU)
+    assert counts.tolist() == [[0, 2, 0, 0, 1, 0], [0] * 6, [1, 0, 0, 0, 0, 0]]
+
+
+def test_logit_bias_forces_a_token_greedy_and_sampled():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [
+        SamplingParams(logit_bias={7: 100.0}),
+        SamplingParams(top_k=0, temperature=1.5, logit_bias={9: 100.0}),
+        SamplingParams(top_k=0, temperature=1.0, top_p=0.9, seed=3, logit_bias={11: 100.0}),
+    ]
+    rows = [SamplingRow(p, [1], 1) for p in params]
+    generators = [None, None, torch.Generator().manual_seed(5)]
+    batch = SamplingBatch.from_params(
+        params, generators, 50, CPU, build_logits_processors(rows, 50, CPU)
+    )
+    assert Sampler(CPU, seed=0)(logits, batch).tolist() == [7, 9, 11]
+
+
+def test_logit_bias_outside_the_vocabulary_is_rejected(tiny_runner):
+    check_supported(SamplingParams(logit_bias={49151: 1.0}), 49152)
+    with pytest.raises(ValueError, match=r"outside the vocabulary of 49152: \[49152\]"):
+        check_supported(SamplingParams(logit_bias={49152: 1.0, 3: 1.0}), 49152)
+    bad = NewRequestData(context("bias", [5, 6], 4, logit_bias={60000: 5.0}), [0], 0)
+    assert tiny_runner.next_token(ScheduledStep(0, [bad], num_scheduled_tokens={"bias": 2})) == {}
+    refusals = tiny_runner.take_refusals()
+    assert list(refusals) == ["bias"]
+    assert refusals["bias"].startswith("logit_bias names token ids outside the vocabulary")
+    assert tiny_runner.requests == {}
+
+
+# End to end on the tiny model
+
+
+def _tokens(requests: dict[str, DrivenRequest]) -> dict[str, list[int]]:
+    return {request_id: r.output_token_ids for request_id, r in requests.items()}
+
+
+def test_min_new_tokens_holds_back_eos_and_stop_ids(tiny_runner):
+    forced = {EOS: 100.0, 7: 90.0}
+    requests = [
+        DrivenRequest(context("min", [11, 12, 13], 10, min_new_tokens=5, logit_bias=forced)),
+        DrivenRequest(
+            context(
+                "stop",
+                [11, 12, 13],
+                10,
+                min_new_tokens=3,
+                stop_token_ids=[7],
+                logit_bias={7: 100.0},
+                ignore_eos=True,
+            )
+        ),
+        DrivenRequest(context("ignore", [11, 12, 13], 2, ignore_eos=True, logit_bias=forced)),
+    ]
+    tokens = _tokens(StepDriver(tiny_runner).run(requests))
+    assert tokens["min"] == [7, 7, 7, 7, 7, EOS]  # token 7 is the runner-up while EOS is held
+    assert 7 not in tokens["stop"][:3] and tokens["stop"][3] == 7 and len(tokens["stop"]) == 4
+    assert tokens["ignore"] == [EOS, EOS]
+
+
+def test_penalties_run_end_to_end_and_change_greedy_output(tiny_runner):
+    prompt = [21, 22, 23, 24]
+    plain = DrivenRequest(context("plain", prompt, 12))
+    penalised = DrivenRequest(
+        context(
+            "penalised",
+            prompt,
+            12,
+            frequency_penalty=2.0,
+            presence_penalty=2.0,
+            repetition_penalty=1.5,
+        )
+    )
+    tokens = _tokens(StepDriver(tiny_runner).run([plain, penalised]))
+    assert tokens["plain"] != tokens["penalised"]
+    assert len(set(tokens["penalised"])) == 12  # every repeat was penalised away
+
+
+SAMPLED_WITH_PENALTIES = {
+    "top_k": 0,
+    "temperature": 1.0,
+    "seed": 7,
+    "frequency_penalty": 0.7,
+    "presence_penalty": 0.3,
+    "repetition_penalty": 1.2,
+    "logit_bias": {100: 2.0},
+}
+
+
+def test_seeded_sampling_with_penalties_is_batch_independent(tiny_runner):
+    prompt = [31, 32, 33, 34, 35]
+    alone = StepDriver(tiny_runner).run(
+        [DrivenRequest(context("s", prompt, 8, **SAMPLED_WITH_PENALTIES))]
+    )
+    alone_tokens = alone["s"].output_token_ids
+    neighbours = [
+        DrivenRequest(context(f"n{i}", [40 + i] * (3 + i), 8, top_k=0, frequency_penalty=1.0))
+        for i in range(2)
+    ]
+    batch = [
+        neighbours[0],
+        DrivenRequest(context("s", prompt, 8, **SAMPLED_WITH_PENALTIES), [2, 3]),
+        neighbours[1],
+    ]
+    assert StepDriver(tiny_runner, seed=1).run(batch)["s"].output_token_ids == alone_tokens
+    resumed = DrivenRequest(
+        context("s", prompt, 8, **SAMPLED_WITH_PENALTIES), resumed_token_ids=alone_tokens[:3]
+    )
+    assert StepDriver(tiny_runner, seed=2).run([resumed])["s"].output_token_ids == alone_tokens
+    assert len(set(alone_tokens)) > 1
+
+
+# One request never fails its batch
+
+
+def test_non_finite_logits_are_never_sampled():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor(
+        [
+            [nan] * VOCAB,  # nothing to sample
+            [nan, 1.0, inf, 0.0, inf, nan],  # +inf ties: the first wins, never a NaN
+            [nan, 0.0, nan, 0.0, -inf, 0.0],  # sampled: only the finite tokens
+            [0.5, 3.0, 1.0, 0.0, 0.0, 0.0],  # temperature 1e-300 is greedy
+        ]
+    )
+    params = [
+        SamplingParams(),
+        SamplingParams(),
+        SamplingParams(top_k=0, temperature=1.0, top_p=0.9, min_p=0.1),
+        SamplingParams(top_k=0, temperature=1e-300),
+    ]
+    batch = SamplingBatch.from_params(params, [None] * 4, VOCAB, CPU)
+    assert batch.is_greedy.tolist() == [True, True, False, True]
+    seen = set()
+    for seed in range(40):
+        tokens = Sampler(CPU, seed=seed)(logits, batch).tolist()
+        assert tokens[:2] == [NO_TOKEN, 2] and tokens[3] == 1
+        seen.add(tokens[2])
+    assert seen == {1, 3, 5}
+
+
+def test_a_zero_repetition_penalty_stays_inside_the_grammar_mask():
+    """``repetition_penalty: 1e-300`` is 0.0 in float32: seen positive logits become +inf."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.0, 3.0, 0.5]] * 2)
+    allowed = torch.tensor([[False, True, True, False, False, True]] * 2)
+    params = [
+        SamplingParams(repetition_penalty=1e-300),
+        SamplingParams(top_k=0, temperature=1e-300, repetition_penalty=1e-300),
+    ]
+    rows = [SamplingRow(p, [0, 1, 4], 3) for p in params]  # tokens 0, 1 and 4 were seen
+    processors = build_logits_processors(rows, VOCAB, CPU, allowed)
+    batch = SamplingBatch.from_params(params, [None, None], VOCAB, CPU, processors)
+    assert Sampler(CPU, seed=0)(logits, batch).tolist() == [1, 1]  # the allowed +inf token
+
+
+def test_request_edits_match_the_edits_built_from_params():
+    params = SamplingParams(
+        logit_bias={4: 3.5, 0: -1.0}, min_new_tokens=2, stop_token_ids=[5, 1 << 40]
+    )
+    edits = RequestEdits.build(params, [EOS, 99], VOCAB, CPU)
+    assert edits.bias_token_ids.tolist() == [4, 0] and edits.bias_values.tolist() == [3.5, -1.0]
+    assert edits.min_tokens_blocked_ids.tolist() == [EOS, 5]  # ids outside the vocabulary: never
+    logits = torch.zeros(2, VOCAB)
+    blocked = edits.min_tokens_blocked_ids
+    prebuilt = SamplingRow(params, [1], 1, blocked, edits)
+    from_params = SamplingRow(params, [1], 1, [EOS, 5])
+    processed = build_logits_processors([prebuilt, from_params], VOCAB, CPU).apply(logits)
+    inf = float("inf")
+    assert processed.tolist() == [[-1.0, 0.0, -inf, 0.0, 3.5, -inf]] * 2
+
+
+def test_hostile_temperature_and_penalty_run_beside_innocent_requests(tiny_runner):
+    prompt = [51, 52, 53, 54]
+    alone = _tokens(StepDriver(tiny_runner).run([DrivenRequest(context("innocent", prompt, 8))]))
+    hostile = [
+        DrivenRequest(context("cold", [61, 62], 8, top_k=0, temperature=1e-300)),
+        DrivenRequest(context("zero", [63, 64], 8, top_k=0, repetition_penalty=1e-300)),
+    ]
+    batch = [hostile[0], DrivenRequest(context("innocent", prompt, 8)), hostile[1]]
+    tokens = _tokens(StepDriver(tiny_runner).run(batch))
+    assert tokens["innocent"] == alone["innocent"]
+    cold = _tokens(StepDriver(tiny_runner).run([DrivenRequest(context("cold", [61, 62], 8))]))
+    assert tokens["cold"] == cold["cold"]  # greedy
+    assert len(tokens["zero"]) == 8 and all(0 <= t < 49152 for t in tokens["zero"])
+
+
+def test_a_request_whose_sampling_raises_fails_alone(tiny_runner, monkeypatch):
+    prompt = [71, 72, 73]
+    alone = _tokens(StepDriver(tiny_runner).run([DrivenRequest(context("good", prompt, 1))]))
+    original = RequestState.sampling_row
+
+    def sampling_row(state: RequestState) -> SamplingRow:
+        if state.request_id == "bad":
+            raise RuntimeError("boom")
+        return original(state)
+
+    monkeypatch.setattr(RequestState, "sampling_row", sampling_row)
+    new = [
+        NewRequestData(context("bad", [1, 2], 4, top_k=0), [0], 0),
+        NewRequestData(context("good", prompt, 4), [1], 0),
+    ]
+    outputs = tiny_runner.next_token(ScheduledStep(0, new, [], {"bad": 2, "good": 3}))
+    assert {request_id: o.tokens for request_id, o in outputs.items()} == alone
+    assert tiny_runner.take_failures() == {"bad": RequestFailure("sampling failed: boom")}
+    assert sorted(tiny_runner.requests) == ["bad", "good"]  # until the scheduler releases "bad"
+    tiny_runner.next_token(ScheduledStep(1, finished_request_ids=["bad", "good"]))
+    assert tiny_runner.requests == {}

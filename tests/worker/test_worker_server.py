@@ -1,0 +1,148 @@
+"""The worker process end to end over ZeroMQ: ready, a step, a garbage frame, shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from transformers import AutoModelForCausalLM
+
+from interfaces import (
+    TextContext,
+    TextGenerationOutput,
+    msgpack_numpy_decoder,
+    msgpack_numpy_encoder,
+)
+from interfaces.scheduler_to_worker import (
+    CachedRequestData,
+    NewRequestData,
+    ScheduledStep,
+    Shutdown,
+)
+from interfaces.worker_to_scheduler import (
+    KVLayout,
+    WorkerFailure,
+    WorkerOutput,
+    WorkerReady,
+    WorkerToSchedulerMessage,
+)
+from tests.support.hostile import hostile_frames
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPT = [1, 4093, 198, 57, 5248, 3946, 288]
+STARTUP_TIMEOUT_MS = 60_000
+STEP_TIMEOUT_MS = 20_000
+
+encode = msgpack_numpy_encoder()
+decode = msgpack_numpy_decoder(WorkerToSchedulerMessage)
+
+
+@pytest.fixture
+def router(tmp_path):
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    address = f"ipc://{tmp_path}/backend.ipc"
+    socket.bind(address)
+    yield socket, address
+    socket.close(linger=0)
+    context.term()
+
+
+def start_worker(model_dir: Path, address: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "worker", "--model", str(model_dir)]
+    command += ["--scheduler-addr", address, "--kv-cache-memory", "1MiB", "--device", "cpu"]
+    command += ["--served-model-name", "tiny"]
+    return subprocess.Popen(
+        command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    )
+
+
+def receive(socket: zmq.Socket, timeout_ms: int) -> tuple[bytes, WorkerToSchedulerMessage]:
+    assert socket.poll(timeout_ms, zmq.POLLIN), "no message from the worker in time"
+    identity, frame = socket.recv_multipart()
+    return identity, decode(frame)
+
+
+def expected_greedy_tokens(model_dir: Path, num_tokens: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    generated = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=num_tokens)
+    return generated[0, len(PROMPT) :].tolist()
+
+
+@pytest.fixture
+def worker(tiny_llama_dir, router):
+    _, address = router
+    process = start_worker(tiny_llama_dir, address)
+    yield process
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def test_worker_serves_steps_survives_hostile_frames_and_shuts_down(
+    tiny_llama_dir, router, worker, tmp_path
+):
+    socket, _ = router
+    identity, ready = receive(socket, STARTUP_TIMEOUT_MS)
+    assert ready.group.startswith("hybrid@")  # the role, the host and the pid
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
+    assert ready == WorkerReady(
+        "tiny", 128, 16, 512, group=ready.group, kv_layout=layout, vocab_size=49152
+    )
+    expected = expected_greedy_tokens(tiny_llama_dir, 2)
+
+    context = TextContext("r1", PROMPT, 64, eos_token_ids=[2])
+    step = ScheduledStep(0, [NewRequestData(context, [3], 0)], num_scheduled_tokens={"r1": 7})
+    socket.send_multipart([identity, encode(step)])
+    assert receive(socket, STEP_TIMEOUT_MS)[1] == WorkerOutput(
+        0, {"r1": TextGenerationOutput("r1", [expected[0]])}
+    )
+
+    marker = tmp_path / "unpickled"
+    for frame in hostile_frames(marker):
+        socket.send_multipart([identity, frame])
+    socket.send_multipart([identity, b"two", b"frames"])
+    socket.send_multipart([identity, encode(ScheduledStep(1, num_scheduled_tokens={"zz": 1}))])
+    failure = receive(socket, STEP_TIMEOUT_MS)[1]
+    assert isinstance(failure, WorkerFailure) and failure.step_id == 1
+    assert "'zz' is not known" in failure.error
+
+    step = ScheduledStep(
+        2, cached_requests=[CachedRequestData("r1", [], 7)], num_scheduled_tokens={"r1": 1}
+    )
+    socket.send_multipart([identity, encode(step)])
+    assert receive(socket, STEP_TIMEOUT_MS)[1] == WorkerOutput(
+        2, {"r1": TextGenerationOutput("r1", [expected[1]])}
+    )
+
+    socket.send_multipart([identity, encode(Shutdown())])
+    assert worker.wait(timeout=20) == 0
+    assert not marker.exists()
+
+
+def test_worker_exits_1_when_the_scheduler_goes_away(router, worker):
+    socket, _ = router
+    receive(socket, STARTUP_TIMEOUT_MS)
+    socket.close(linger=0)
+    assert worker.wait(timeout=5) == 1
+
+
+def test_worker_sets_its_title_and_exits_cleanly_on_sigterm(router, worker):
+    socket, _ = router
+    receive(socket, STARTUP_TIMEOUT_MS)
+    assert Path(f"/proc/{worker.pid}/cmdline").read_bytes().startswith(b"switchyard-worker tp0")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=20) == 0
+
+
+def test_worker_exits_1_for_a_missing_model(tmp_path, router):
+    _, address = router
+    process = start_worker(tmp_path / "no-such-model", address)
+    assert process.wait(timeout=60) == 1

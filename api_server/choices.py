@@ -2,7 +2,7 @@
 
 Each choice is its own request to the scheduler (id ``<response id>-<index>`` when there are
 several). All are submitted at once, so choices of one prompt share its KV blocks through the
-prefix cache, and its images' shared-memory segments (``api_server.image_segments``). Their
+prefix cache, and its images' shared-memory segments and their owner (``ImageSegments``). Their
 deltas are merged in arrival order, each tagged with its choice index; completions' ``echo``
 puts the prompt (and its log probabilities) before a choice's first text.
 
@@ -64,7 +64,7 @@ class ChoiceOutput:
 def choice_context(context: TextContext, response_id: str, index: int, sample: int) -> TextContext:
     """``context`` for choice ``index`` (the ``sample``-th of its prompt): its own request id
     and, when the request has a seed, seed + ``sample``, so seeded choices differ (vLLM's rule).
-    It names the same image segments as ``context`` (``share_images`` them among the choices).
+    It names the same image segments as ``context`` (and shares their owner).
     """
     params = context.sampling_params
     if params.seed is not None and sample:
@@ -91,8 +91,9 @@ class Generation:
         """Deltas of every choice as they arrive; each choice's last has its finish reason.
 
         Raises the first error any choice raises (``RequestFailed``, ``SchedulerUnavailable``);
-        closing the generator early aborts every choice still running. A choice whose task
-        ended before it started has its images unlinked here (it never reached the engine).
+        closing the generator early aborts every choice still running. However it ends, it
+        closes every choice's image segments once no choice can send them any more (they are
+        unlinked unless one was sent: ``ImageSegments``).
         """
         queue: asyncio.Queue[ChoiceDelta | Exception | None] = asyncio.Queue(len(self.choices))
         tasks = [asyncio.create_task(self._pump(choice, queue)) for choice in self.choices]
@@ -113,7 +114,7 @@ class Generation:
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
                 for choice in self.choices:
-                    choice.stream.release_unsent_images()
+                    choice.stream.images.close()
 
     async def collect(self) -> list[ChoiceOutput]:
         """Every choice whole, in index order."""

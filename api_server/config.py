@@ -1,7 +1,9 @@
 """Configuration of one API server process, and the model facts it reads from the model directory.
 
 The model directory is Hugging Face format: config.json (``max_position_embeddings``), optional
-generation_config.json (``eos_token_id``), tokenizer.json and tokenizer_config.json.
+generation_config.json (``eos_token_id``), tokenizer.json and tokenizer_config.json. The flags of
+``python -m api_server`` are declared on the fields of ``ApiServerSettings`` and the limits it
+holds (``interfaces.settings``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from interfaces import envs
+from interfaces.settings import component, setting, split_commas
+from interfaces.shared_settings import ModelSettings, SchedulerAddress
 from interfaces.transport import TransportSecurity
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -56,9 +61,20 @@ class HttpLimits:
     The body default leaves room for images sent as base64 data URLs.
     """
 
-    max_request_body_bytes: int = 32 * 1024 * 1024
-    max_header_count: int = 100
-    max_header_bytes: int = 64 * 1024
+    max_request_body_bytes: int = setting(
+        32 * 1024 * 1024,
+        "--max-request-body-bytes",
+        "larger request bodies get 413",
+        default_text="%(default)s, 32 MiB",
+    )
+    max_header_count: int = setting(
+        100, "--max-header-count", "requests with more header fields get 431"
+    )
+    max_header_bytes: int = setting(
+        64 * 1024,
+        "--max-header-bytes",
+        "requests whose header names and values take more bytes get 431",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_header_count", "max_header_bytes"):
@@ -80,10 +96,31 @@ class RequestLimits:
     rest of the context; None: 16 contexts.
     """
 
-    max_prompt_bytes: int | None = None
-    max_structured_output_bytes: int = 128 * 1024
-    max_choices: int = 128
-    max_request_output_tokens: int | None = None
+    max_prompt_bytes: int | None = setting(
+        None,
+        "--max-prompt-bytes",
+        "requests whose prompt text (messages and tools) takes more UTF-8 bytes get 400, before "
+        "tokenizing",
+        default_text="16 per token of the context, at least 1 MiB",
+    )
+    max_structured_output_bytes: int = setting(
+        128 * 1024,
+        "--max-structured-output-bytes",
+        "a larger JSON schema, grammar, regex or choice list gets 400",
+        default_text="%(default)s, 128 KiB",
+    )
+    max_choices: int = setting(
+        128,
+        "--max-choices-per-request",
+        "requests asking for more choices (prompts x n) get 400",
+    )
+    max_request_output_tokens: int | None = setting(
+        None,
+        "--max-request-output-tokens",
+        "requests whose choices may generate more tokens in all (a choice without max_tokens "
+        "counts the rest of the context) get 400",
+        default_text="16 x the context length",
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -111,6 +148,16 @@ class RequestLimits:
         return 16 * max_model_len
 
 
+def media_path(value: str | None) -> Path | None:
+    """``--allowed-local-media-path`` as an absolute path, symlinks resolved (None: unset)."""
+    return None if value is None else Path(value).expanduser().resolve()
+
+
+def media_domains(values: list[str]) -> tuple[str, ...]:
+    """``--allowed-media-domains`` values as lower-case host names."""
+    return tuple(domain.lower() for domain in split_commas(values))
+
+
 @dataclass(frozen=True)
 class MediaConfig:
     """Where images in chat messages may come from, and bounds on them (api_server.images).
@@ -122,9 +169,26 @@ class MediaConfig:
     at most ``max_image_bytes`` encoded and ``max_image_pixels`` decoded.
     """
 
-    allowed_local_media_path: Path | None = None
-    allowed_media_domains: tuple[str, ...] = ()
-    max_images_per_prompt: int = 8
+    allowed_local_media_path: Path | None = setting(
+        None,
+        "--allowed-local-media-path",
+        "accept file:// image URLs of files inside DIR",
+        parse=str,
+        to_field=media_path,
+        metavar="DIR",
+        default_text="no local files",
+    )
+    allowed_media_domains: tuple[str, ...] = setting(
+        (),
+        "--allowed-media-domains",
+        "fetch http(s) image URLs from these hosts, comma-separated or repeated",
+        to_field=media_domains,
+        metavar="HOST[,HOST...]",
+        default_text="no remote images",
+    )
+    max_images_per_prompt: int = setting(
+        8, "--max-images-per-prompt", "more images in one request get 400"
+    )
     fetch_timeout_s: float = 10.0
     max_redirects: int = 3
     max_image_bytes: int = 20 * 1024 * 1024
@@ -247,140 +311,86 @@ def generation_eos_token_ids(model_dir: Path) -> list[int]:
     return []
 
 
-def add_limit_flags(parser: argparse.ArgumentParser) -> None:
-    """The ``HttpLimits`` flags (a request above them is a 413 or 431), with its defaults."""
-    parser.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=HttpLimits.max_request_body_bytes,
-        help="larger request bodies get 413 (default: %(default)s, 32 MiB)",
-    )
-    parser.add_argument(
-        "--max-header-count",
-        type=int,
-        default=HttpLimits.max_header_count,
-        help="requests with more header fields get 431 (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-header-bytes",
-        type=int,
-        default=HttpLimits.max_header_bytes,
-        help="requests whose header names and values take more bytes get 431 "
-        "(default: %(default)s)",
-    )
-    add_request_limit_flags(parser)
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a number of seconds, 0 or more."""
+    seconds = float(text)
+    if not seconds >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return seconds
 
 
-def add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
-    """The ``RequestLimits`` flags and ``--max-stream-backlog`` (a request above them is a 400,
-    a stream over its backlog is aborted), with their defaults."""
-    parser.add_argument(
-        "--max-prompt-bytes",
-        type=int,
-        help="requests whose prompt text (messages and tools) takes more UTF-8 bytes get 400, "
-        "before tokenizing (default: 16 per token of the context, at least 1 MiB)",
+@dataclass(frozen=True)
+class HttpBind:
+    """Where the OpenAI API listens: ``python -m api_server`` binds it (unless given a socket,
+    ``--fd``), and ``switchyard serve`` binds it once for all its API servers."""
+
+    host: str = setting("127.0.0.1", "--host", "address to listen on")
+    port: int = setting(8000, "--port", "port to listen on (0: any free)")
+
+
+@dataclass(frozen=True)
+class EmbeddingModelSettings:
+    """The embedding model served at /v1/embeddings, as given (none by default)."""
+
+    path: str | None = setting(
+        None,
+        "--embedding-model",
+        "also serve /v1/embeddings with this encoder model directory, which an embedding worker "
+        "runs (switchyard serve also takes 'default': the packaged all-MiniLM-L6-v2)",
+        default_text="none",
     )
-    parser.add_argument(
-        "--max-structured-output-bytes",
-        type=int,
-        default=RequestLimits.max_structured_output_bytes,
-        help="a larger JSON schema, grammar, regex or choice list gets 400 "
-        "(default: %(default)s, 128 KiB)",
+    served_model_name: str | None = setting(
+        None,
+        "--embedding-model-name",
+        "the embedding model's name for clients",
+        default_text="its directory's name",
     )
-    parser.add_argument(
-        "--max-choices-per-request",
-        type=int,
-        default=RequestLimits.max_choices,
-        help="requests asking for more choices (prompts x n) get 400 (default: %(default)s)",
+
+
+@dataclass(frozen=True)
+class ApiServerSettings:
+    """``python -m api_server``'s settings but the transport's and the log's;
+    ``api_server.__main__`` resolves them into an ``ApiServerConfig``. ``switchyard serve``
+    takes the flags of the client-facing ones and fills the rest (``switchyard.serve_config``).
+    """
+
+    model: ModelSettings = component(ModelSettings)
+    scheduler: SchedulerAddress = component(SchedulerAddress)
+    bind: HttpBind = component(HttpBind)
+    fd: int | None = setting(
+        None,
+        "--fd",
+        "serve on this inherited listening socket",
+        default_text="listen on --host and --port",
     )
-    parser.add_argument(
-        "--max-request-output-tokens",
-        type=int,
-        help="requests whose choices may generate more tokens in all (a choice without "
-        "max_tokens counts the rest of the context) get 400 (default: 16 x the context length)",
+    embedding: EmbeddingModelSettings = component(EmbeddingModelSettings)
+    api_key: str | None = setting(
+        None,
+        "--api-key",
+        "require 'Authorization: Bearer KEY' on every route but /health and /metrics",
+        env_default=envs.api_key,
+        default_text=f"${envs.API_KEY_VARIABLE}, which keeps the key out of `ps`",
+        secret=True,
     )
-    parser.add_argument(
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        "--allowed-origins",
+        "CORS origins, comma-separated or repeated ('*': any)",
+        default_text="CORS off",
+    )
+    shutdown_timeout_s: float = setting(
+        DEFAULT_SHUTDOWN_TIMEOUT_S,
+        "--shutdown-timeout",
+        "on SIGTERM, seconds to let requests in flight finish before aborting them",
+        parse=non_negative_seconds,
+        default_text="%(default)s; 0 aborts at once",
+    )
+    limits: HttpLimits = component(HttpLimits)
+    request_limits: RequestLimits = component(RequestLimits)
+    max_stream_backlog: int = setting(
+        EngineClientConfig.max_stream_backlog,
         "--max-stream-backlog",
-        type=int,
-        default=EngineClientConfig.max_stream_backlog,
-        help="results a request may have waiting for a client that does not read them; beyond "
-        "it the request is aborted and its stream ends with an error (default: %(default)s)",
+        "results a request may have waiting for a client that does not read them; beyond it "
+        "the request is aborted and its stream ends with an error",
     )
-
-
-def limit_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """The ``add_limit_flags`` flags as parsed in ``args``, to hand on to an API server."""
-    return (
-        *("--max-request-body-bytes", str(args.max_request_body_bytes)),
-        *("--max-header-count", str(args.max_header_count)),
-        *("--max-header-bytes", str(args.max_header_bytes)),
-        *_optional_flag("--max-prompt-bytes", args.max_prompt_bytes),
-        *("--max-structured-output-bytes", str(args.max_structured_output_bytes)),
-        *("--max-choices-per-request", str(args.max_choices_per_request)),
-        *_optional_flag("--max-request-output-tokens", args.max_request_output_tokens),
-        *("--max-stream-backlog", str(args.max_stream_backlog)),
-    )
-
-
-def _optional_flag(name: str, value: int | None) -> tuple[str, ...]:
-    return () if value is None else (name, str(value))
-
-
-def request_limits(args: argparse.Namespace) -> RequestLimits:
-    """The ``add_request_limit_flags`` flags as a ``RequestLimits``; ``ValueError`` for a value
-    below 1."""
-    return RequestLimits(
-        max_prompt_bytes=args.max_prompt_bytes,
-        max_structured_output_bytes=args.max_structured_output_bytes,
-        max_choices=args.max_choices_per_request,
-        max_request_output_tokens=args.max_request_output_tokens,
-    )
-
-
-def add_media_flags(parser: argparse.ArgumentParser) -> None:
-    """The ``MediaConfig`` flags: where chat images may come from besides data URLs."""
-    parser.add_argument(
-        "--allowed-local-media-path",
-        metavar="DIR",
-        help="accept file:// image URLs of files inside DIR (default: no local files)",
-    )
-    parser.add_argument(
-        "--allowed-media-domains",
-        action="append",
-        default=[],
-        metavar="HOST[,HOST...]",
-        help="fetch http(s) image URLs from these hosts, comma-separated or repeated "
-        "(default: no remote images)",
-    )
-    parser.add_argument(
-        "--max-images-per-prompt",
-        type=int,
-        default=MediaConfig.max_images_per_prompt,
-        help="more images in one request get 400 (default: %(default)s)",
-    )
-
-
-def media_config(args: argparse.Namespace) -> MediaConfig:
-    """The ``add_media_flags`` flags as a ``MediaConfig``; ``ValueError`` for a path that is not
-    a directory."""
-    return MediaConfig(
-        allowed_local_media_path=media_path(args.allowed_local_media_path),
-        allowed_media_domains=media_domains(args.allowed_media_domains),
-        max_images_per_prompt=args.max_images_per_prompt,
-    )
-
-
-def media_path(value: str | None) -> Path | None:
-    """``--allowed-local-media-path`` as an absolute path, symlinks resolved (None: unset)."""
-    return None if value is None else Path(value).expanduser().resolve()
-
-
-def media_domains(values: list[str]) -> tuple[str, ...]:
-    """``--allowed-media-domains`` values as lower-case host names."""
-    return tuple(domain.lower() for domain in split_commas(values))
-
-
-def split_commas(values: list[str]) -> tuple[str, ...]:
-    """``["a,b", "c"]`` → ``("a", "b", "c")``: comma-separated, repeated, or both."""
-    items = (item.strip() for value in values for item in value.split(","))
-    return tuple(dict.fromkeys(item for item in items if item))
+    media: MediaConfig = component(MediaConfig)

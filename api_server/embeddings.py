@@ -105,7 +105,7 @@ class EmbeddingModel:
         return result
 
     def _encode(self, index: int, text: str) -> list[int]:
-        """``text``'s token ids; a 400 first if it is too long to ever fit. (``encode_batch``,
+        """``text``'s token ids; a 400 first if it is too long to ever fit. (``encode_batch_fast``,
         unlike ``encode``, lets the event loop run while it tokenizes.)"""
         max_bytes = max(MIN_INPUT_BYTES, MAX_BYTES_PER_TOKEN * self.max_input_tokens)
         num_bytes = len(text.encode("utf-8", "surrogatepass"))
@@ -115,7 +115,7 @@ class EmbeddingModel:
                 f"{self.max_input_tokens} tokens, so at most {max_bytes} bytes",
                 param="input",
             )
-        return self.tokenizer.encode_batch([text])[0].ids
+        return self.tokenizer.encode_batch_fast([text])[0].ids
 
 
 async def create_embeddings(

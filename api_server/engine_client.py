@@ -10,6 +10,11 @@ stays silent for ``scheduler_timeout_s`` every in-flight request fails with
 A scheduler that dies is noticed sooner: the socket's monitor reports the dropped connection,
 every request in flight fails at once, and new ones fail at once until the connection is back.
 
+The first frame on every connection is ``ApiHello``, the protocol version this server speaks
+(``interfaces.handshake``). A scheduler of another version answers ``HandshakeRefused``: the
+reason is logged, every request fails as with a lost scheduler, and ``refused()`` returns it,
+for the server to exit.
+
 One request can never hurt the others on this connection: a frame larger than the scheduler
 takes (``MAX_API_MESSAGE_BYTES``; ZeroMQ would drop the whole connection) is refused with a 413
 before it is sent, and a request whose results pile up because its client stopped reading (more
@@ -32,7 +37,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from api_server.config import EngineClientConfig
 from api_server.errors import OpenAIError
-from api_server.image_segments import images_sent, release_images
+from api_server.image_segments import ImageSegments
 from api_server.stats_tickets import StatsTickets, StatsWaiter
 from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
 from interfaces.api_to_scheduler import (
@@ -44,7 +49,8 @@ from interfaces.api_to_scheduler import (
 )
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
-from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats, SchedulerToApiMessage
+from interfaces.handshake import ApiHello, HandshakeRefused
+from interfaces.scheduler_to_api import SchedulerStats, SchedulerToApiMessage
 from interfaces.transport import FRONTEND
 
 logger = logging.getLogger(__name__)
@@ -107,6 +113,8 @@ class EngineClient:
         self._lost_connection: str | None = None
         """Why the scheduler is unreachable, from the moment its connection drops until it is
         back; None while connected (and before the first connection, which IMMEDIATE covers)."""
+        self._refusal: asyncio.Future[str] | None = None
+        """Done, with the reason, once the scheduler refused this server's ``ApiHello``."""
 
     @property
     def num_requests_in_flight(self) -> int:
@@ -131,12 +139,21 @@ class EngineClient:
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         )
         self.config.security.connect(self._socket, self.config.scheduler_addr, FRONTEND)
+        self._refusal = asyncio.get_running_loop().create_future()
+        self._send_nowait(ApiHello())  # the first frame: pyzmq sends in the order asked
         self._last_heard = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._read_loop()),
             asyncio.create_task(self._heartbeat_loop()),
             asyncio.create_task(self._watch_connection(monitor)),
         ]
+
+    async def refused(self) -> str:
+        """Wait until the scheduler refuses this server's protocol version; the reason. Call it
+        after ``start``."""
+        if self._refusal is None:
+            raise RuntimeError("the engine client was not started")
+        return await asyncio.shield(self._refusal)
 
     async def close(self) -> None:
         """Stop the tasks, fail whatever is in flight, and close the socket."""
@@ -149,40 +166,37 @@ class EngineClient:
             self._zmq_context.destroy(linger=0)
         self._socket = self._zmq_context = None
 
-    async def generate(self, context: TextContext) -> AsyncIterator[Result]:
+    async def generate(
+        self, context: TextContext, images: ImageSegments | None = None
+    ) -> AsyncIterator[Result]:
         """Submit ``context`` and yield its results until one ends the stream.
 
         Raises ``SchedulerUnavailable`` when the submit or the scheduler times out. If the
         consumer stops early (stop string, client gone, cancellation), the request is aborted
         so the scheduler frees its KV blocks.
 
-        Ownership of ``context.images``' shared-memory segments passes to the scheduler when
-        pyzmq completes ``sent``, the send of the SubmitRequest frame (``_was_sent(sent)``);
-        the scheduler then unlinks them when the request ends, however it ends. Until then they
-        belong to this generator, from its first step: if it ends without sending (a duplicate
-        id, no connection, a frame too large, a submit timeout, cancellation), it withdraws the
-        frame from pyzmq's queue, so that it never leaves, and unlinks them itself (or gives up
-        its hold on segments shared with other choices: ``api_server.image_segments``).
+        Once pyzmq completes ``sent``, the send of the SubmitRequest frame (``_was_sent``), the
+        owner of ``context.images``' segments, ``images``, hands them over to the scheduler,
+        which unlinks them when the request ends, however it ends. If this ends without sending
+        (a duplicate id, no connection, a frame too large, a submit timeout, cancellation), it
+        withdraws the frame from pyzmq's queue, so that it never leaves.
 
         Raises ``MessageTooLarge`` (413) before sending a frame above ``MAX_API_MESSAGE_BYTES``, and
         ``StreamBacklogFull`` once the request was aborted for results its consumer left
         unread.
         """
         request_id = context.request_id
-        if request_id in self._queues or self._lost_connection is not None:
-            release_images(context.images)
-            if request_id in self._queues:
-                raise ValueError(f"request id {request_id!r} is already in flight")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if self._lost_connection is not None:
             raise SchedulerUnavailable(self._lost_connection)
         queue: asyncio.Queue[Result | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         sent: asyncio.Future[Any] | None = None
-        handed_over = finished = False
+        finished = False
         try:
             sent = self._socket_or_raise().send(self._encode_bounded(SubmitRequest(context)))
             await self._wait_until_sent(sent, self.config.submit_timeout_s)
-            images_sent(context.images)
-            handed_over = True
             while not finished:
                 item = await queue.get()
                 if isinstance(item, StreamBacklogFull):
@@ -193,15 +207,13 @@ class EngineClient:
                 yield item
         finally:
             self._queues.pop(request_id, None)
-            if not _was_sent(sent):
-                if sent is not None:
-                    sent.cancel()  # pyzmq skips a cancelled send: the frame never leaves
-                release_images(context.images)  # still ours: the scheduler never saw them
-            else:
-                if not handed_over:
-                    images_sent(context.images)
+            if _was_sent(sent):
+                if images is not None:
+                    images.hand_over()
                 if not finished:
                     self.abort([request_id])
+            elif sent is not None:
+                sent.cancel()  # pyzmq skips a cancelled send: the frame never leaves
 
     async def embed(self, contexts: list[EmbeddingsContext]) -> dict[RequestID, EmbeddingsResult]:
         """Submit every input for embedding; each one's result, by id. Raises
@@ -327,7 +339,10 @@ class EngineClient:
             # while the loop was busy do not count as a backlog their clients left unread.
             await asyncio.sleep(0)
 
-    def _dispatch(self, message: SchedulerResults | SchedulerStats) -> None:
+    def _dispatch(self, message: SchedulerToApiMessage) -> None:
+        if isinstance(message, HandshakeRefused):
+            self._refuse(message.reason)
+            return
         if isinstance(message, SchedulerStats):
             answered = self._stats_tickets.answered()
             for waiter in self._stats_waiters:
@@ -343,6 +358,14 @@ class EngineClient:
                 self._abort_unread(request_id, queue)
             else:
                 queue.put_nowait(result)
+
+    def _refuse(self, reason: str) -> None:
+        """The scheduler will not talk to this server: fail everything, now and from now on."""
+        logger.error("the scheduler refused this API server: %s", reason)
+        self._lost_connection = f"the scheduler refused this API server: {reason}"
+        self._fail_all(SchedulerUnavailable(self._lost_connection))
+        if self._refusal is not None and not self._refusal.done():
+            self._refusal.set_result(reason)
 
     def _abort_unread(self, request_id: RequestID, queue: asyncio.Queue) -> None:
         """Abort a request whose consumer left ``max_stream_backlog`` results unread: drop them,
@@ -379,12 +402,17 @@ class EngineClient:
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
+                if self._refusal is not None and self._refusal.done():
+                    continue  # refused: the connection stays lost
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     if self._lost_connection is not None:
                         logger.info("connected to the scheduler again")
+                        self._send_nowait(ApiHello())  # before any request on this connection
                     self._lost_connection = None
                     self._last_heard = time.monotonic()
                 elif self._lost_connection is None:
+                    if self._pending_ping is not None:
+                        self._pending_ping.cancel()  # never sent ahead of the next ApiHello
                     self._lost_connection = (
                         f"lost the connection to the scheduler at {self.config.scheduler_addr}"
                     )

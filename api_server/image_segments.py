@@ -1,42 +1,33 @@
-"""A request's image pixels in shared memory, and who unlinks them.
+"""A request's image pixels in shared memory, and the one object that unlinks them.
 
 Each image's preprocessed pixels go into a segment of their own (``SharedMemoryArray.create``),
 referenced from ``TextContext.images``. The API server owns those segments from their creation
-until ``EngineClient.generate`` has sent the request's ``SubmitRequest`` to the scheduler; from
-then on the scheduler owns them and unlinks them when the request ends, whatever way it ends.
-Every path that ends before the send (a refusal, a failure, a cancelled request) unlinks them
-here with ``release_images``.
+until a ``SubmitRequest`` naming them has been sent to the scheduler; from then on the scheduler
+owns them and unlinks them when the last request naming them ends, whatever way it ends.
 
-The choices of an ``n > 1`` request are scheduler requests of their own that name the same
-segments (``share_images``; the pixels are never copied). The scheduler unlinks a segment when
-the last request naming it has left; here, each choice gives up its hold once, by
-``images_sent`` when its ``SubmitRequest`` was sent or ``release_images`` when it never will be,
-and the segments are unlinked only by the last choice to let go, and only if none was sent.
+``ImageSegments`` holds the API server's ownership of one context's segments: the choices of an
+``n > 1`` request (scheduler requests of their own that name the same segments; the pixels are
+never copied) share one. ``EngineClient.generate`` calls ``hand_over`` once a choice's
+``SubmitRequest`` was sent; ``close`` (or leaving its ``with`` block), which comes on every
+path, unlinks the segments unless they were handed over.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import numpy as np
 
 from api_server.errors import service_unavailable
 from interfaces import ImageMetadata
+from interfaces.requests import PreparedImage
 from interfaces.shared_memory import SharedMemoryArray
 
 
-@dataclass(frozen=True)
-class PreparedImage:
-    """One image ready for the model: float32 (channels, height, width) pixels and their hash."""
-
-    pixels: np.ndarray
-    image_hash: str
-
-    @classmethod
-    def of(cls, pixels: np.ndarray) -> PreparedImage:
-        return cls(pixels, pixels_hash(pixels))
+def prepared_image(pixels: np.ndarray) -> PreparedImage:
+    """``pixels`` with their hash, ready for a ``TextGenerationRequest``."""
+    return PreparedImage(pixels, pixels_hash(pixels))
 
 
 def pixels_hash(pixels: np.ndarray) -> str:
@@ -49,21 +40,44 @@ def pixels_hash(pixels: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def create_images(
-    images: Sequence[PreparedImage], spans: Sequence[tuple[int, int]]
-) -> list[ImageMetadata]:
-    """One new segment per image, with its token positions [start, end). The caller owns the
-    segments (see the module docstring); if creating one fails, those made so far are
-    unlinked before the error propagates."""
-    created: list[ImageMetadata] = []
-    try:
+class ImageSegments:
+    """The API server's ownership of one context's image segments (event loop only).
+
+    ``create`` makes them; ``hand_over`` says a ``SubmitRequest`` naming them was sent, so the
+    scheduler unlinks them; ``close`` unlinks them unless they were handed over, and may be
+    called any number of times. An owner with no images does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.images: list[ImageMetadata] = []
+        self._handed_over = False
+
+    def __enter__(self) -> ImageSegments:
+        return self
+
+    def __exit__(self, *_exc_info: object) -> None:
+        self.close()
+
+    def create(
+        self, images: Sequence[PreparedImage], spans: Sequence[tuple[int, int]]
+    ) -> list[ImageMetadata]:
+        """One new segment per image, with its token positions [start, end), owned here (if
+        creating one fails, those made so far stay here to be closed)."""
         for image, (start, end) in zip(images, spans, strict=True):
             segment = _create(image.pixels)
-            created.append(ImageMetadata(start, end, segment, image.image_hash))
-    except BaseException:
-        release_images(created)
-        raise
-    return created
+            self.images.append(ImageMetadata(start, end, segment, image.image_hash))
+        return list(self.images)
+
+    def hand_over(self) -> None:
+        """A ``SubmitRequest`` naming the segments was sent: they are the scheduler's now."""
+        self._handed_over = True
+
+    def close(self) -> None:
+        """Unlink the segments unless they were handed over; this owner holds none after."""
+        if not self._handed_over:
+            for image in self.images:
+                image.pixel_values.unlink()
+        self.images = []
 
 
 def _create(pixels: np.ndarray) -> SharedMemoryArray:
@@ -74,52 +88,3 @@ def _create(pixels: np.ndarray) -> SharedMemoryArray:
         raise service_unavailable(
             f"no shared memory left for the image's pixels: {error}"
         ) from error
-
-
-@dataclass
-class _Share:
-    """The holds the choices of one request still have on a shared segment."""
-
-    num_holders: int
-    sent: bool = field(default=False)
-
-
-_shares: dict[str, _Share] = {}
-"""Shared segments by name, while a choice still holds them (event loop only)."""
-
-
-def share_images(images: Sequence[ImageMetadata], num_holders: int) -> None:
-    """Let ``num_holders`` choices name ``images``, which the caller owns; from now on each of
-    them lets go once, by ``images_sent`` or ``release_images``."""
-    if num_holders > 1:
-        for image in images:
-            _shares[image.pixel_values.name] = _Share(num_holders)
-
-
-def images_sent(images: Iterable[ImageMetadata]) -> None:
-    """A choice's ``SubmitRequest`` naming ``images`` was sent: the scheduler owns them now."""
-    for image in images:
-        share = _shares.get(image.pixel_values.name)
-        if share is not None:
-            share.sent = True
-            _let_go(image.pixel_values.name, share)
-
-
-def release_images(images: Iterable[ImageMetadata]) -> None:
-    """Unlink the segments of images the API server still owns (never call it for a request
-    the scheduler was sent). Safe to call twice for images no other choice shares; a shared
-    segment counts one hold per call and is unlinked by the last, if no choice was sent."""
-    for image in images:
-        share = _shares.get(image.pixel_values.name)
-        is_ours = share is None or (_let_go(image.pixel_values.name, share) and not share.sent)
-        if is_ours:
-            image.pixel_values.unlink()
-
-
-def _let_go(name: str, share: _Share) -> bool:
-    """Count one hold off ``share``; whether it was the last."""
-    share.num_holders -= 1
-    if share.num_holders > 0:
-        return False
-    del _shares[name]
-    return True

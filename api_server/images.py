@@ -31,9 +31,10 @@ from PIL import Image, ImageOps
 
 from api_server.config import MediaConfig
 from api_server.errors import invalid_request
-from api_server.image_segments import PreparedImage
+from api_server.image_segments import prepared_image
 from api_server.protocol import ChatMessage
 from api_server.vision import VisionModel
+from interfaces.requests import PreparedImage
 
 IMAGE_MEDIA_TYPES = {
     "image/png": "PNG",
@@ -268,4 +269,4 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
 
 def _prepare(data: bytes, media: MediaConfig, vision: VisionModel) -> PreparedImage:
     """Runs in a worker thread: decode, preprocess, hash."""
-    return PreparedImage.of(vision.preprocess(decode_image(data, media.max_image_pixels)))
+    return prepared_image(vision.preprocess(decode_image(data, media.max_image_pixels)))

@@ -8,7 +8,6 @@ that need the vocabulary (``logit_bias`` keys, ``stop_token_ids``) take its size
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +23,12 @@ from api_server.protocol import (
 )
 from interfaces import (
     SamplingParams,
+    StructuredOutput,
     TextGenerationRequest,
     TextGenerationRequestMessage,
     TextGenerationRequestTool,
 )
+from interfaces.requests import PreparedImage
 
 Check = Callable[[Any], bool]
 Prompt = str | list[int]
@@ -248,48 +249,47 @@ def _stop_token_ids(token_ids: list[int] | None, vocab_size: int) -> list[int] |
 def chat_generation_request(
     request: ChatCompletionRequest,
     request_id: str,
-    model_name: str,
-    vocab_size: int,
+    params: SamplingParams,
     tools: list[TextGenerationRequestTool] | None = None,
+    constraint: StructuredOutput | None = None,
+    images: list[PreparedImage] | None = None,
 ) -> TextGenerationRequest:
-    """The chat request as MAX's ``TextGenerationRequest`` (call ``check_supported`` first);
-    ``tools`` are the functions the prompt offers (None: none)."""
+    """The chat request as MAX's ``TextGenerationRequest`` (call ``check_supported`` first, and
+    take ``params`` from ``sampling_params``); ``tools`` are the functions the prompt offers
+    (None: none), ``images`` the conversation's in prompt order."""
     return TextGenerationRequest(
         request_id=request_id,
         index=0,
-        model_name=model_name,
         messages=[generation_message(message) for message in request.messages],
+        images=images or [],
         tools=tools or None,
-        timestamp_ns=time.time_ns(),
-        request_path="/v1/chat/completions",
-        stop=request.stop,
-        sampling_params=sampling_params(request, vocab_size),
+        logprobs=request.num_logprobs,
+        sampling_params=params,
+        structured_output=constraint,
         cache_salt=request.cache_salt,
     )
 
 
 def completion_generation_requests(
-    request: CompletionRequest, request_id: str, model_name: str, vocab_size: int
+    request: CompletionRequest,
+    request_id: str,
+    params: SamplingParams,
+    constraint: StructuredOutput | None = None,
 ) -> list[TextGenerationRequest]:
     """One ``TextGenerationRequest`` per prompt, ``index`` the prompt's position (their number
-    is bounded by ``api_server.request_limits``)."""
-    prompts = split_prompts(request.prompt)
-    params = sampling_params(request, vocab_size)
-    timestamp_ns = time.time_ns()
+    is bounded by ``api_server.request_limits``), as ``chat_generation_request`` makes them."""
     return [
         TextGenerationRequest(
             request_id=request_id,
             index=index,
-            model_name=model_name,
             prompt=prompt,
-            timestamp_ns=timestamp_ns,
-            request_path="/v1/completions",
+            logprobs=request.num_logprobs,
             echo=bool(request.echo),
-            stop=request.stop,
             sampling_params=params,
+            structured_output=constraint,
             cache_salt=request.cache_salt,
         )
-        for index, prompt in enumerate(prompts)
+        for index, prompt in enumerate(split_prompts(request.prompt))
     ]
 
 

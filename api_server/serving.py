@@ -1,14 +1,14 @@
 """The two generation endpoints, /v1/chat/completions and /v1/completions.
 
 Both follow one path: check the model name and the request's sizes (api_server.request_limits,
-on the event loop, cheap), then the supported fields, structured outputs and tools, build one
-``TextGenerationRequest`` per prompt (in a prepare thread: schema checks are slow), tokenize
-each into a ``TextContext`` (in a prepare thread too; errors → 400), fan each out into ``n``
-choices, submit them all, and answer either one JSON body or an SSE stream of ``data: {json}``
-events ending with ``data: [DONE]``. The endpoints differ only in their ``ResponseFormat``
-(api_server.formats). Chat messages may hold images (api_server.images), whose shared-memory
-segments the choices share and this server unlinks on every path that ends before any of their
-``SubmitRequest``s is sent (api_server.image_segments); completions take none.
+on the event loop, cheap), then the supported fields, structured outputs and tools (in a
+prepare thread: schema checks are slow), build one ``TextGenerationRequest`` per prompt with
+everything it asks for, tokenize each into a ``TextContext`` (in a prepare thread too; errors →
+400), fan each out into ``n`` choices, submit them all, and answer either one JSON body or an
+SSE stream of ``data: {json}`` events ending with ``data: [DONE]``. The endpoints differ only
+in their ``ResponseFormat`` (api_server.formats). Chat messages may hold images
+(api_server.images), whose shared-memory segments the choices share with their one owner
+(``api_server.image_segments.ImageSegments``); completions take none.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from api_server.errors import (
     service_unavailable,
 )
 from api_server.formats import ChatFormat, CompletionFormat, ResponseFormat
-from api_server.image_segments import PreparedImage, release_images, share_images
+from api_server.image_segments import ImageSegments
 from api_server.images import check_images_accepted, image_inputs, load_images
 from api_server.logprobs import TokenTexts
 from api_server.metrics import ServerMetrics
@@ -46,6 +46,7 @@ from api_server.request_builder import (
     chat_generation_request,
     check_supported,
     completion_generation_requests,
+    sampling_params,
 )
 from api_server.request_id import current_request_id, engine_request_id
 from api_server.request_limits import OutputBudget, check_request_limits
@@ -53,7 +54,13 @@ from api_server.structured_output import structured_output
 from api_server.text_stream import GenerationStream, RequestFailed, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
 from api_server.tools import ToolCalling, chat_constraint, tool_calling
-from interfaces import ErrorKind, StructuredOutput, TextContext, TextGenerationRequest
+from interfaces import (
+    ErrorKind,
+    SamplingParams,
+    StructuredOutput,
+    TextContext,
+    TextGenerationRequest,
+)
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -106,9 +113,8 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     state.check_accepting()
     check_request_limits(request, state.request_limits, state.tokenizer.max_model_len)
     response_id = f"chatcmpl-{current_request_id()}"
-    request_id = engine_request_id(response_id)
-    tools, constraint, prompt = await state.tokenizer.run_in_thread(
-        _checked_chat_request, request, state, request_id
+    tools, constraint, params = await state.tokenizer.run_in_thread(
+        _checked_chat_request, request, state
     )
     options = _text_options(request)
     if tools is not None and state.tokenizer.special_token_texts & set(tools.markers):
@@ -121,11 +127,13 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     check_images_accepted(inputs, state.tokenizer.why_no_images, state.model_name)
     vision, max_model_len = state.tokenizer.vision, state.tokenizer.max_model_len
     images = await load_images(inputs, state.config.media, vision, max_model_len)
-    generation = await _generation(
-        state, request, [prompt], request.num_logprobs, constraint, options, arrival_time, images
+    prompt_tools = None if tools is None else tools.tools
+    prompt = chat_generation_request(
+        request, engine_request_id(response_id), params, prompt_tools, constraint, images
     )
-    # No await between the two: once made, the generation's image segments are only ever
-    # unlinked by ``Generation.deltas`` and the engine client, which ``_respond`` starts at once.
+    generation = await _generation(state, request, [prompt], options, arrival_time)
+    # No await between the two: from here on ``Generation.deltas``, which ``_respond`` starts
+    # at once, closes the generation's image segments however it ends.
     return await _respond(request, generation, response_format)
 
 
@@ -137,73 +145,64 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
     check_request_limits(request, state.request_limits, state.tokenizer.max_model_len)
     response_id = f"cmpl-{current_request_id()}"
     request_id = engine_request_id(response_id)
-    prompts, constraint = await state.tokenizer.run_in_thread(
+    prompts = await state.tokenizer.run_in_thread(
         _checked_completion_requests, request, state, request_id
     )
     options = _text_options(request)
     response_format = CompletionFormat(
         response_id, state.model_name, request.num_logprobs, state.token_texts
     )
-    generation = await _generation(
-        state, request, prompts, request.num_logprobs, constraint, options, arrival_time
-    )
+    generation = await _generation(state, request, prompts, options, arrival_time)
     return await _respond(request, generation, response_format)
 
 
 def _checked_chat_request(
-    request: ChatCompletionRequest, state: ServerState, request_id: str
-) -> tuple[ToolCalling | None, StructuredOutput | None, TextGenerationRequest]:
-    """The request's tools, constraint and wire form; a 400 for anything unsupported or invalid.
-    CPU work (meta-validating schemas): run it in a prepare thread."""
+    request: ChatCompletionRequest, state: ServerState
+) -> tuple[ToolCalling | None, StructuredOutput | None, SamplingParams]:
+    """The request's tools, constraint and sampling parameters; a 400 for anything unsupported
+    or invalid. CPU work (meta-validating schemas): run it in a prepare thread."""
     check_supported(request)
     max_bytes = state.request_limits.max_structured_output_bytes
     tools = tool_calling(request, max_bytes)
     constraint = chat_constraint(request, tools, max_bytes)
-    prompt_tools = None if tools is None else tools.tools
-    vocab_size = state.tokenizer.vocab_size
-    prompt = chat_generation_request(
-        request, request_id, state.model_name, vocab_size, prompt_tools
-    )
-    return tools, constraint, prompt
+    return tools, constraint, sampling_params(request, state.tokenizer.vocab_size)
 
 
 def _checked_completion_requests(
     request: CompletionRequest, state: ServerState, request_id: str
-) -> tuple[list[TextGenerationRequest], StructuredOutput | None]:
-    """One wire request per prompt and the constraint, as ``_checked_chat_request`` does."""
+) -> list[TextGenerationRequest]:
+    """One request per prompt, as ``_checked_chat_request`` checks it."""
     check_supported(request)
-    vocab_size = state.tokenizer.vocab_size
-    prompts = completion_generation_requests(request, request_id, state.model_name, vocab_size)
+    params = sampling_params(request, state.tokenizer.vocab_size)
     constraint = structured_output(request, state.request_limits.max_structured_output_bytes)
-    return prompts, constraint
+    return completion_generation_requests(request, request_id, params, constraint)
 
 
 async def _generation(
     state: ServerState,
     request: SamplingFields,
     prompts: list[TextGenerationRequest],
-    num_logprobs: int | None,
-    constraint: StructuredOutput | None,
     options: TextOptions,
     arrival_time: float,
-    images: list[PreparedImage] | None = None,
 ) -> Generation:
     """Tokenize every prompt once and make ``n`` choices of each (index prompt * n + sample).
 
-    Each choice is one request in the metrics; the prompt's tokens count with its first.
-    ``images`` go with every prompt (chat has one); a prompt's choices share its segments. Once
-    a prompt is tokenized, its choices' output tokens count against
+    Each choice is one request in the metrics; the prompt's tokens count with its first. A
+    prompt's choices share its image segments and their owner (``ImageSegments``). Once a
+    prompt is tokenized, its choices' output tokens count against
     ``--max-request-output-tokens`` (``OutputBudget``). If anything here fails, every image
-    segment made so far is unlinked (each choice lets go of its hold once)."""
+    segment made so far is unlinked."""
     n = request.num_choices_per_prompt
     several = len(prompts) * n > 1
     budget = OutputBudget(state.request_limits, state.tokenizer.max_model_len, n)
+    backend = state.tokenizer.backend
     choices, num_prompt_tokens = [], 0
-    holders: list[TextContext] = []  # one per hold on image segments that are still ours
+    owners: list[ImageSegments] = []
     try:
         for prompt in prompts:
-            context = await _new_context(state, prompt, num_logprobs, constraint, images)
-            holders.append(context)
+            images = ImageSegments()
+            owners.append(images)
+            context = await _new_context(state, prompt, images)
             choice_contexts = [context]
             if several:
                 first_index = prompt.index * n
@@ -211,8 +210,6 @@ async def _generation(
                     choice_context(context, prompt.request_id, first_index + sample, sample)
                     for sample in range(n)
                 ]
-                share_images(context.images, n)
-                holders[-1:] = choice_contexts
             budget.add(context)
             num_prompt_tokens += context.num_prompt_tokens
             echo_text = _echo_text(state, prompt, context) if prompt.echo else None
@@ -220,12 +217,12 @@ async def _generation(
                 num_prompt_tokens_counted = context.num_prompt_tokens if sample == 0 else 0
                 metrics = state.metrics.request(arrival_time, num_prompt_tokens_counted)
                 stream = GenerationStream(
-                    state.engine, context_of_choice, state.tokenizer.backend, options, metrics
+                    state.engine, context_of_choice, backend, options, metrics, images
                 )
                 choices.append(Choice(prompt.index * n + sample, stream, echo_text))
     except BaseException:
-        for holder in holders:
-            release_images(holder.images)
+        for images in owners:
+            images.close()
         raise
     return Generation(choices, num_prompt_tokens)
 
@@ -240,20 +237,10 @@ def _text_options(request: SamplingFields) -> TextOptions:
 
 
 async def _new_context(
-    state: ServerState,
-    request: TextGenerationRequest,
-    num_logprobs: int | None,
-    constraint: StructuredOutput | None,
-    images: list[PreparedImage] | None = None,
+    state: ServerState, request: TextGenerationRequest, images: ImageSegments
 ) -> TextContext:
     try:
-        return await state.tokenizer.new_context(
-            request,
-            logprobs=num_logprobs,
-            prompt_logprobs=num_logprobs if request.echo else None,
-            structured_output=constraint,
-            images=images or (),
-        )
+        return await state.tokenizer.new_context(request, images)
     except ValueError as error:
         param = "messages" if request.messages is not None else "prompt"
         raise invalid_request(str(error), param=param) from error

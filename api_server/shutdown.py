@@ -5,6 +5,9 @@ sending traffic here; /health, liveness, stays 200), requests in flight run to t
 to ``shutdown_timeout_s``, and whatever is still running then is aborted, each choice ending
 with finish reason "abort". Only then does uvicorn close the listening socket and finish. A
 second signal stops at once.
+
+A scheduler that refuses this server's protocol version (``EngineClient.refused``) stops it at
+once, with exit status 1.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ async def drain(state: ServerState, timeout_s: float) -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """``uvicorn.Server`` whose first SIGTERM/SIGINT drains ``app`` before shutting down."""
+    """``uvicorn.Server`` whose first SIGTERM/SIGINT drains ``app`` before shutting down, and
+    which stops, with ``refused`` set (the process then exits 1), when the scheduler refuses the
+    app's engine client."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout_s: float) -> None:
         super().__init__(config)
@@ -50,10 +55,19 @@ class DrainingServer(uvicorn.Server):
         self._shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self._refusal_task: asyncio.Task[None] | None = None
+        self.refused = False
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        state: ServerState | None = getattr(self._app.state, "server", None)
+        if state is not None:
+            self._refusal_task = asyncio.ensure_future(self._stop_when_refused(state))
+
+    async def _stop_when_refused(self, state: ServerState) -> None:
+        await state.engine.refused()
+        self.refused = self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or self._loop is None or self.should_exit:

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from api_server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from api_server.engine_client import EngineClient, SchedulerUnavailable
-from api_server.image_segments import release_images
+from api_server.image_segments import ImageSegments
 from api_server.logprobs import TokenLogprob, output_logprobs, prompt_logprobs
 from api_server.metrics import RequestMetrics
 from api_server.responses import FinishReason
@@ -81,7 +81,8 @@ class GenerationStream:
 
     Iterate ``deltas()`` once. Usage counts every output token the scheduler produced, including
     an end-of-sequence token and tokens past a stop string (none with ``discard_output``).
-    ``metrics``, when given, records the request for /metrics as it goes.
+    ``metrics``, when given, records the request for /metrics as it goes. ``images`` owns the
+    context's image segments (the caller closes it once ``deltas()`` can no longer start).
     """
 
     def __init__(
@@ -91,14 +92,15 @@ class GenerationStream:
         tokenizer: Tokenizer,
         options: TextOptions = TextOptions(),
         metrics: RequestMetrics | None = None,
+        images: ImageSegments | None = None,
     ) -> None:
         self.context = context
+        self.images = images or ImageSegments()
         self.num_output_tokens = 0
         self._metrics = metrics
         self._started = False
         self._engine = engine
         self._options = options
-        self._images_handed_over = False
         self._detokenizer = IncrementalDetokenizer(tokenizer, options.skip_special_tokens)
         self._stop_matcher = StopStringMatcher(
             list(options.stop), include_stop=options.include_stop_str_in_output
@@ -113,10 +115,7 @@ class GenerationStream:
         ``SchedulerUnavailable`` when the scheduler cannot be reached.
         """
         finish_reason: FinishReason | Literal["error"] = "abort"  # closed early: client gone
-        # The context's images now belong to EngineClient.generate: its body starts at the
-        # first iteration below, with no await before it, and unlinks them unless it sends them.
-        self._images_handed_over = True
-        results = self._engine.generate(self.context)
+        results = self._engine.generate(self.context, self.images)
         try:
             async with contextlib.aclosing(results):
                 async for result in results:
@@ -144,14 +143,6 @@ class GenerationStream:
             raise
         finally:
             self._finished(finish_reason)
-
-    def release_unsent_images(self) -> None:
-        """Unlink the context's image segments if ``deltas()`` never started (its task was
-        cancelled first, or never ran), since then no one else will; otherwise they belong to
-        the engine client. Call it once nothing can start ``deltas()`` any more."""
-        if not self._images_handed_over:
-            self._images_handed_over = True
-            release_images(self.context.images)
 
     def _finished(self, finish_reason: str) -> None:
         if self._metrics is not None:

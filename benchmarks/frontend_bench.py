@@ -9,12 +9,19 @@ one uncounted warm-up request, and reports serve_bench's numbers plus the CPU se
 process used during the timed run: API server, scheduler, instant worker and the load generator
 (this process). The performance issue's target: at least 5,000 output tokens/s to 64 clients.
 
+With --chat the requests are streaming chat completions instead: conversations of
+--chat-turns messages of random vocabulary words, about --input-len prompt tokens in all, so
+the API server renders the chat template and tokenizes a long prompt for every request (the
+front end's prompt path), and the report's prompt tokens are what the server counted.
+
 With fewer cores than busy processes they compete, and the load generator's own share shows
 how much of the result is the client's limit rather than the server's.
 
 Example (the model directory only provides the tokenizer and config.json):
   SWITCHYARD_CACHE_DIR=/tmp/sy-cache .venv/bin/python benchmarks/frontend_bench.py \\
       --concurrency 64 --num-prompts 256 --input-len 128 --output-len 256 --output-json fe.json
+  SWITCHYARD_CACHE_DIR=/tmp/sy-cache .venv/bin/python benchmarks/frontend_bench.py --chat \\
+      --concurrency 32 --num-prompts 256 --input-len 3000 --output-len 16
 
 Exit status: 0 when every request succeeded, 1 otherwise.
 """
@@ -23,17 +30,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
+import random
+import re
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import load_generator
 from cpu_accounting import CpuWatch, process_core_s
+from instant_worker import INSTANT_WORKER_SETTINGS
 from metrics import per_request_records, summarize
 from report import format_report
 from serve_bench import code_version, machine_info
+from tokenizers import Tokenizer
 from workload import (
     DEFAULT_VOCAB_SIZE,
     BenchmarkError,
@@ -45,13 +58,18 @@ from workload import (
     run_benchmark,
 )
 
+from api_server.config import HttpBind
+from interfaces.settings import to_argv
 from scheduler.config import SchedulerConfig
 from switchyard.launcher import Launcher
 from switchyard.serve_config import ServeConfig
+from worker.settings import WorkerSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET_OUTPUT_THROUGHPUT = 5000.0
 """Output tokens/s one API server should stream to 64 clients (the performance issue)."""
+WORD_TOKEN = re.compile("\u0120[a-z]{3,}")
+"""A byte-level BPE token for a space and a lower-case word, which tokenizes back to itself."""
 
 
 class InstantWorkerLauncher(Launcher):
@@ -61,14 +79,11 @@ class InstantWorkerLauncher(Launcher):
     their PYTHONPATH (``put_repo_on_pythonpath``).
     """
 
-    def _worker_argv(self, backend: str, rank: int, master_port: int | None) -> list[str]:
-        """The instant worker's command line; it runs alone (one rank, no rendezvous)."""
-        config = self.config
-        return [
-            "benchmarks.instant_worker",
-            *("--model", str(config.model_dir), "--scheduler-addr", backend),
-            *("--block-size", str(config.block_size)),
-        ]
+    def _worker_argv(self, settings: WorkerSettings) -> list[str]:
+        """The instant worker's command line: the worker's flags it takes (it runs alone: one
+        rank, no rendezvous)."""
+        given = {name: getattr(settings, name) for name in INSTANT_WORKER_SETTINGS}
+        return ["benchmarks.instant_worker", *to_argv(WorkerSettings(**given))]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,12 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--request-timeout", type=float, default=60.0, help="seconds to wait for any chunk"
     )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send long chat conversations to /v1/chat/completions instead of token-id prompts",
+    )
+    parser.add_argument(
+        "--chat-turns", type=int, default=8, help="messages per conversation (with --chat)"
+    )
     parser.add_argument("--output-json", help="write config, results and per-request data here")
     return parser
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for flag in ("input_len", "output_len", "num_prompts", "concurrency"):
+    for flag in ("input_len", "output_len", "num_prompts", "concurrency", "chat_turns"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     check_output_json(parser, args.output_json)
@@ -136,27 +159,27 @@ def read_cpu(pids: dict[str, int]) -> dict[str, float | None]:
 
 
 async def benchmark(
-    args: argparse.Namespace, base_url: str, prompts: list[list[int]], pids: dict[str, int]
+    args: argparse.Namespace, base_url: str, prompts: list, pids: dict[str, int]
 ) -> dict:
     """Warm up with the last prompt, then send the others; return the run's numbers."""
     async with load_generator.new_client(
         base_url, args.concurrency, args.request_timeout
     ) as client:
         model = (await load_generator.served_model(client))["id"]
-        warm_up = load_generator.completion_payload(model, prompts[-1], min(args.output_len, 8))
-        first = await load_generator.stream_completion(client, warm_up)
+        payload, send = _payload_and_sender(args.chat)
+        first = await send(client, payload(model, prompts[-1], min(args.output_len, 8)))
         if not first.success:
             raise BenchmarkError(f"the warm-up request to {base_url} failed: {first.error}")
-        payloads = [
-            load_generator.completion_payload(model, prompt, args.output_len)
-            for prompt in prompts[:-1]
-        ]
+        payloads = [payload(model, prompt, args.output_len) for prompt in prompts[:-1]]
         print(f"benchmarking {base_url}: {len(payloads)} requests", file=sys.stderr, flush=True)
         cpu_watch, cpu_before = CpuWatch(), read_cpu(pids)
         cpu_watch.start()
-        results, duration = await load_generator.run_load(
-            client, payloads, args.concurrency, math.inf, args.seed
-        )
+        if args.chat:
+            results, duration = await run_chat_load(client, payloads, args.concurrency)
+        else:
+            results, duration = await load_generator.run_load(
+                client, payloads, args.concurrency, math.inf, args.seed
+            )
         cpu, cpu_after = cpu_watch.stop(), read_cpu(pids)
     summary = summarize(results, duration)
     return {
@@ -170,17 +193,114 @@ async def benchmark(
     }
 
 
+def _payload_and_sender(chat: bool) -> tuple:
+    if chat:
+        return chat_payload, stream_chat
+    return load_generator.completion_payload, load_generator.stream_completion
+
+
+def chat_conversations(
+    model_dir: Path, num_prompts: int, input_len: int, num_turns: int, seed: int
+) -> list[list[dict]]:
+    """``num_prompts`` conversations of ``num_turns`` messages (user and assistant in turn, the
+    last a user's) of random words from the model's vocabulary, ``input_len`` words in all,
+    each about one token. The same arguments always give the same conversations."""
+    vocabulary = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab()
+    words = sorted(token[1:] for token in vocabulary if WORD_TOKEN.fullmatch(token))
+    if not words:
+        raise BenchmarkError(f"{model_dir}'s vocabulary has no plain word tokens for --chat")
+    rng = random.Random(seed)
+    words_per_turn = max(1, input_len // num_turns)
+    roles = ["user" if (num_turns - turn) % 2 else "assistant" for turn in range(num_turns)]
+    return [
+        [
+            {"role": role, "content": " ".join(rng.choices(words, k=words_per_turn))}
+            for role in roles
+        ]
+        for _ in range(num_prompts)
+    ]
+
+
+def chat_payload(model: str, messages: list[dict], output_len: int) -> dict:
+    payload = load_generator.completion_payload(model, [], output_len)
+    del payload["prompt"]
+    return {**payload, "messages": messages}
+
+
+async def stream_chat(client: httpx.AsyncClient, payload: dict) -> load_generator.RequestResult:
+    """``load_generator.stream_completion`` for a chat payload: never raises; the prompt's
+    length is the server's count."""
+    result = load_generator.RequestResult()
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:200]}"
+                return result
+            await _read_chat_events(response, start, result)
+    except httpx.HTTPError as error:
+        result.error = f"{type(error).__name__}: {str(error) or 'connection lost'}"
+    except (ValueError, KeyError, TypeError) as error:
+        result.error = f"malformed stream: {error!r}"
+    result.latency = time.perf_counter() - start
+    if not result.error and result.output_tokens != payload["max_tokens"]:
+        result.error = f"{result.output_tokens} output tokens, asked for {payload['max_tokens']}"
+    return result
+
+
+async def _read_chat_events(
+    response: httpx.Response, start: float, result: load_generator.RequestResult
+) -> None:
+    last_text_time: float | None = None
+    async for line in response.aiter_lines():
+        now = time.perf_counter()
+        data = line[len("data:") :].strip() if line.startswith("data:") else None
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data) if data else {}
+        if "error" in chunk:
+            result.error = f"error event: {data[:200]}"
+            return
+        if any(choice["delta"].get("content") for choice in chunk.get("choices") or []):
+            if last_text_time is None:
+                result.time_to_first_token = now - start
+            else:
+                result.inter_token_latencies.append(now - last_text_time)
+            last_text_time = now
+        if chunk.get("usage"):
+            result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+            result.output_tokens = chunk["usage"]["completion_tokens"]
+    result.error = "stream ended without [DONE]"
+
+
+async def run_chat_load(
+    client: httpx.AsyncClient, payloads: list[dict], concurrency: int
+) -> tuple[list[load_generator.RequestResult], float]:
+    """``load_generator.run_load`` at an unbounded request rate, for chat payloads."""
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def limited(payload: dict) -> load_generator.RequestResult:
+        async with semaphore:
+            return await stream_chat(client, payload)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(limited(payload) for payload in payloads))
+    return list(results), time.perf_counter() - start
+
+
 def serve_and_benchmark(
-    args: argparse.Namespace, model_dir: Path, prompts: list[list[int]], server_info: dict
+    args: argparse.Namespace, model_dir: Path, prompts: list, server_info: dict
 ) -> dict:
     """Start the processes, run the benchmark, stop them; record URL and exit codes."""
     put_repo_on_pythonpath()
     config = ServeConfig(
         model_dir=model_dir,
         served_model_name=model_dir.name,
-        port=0,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        bind=HttpBind(port=0),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
     )
     launcher = InstantWorkerLauncher(config)
     try:
@@ -200,7 +320,13 @@ def serve_and_benchmark(
 def run(args: argparse.Namespace) -> dict:
     model_dir = resolve_model_dir(args.model_path)
     vocab_size = read_model_config(model_dir).get("vocab_size", DEFAULT_VOCAB_SIZE)
-    prompts = random_prompts(args.num_prompts + 1, args.input_len, vocab_size, args.seed)
+    if args.chat:
+        num_turns, seed = args.chat_turns, args.seed
+        prompts = chat_conversations(
+            model_dir, args.num_prompts + 1, args.input_len, num_turns, seed
+        )
+    else:
+        prompts = random_prompts(args.num_prompts + 1, args.input_len, vocab_size, args.seed)
     server_info = {"model_dir": str(model_dir), "vocab_size": vocab_size, "worker": "instant"}
     started = time.time()
     run_result = serve_and_benchmark(args, model_dir, prompts, server_info)

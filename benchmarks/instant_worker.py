@@ -25,7 +25,10 @@ import setproctitle
 
 from interfaces import RequestID, TextGenerationOutput, envs
 from interfaces.scheduler_to_worker import ScheduledStep
+from interfaces.settings import add_flags, from_args
 from interfaces.worker_to_scheduler import RequestFailure
+from worker.model_files import model_name_for, resolve_model
+from worker.settings import WorkerSettings
 
 INSTANT_TOKEN_ID = 1000
 """``()`` in SmolLM2's vocabulary: one visible character pair per token, and not a special token."""
@@ -37,6 +40,9 @@ DEFAULT_VOCAB_SIZE = 49152
 """SmolLM2's, the default model's."""
 
 PROCESS_TITLE = "switchyard-instant-worker"
+
+INSTANT_WORKER_SETTINGS = ("model", "scheduler", "block_size")
+"""The ``WorkerSettings`` fields whose flags (the worker's own) the instant worker takes."""
 
 logger = logging.getLogger("instant_worker")
 
@@ -118,13 +124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.instant_worker", description=__doc__
     )
-    parser.add_argument("--scheduler-addr", required=True, help="the scheduler's backend address")
+    add_flags(parser, WorkerSettings, INSTANT_WORKER_SETTINGS)
     parser.add_argument(
-        "--model", required=True, help="model directory: its name and config.json's context"
+        "--num-kv-blocks",
+        type=int,
+        default=DEFAULT_NUM_KV_BLOCKS,
+        help="KV cache blocks it reports (default: %(default)s)",
     )
-    parser.add_argument("--num-kv-blocks", type=int, default=DEFAULT_NUM_KV_BLOCKS)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, help="default: the model's context length")
     return parser.parse_args(argv)
 
 
@@ -144,19 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s instant-worker: %(message)s"
     )
-    model_dir = Path(args.model)
+    settings = from_args(WorkerSettings, args, INSTANT_WORKER_SETTINGS)
+    model_dir = resolve_model(settings.model.path)
     generator = InstantTokenGenerator(
-        model_name=model_dir.resolve().name,
-        max_model_len=args.max_model_len or model_context_length(model_dir),
+        model_name=settings.model.served_model_name or model_name_for(settings.model.path),
+        max_model_len=settings.model.max_model_len or model_context_length(model_dir),
         num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size,
+        block_size=settings.block_size,
         vocab_size=model_config(model_dir)["vocab_size"],
     )
     # worker.server imports torch (through ModelRunner); importing it here, not at the top,
     # keeps InstantTokenGenerator usable where torch is not wanted (scheduler_bench, tests).
     from worker.server import WorkerServer
 
-    return WorkerServer(generator, args.scheduler_addr).serve()
+    return WorkerServer(generator, settings.scheduler.address).serve()
 
 
 if __name__ == "__main__":

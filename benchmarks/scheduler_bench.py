@@ -45,7 +45,7 @@ from interfaces.scheduler_to_api import SchedulerResults
 from interfaces.scheduler_to_worker import ScheduledStep
 from interfaces.worker_to_scheduler import WorkerOutput, WorkerToSchedulerMessage
 from scheduler.config import KVCacheConfig, SchedulerConfig
-from scheduler.coordinator import new_scheduler
+from scheduler.placement import new_scheduler
 from scheduler.scheduler import Scheduler
 
 CLIENT_ID = b"api-server-0"

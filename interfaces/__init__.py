@@ -24,7 +24,6 @@ from interfaces.requests import (
     TextGenerationRequestFunction,
     TextGenerationRequestMessage,
     TextGenerationRequestTool,
-    TextGenerationResponseFormat,
 )
 from interfaces.sampling import SamplingParams
 from interfaces.shared_memory import SharedMemoryArray
@@ -57,7 +56,6 @@ __all__ = [
     "TextGenerationRequestFunction",
     "TextGenerationRequestMessage",
     "TextGenerationRequestTool",
-    "TextGenerationResponseFormat",
     "TokenGenerator",
     "ToolParser",
     "msgpack_numpy_decoder",

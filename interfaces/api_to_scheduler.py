@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from interfaces.embeddings import EmbeddingsContext
+from interfaces.handshake import ApiHello
 from interfaces.requests import RequestID, TextContext
 
 MAX_API_MESSAGE_BYTES = 64 << 20
@@ -36,4 +37,6 @@ class StatsRequest(msgspec.Struct, tag="stats", array_like=True):
     """Ask for a ``SchedulerStats`` reply (health checks, metrics)."""
 
 
-ApiToSchedulerMessage = SubmitRequest | SubmitEmbeddings | AbortRequests | StatsRequest
+ApiToSchedulerMessage = ApiHello | SubmitRequest | SubmitEmbeddings | AbortRequests | StatsRequest
+"""``ApiHello`` (``interfaces.handshake``) comes first, once per connection; an API server that
+sends none is served too."""

@@ -41,6 +41,30 @@ class HandshakeVersion(msgspec.Struct, array_like=True):
     protocol_version: int
 
 
+class _Tagged(msgspec.Struct, array_like=True):
+    tag: str
+
+
+_decode_version = msgspec.msgpack.Decoder(HandshakeVersion)
+_decode_tag = msgspec.msgpack.Decoder(_Tagged)
+
+
+def frame_head(frame: bytes | memoryview) -> tuple[str | None, int | None]:
+    """The tag and the protocol version at the head of a frame of any version, for one that
+    did not decode as this version's messages: (None, None) if it has no tag; the version is
+    None where none follows the tag (a ``WorkerReady`` from before versions: the model's name
+    came first)."""
+    try:
+        head = _decode_version.decode(frame)
+        return head.tag, head.protocol_version
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    try:
+        return _decode_tag.decode(frame).tag, None
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, None
+
+
 def version_mismatch(peer: str, peer_version: int | None) -> str | None:
     """Why a peer (``"worker"``, ``"API server"``) speaking ``peer_version`` (None: it sent
     none) cannot talk to this process, naming both versions; None when the versions agree."""

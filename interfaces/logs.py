@@ -10,14 +10,15 @@
 
 from __future__ import annotations
 
-import argparse
 import contextvars
 import logging
 import sys
+from dataclasses import dataclass
 
 from pythonjsonlogger.json import JsonFormatter
 
 from interfaces import envs
+from interfaces.settings import setting
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -28,22 +29,29 @@ CURRENT_REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 """The id of the request the current task works for (None outside one)."""
 
 
-def add_log_flags(parser: argparse.ArgumentParser) -> None:
-    """``--log-level`` and ``--log-format``, defaulting to $SWITCHYARD_LOG_LEVEL and
-    $SWITCHYARD_LOG_FORMAT (how the launcher and containers set them for every process)."""
-    parser.add_argument(
+@dataclass(frozen=True)
+class LogSettings:
+    """How a process logs: every role's ``--log-level`` and ``--log-format``, defaulting to
+    $SWITCHYARD_LOG_LEVEL and $SWITCHYARD_LOG_FORMAT (how the launcher and containers set them
+    for every process)."""
+
+    level: str = setting(
+        "INFO",
         "--log-level",
-        default=envs.log_level(),
-        type=str.upper,
+        "least severe records logged",
+        parse=str.upper,
         choices=LOG_LEVELS,
-        help="default: $SWITCHYARD_LOG_LEVEL or INFO",
+        env_default=envs.log_level,
+        default_text="$SWITCHYARD_LOG_LEVEL or INFO",
     )
-    parser.add_argument(
+    format: str = setting(
+        "text",
         "--log-format",
-        default=envs.log_format(),
-        type=str.lower,
+        "text lines or one JSON object per line",
+        parse=str.lower,
         choices=LOG_FORMATS,
-        help="text lines or one JSON object per line (default: $SWITCHYARD_LOG_FORMAT or text)",
+        env_default=envs.log_format,
+        default_text="$SWITCHYARD_LOG_FORMAT or text",
     )
 
 

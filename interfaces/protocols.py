@@ -33,7 +33,8 @@ class PipelineTokenizer(Protocol):
         ...
 
     async def new_context(self, request: TextGenerationRequest) -> TextContext:
-        """Apply the chat template if needed, tokenize, and bound the output length."""
+        """Apply the chat template if needed, tokenize, and bound the output length; the
+        context carries everything else the request asks for."""
         ...
 
 

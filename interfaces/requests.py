@@ -1,9 +1,10 @@
 """Requests in MAX's vocabulary: what a client asked for, before and after tokenization.
 
-``TextGenerationRequest`` is the API server's parsed view of one OpenAI request (one choice).
-``TextContext`` is what ``PipelineTokenizer.new_context`` makes of it: token ids and the limits
-the scheduler needs. Only the context crosses the wire to the scheduler; the request stays in the
-API server, which owns detokenization and the response shape.
+``TextGenerationRequest`` is the API server's parsed view of one prompt of an OpenAI request,
+built once with everything it asks for. ``TextContext`` is what ``PipelineTokenizer.new_context``
+makes of it: token ids and the limits the scheduler needs. Only the context crosses the wire to
+the scheduler; the request stays in the API server, which owns detokenization and the response
+shape.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 from interfaces.sampling import SamplingParams
 from interfaces.shared_memory import SharedMemoryArray
@@ -38,13 +40,6 @@ class TextGenerationRequestTool(msgspec.Struct, frozen=True, omit_defaults=True)
     type: str = "function"
 
 
-class TextGenerationResponseFormat(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Structured-output request: ``type`` is "text", "json_object" or "json_schema"."""
-
-    type: str
-    json_schema: dict[str, Any] | None = None
-
-
 class TextGenerationRequestMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     """One conversation turn. ``content`` is a string or a list of typed parts."""
 
@@ -53,33 +48,6 @@ class TextGenerationRequestMessage(msgspec.Struct, frozen=True, omit_defaults=Tr
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-
-
-class TextGenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
-    """An immutable request for text generation (MAX's ``TextGenerationRequest``).
-
-    Exactly one of ``prompt`` (completions) or ``messages`` (chat) is set. ``images`` hold
-    references to pixel arrays in shared memory, never the pixels themselves.
-    """
-
-    request_id: RequestID
-    index: int
-    model_name: str
-    lora_name: str | None = None
-    prompt: str | list[int] | None = None
-    messages: list[TextGenerationRequestMessage] | None = None
-    images: list[SharedMemoryArray] | None = None
-    tools: list[TextGenerationRequestTool] | None = None
-    response_format: TextGenerationResponseFormat | None = None
-    timestamp_ns: int = 0
-    request_path: str = "/"
-    logprobs: int = 0
-    echo: bool = False
-    stop: str | list[str] | None = None
-    chat_template_options: dict[str, Any] | None = None
-    sampling_params: SamplingParams = SamplingParams()
-    cache_salt: str | None = None
-    """Keeps this tenant's prefix-cache entries apart from everyone else's (vLLM's extension)."""
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
@@ -100,14 +68,54 @@ class ImageMetadata(msgspec.Struct, frozen=True, array_like=True):
     the pixels (their dtype, shape and bytes); the prefix cache keys blocks that hold image
     tokens by it, so the same image reuses its KV and a different one never does.
 
-    The API server creates the segment; the scheduler unlinks it when the request ends (finished,
-    aborted or failed); workers only map and copy it.
+    The API server creates the segment and owns it until the request's ``SubmitRequest`` is sent
+    (``api_server.image_segments.ImageSegments``); from then on the scheduler unlinks it when
+    the request ends (finished, aborted or failed); workers only map and copy it.
     """
 
     start_idx: int
     end_idx: int
     pixel_values: SharedMemoryArray
     image_hash: str
+
+
+class PreparedImage(msgspec.Struct, frozen=True, array_like=True):
+    """One image of a request, ready for the model but not yet placed in the prompt: its
+    preprocessed pixels, a float32 array of shape (channels, height, width) in the API server's
+    memory, and their hash (``ImageMetadata.image_hash``)."""
+
+    pixels: np.ndarray
+    image_hash: str
+
+
+class TextGenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """An immutable request for text generation (MAX's ``TextGenerationRequest``): one prompt
+    of one OpenAI request, with everything its context is made of.
+
+    Exactly one of ``prompt`` (completions) or ``messages`` (chat) is set. ``images`` (chat, a
+    vision-language model) are in prompt order; ``PipelineTokenizer.new_context`` copies their
+    pixels into shared memory. ``logprobs`` None asks for no log probabilities, k >= 0 for each
+    token's and the k most likely alternatives (of the prompt's too with ``echo``, which puts
+    the prompt before the completion). ``structured_output`` constrains what may be generated.
+    """
+
+    request_id: RequestID
+    index: int
+    prompt: str | list[int] | None = None
+    messages: list[TextGenerationRequestMessage] | None = None
+    images: list[PreparedImage] = []
+    tools: list[TextGenerationRequestTool] | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    sampling_params: SamplingParams = SamplingParams()
+    structured_output: StructuredOutput | None = None
+    cache_salt: str | None = None
+    """Keeps this tenant's prefix-cache entries apart from everyone else's (vLLM's extension)."""
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Log probabilities for the prompt's tokens: ``logprobs`` when echoing, else None."""
+        return self.logprobs if self.echo else None
 
 
 class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -132,7 +140,6 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     max_length: int
     eos_token_ids: list[int] = []
     sampling_params: SamplingParams = SamplingParams()
-    timestamp_ns: int = 0
     cache_salt: str | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None

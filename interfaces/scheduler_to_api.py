@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from interfaces.embeddings import EmbeddingsOutput
+from interfaces.handshake import HandshakeRefused
 from interfaces.outputs import SchedulerResult, TextGenerationOutput
 from interfaces.requests import RequestID
 
@@ -79,4 +80,8 @@ class SchedulerEmbeddingsResults(msgspec.Struct, tag="embeddings", array_like=Tr
     results: dict[RequestID, SchedulerResult[EmbeddingsOutput]]
 
 
-SchedulerToApiMessage = SchedulerResults | SchedulerEmbeddingsResults | SchedulerStats
+SchedulerToApiMessage = (
+    SchedulerResults | SchedulerEmbeddingsResults | SchedulerStats | HandshakeRefused
+)
+"""``HandshakeRefused`` (``interfaces.handshake``) answers an ``ApiHello`` of another protocol
+version, and nothing follows it."""

@@ -39,6 +39,7 @@ from interfaces.curve_keys import (
     key_pair,
     public_key,
 )
+from interfaces.settings import add_flags, from_args, setting
 
 __all__ = ["BACKEND", "FRONTEND", "KV_TRANSFER", "Link", "generate_curve_keys"]
 
@@ -88,8 +89,24 @@ class TransportSecurity:
     when a link first needs it (``Binder.bind``, ``connect``).
     """
 
-    allow_remote_bind: bool = False
-    curve_keys_dir: Path | None = None
+    allow_remote_bind: bool = setting(
+        False,
+        "--allow-remote-bind",
+        "allow binding addresses other hosts can reach (not ipc:// or loopback tcp://); use "
+        "with --curve-keys-dir",
+        switch=True,
+        default_text="only those",
+    )
+    curve_keys_dir: Path | None = setting(
+        None,
+        "--curve-keys-dir",
+        "authenticate and encrypt internal ZeroMQ traffic with the CURVE keys in DIR (made by "
+        "`switchyard keygen`)",
+        parse=lambda value: Path(value).expanduser(),
+        env_default=envs.curve_keys_dir,
+        metavar="DIR",
+        default_text=f"${envs.CURVE_KEYS_DIR_VARIABLE}, else off",
+    )
 
     def __post_init__(self) -> None:
         if self.curve_keys_dir is not None and not self.curve_keys_dir.is_dir():
@@ -177,31 +194,19 @@ class Binder:
         self.close()
 
 
+CONNECTING_FLAGS = ("curve_keys_dir",)
+"""The ``TransportSecurity`` fields whose flags a process that only connects takes."""
+
+
 def add_transport_flags(parser: argparse.ArgumentParser, binds: bool) -> None:
-    """Add ``--curve-keys-dir`` and, for the process that binds, ``--allow-remote-bind``."""
-    parser.add_argument(
-        "--curve-keys-dir",
-        type=lambda value: Path(value).expanduser(),
-        default=envs.curve_keys_dir(),
-        metavar="DIR",
-        help="authenticate and encrypt internal ZeroMQ traffic with the CURVE keys in DIR "
-        f"(made by `switchyard keygen`; default: ${envs.CURVE_KEYS_DIR_VARIABLE}, else off)",
-    )
-    if binds:
-        parser.add_argument(
-            "--allow-remote-bind",
-            action="store_true",
-            help="allow binding addresses other hosts can reach (not ipc:// or loopback tcp://); "
-            "use with --curve-keys-dir",
-        )
+    """Add ``--curve-keys-dir`` and, for a process that binds, ``--allow-remote-bind``."""
+    add_flags(parser, TransportSecurity, None if binds else CONNECTING_FLAGS)
 
 
 def transport_from_args(args: argparse.Namespace) -> TransportSecurity:
     """The ``TransportSecurity`` of flags added by ``add_transport_flags`` (ValueError if bad)."""
-    return TransportSecurity(
-        allow_remote_bind=getattr(args, "allow_remote_bind", False),
-        curve_keys_dir=args.curve_keys_dir,
-    )
+    binds = hasattr(args, "allow_remote_bind")
+    return from_args(TransportSecurity, args, None if binds else CONNECTING_FLAGS)
 
 
 class _AuthorizedKeys:

@@ -57,8 +57,12 @@ class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
 
     ``group`` names the group its ranks belong to (a group that registers again under the same
     name replaced the old one). A ``decode`` rank receives KV blocks at ``transfer_addr``.
+
+    ``protocol_version`` comes first in every version (``interfaces.handshake``): a scheduler
+    refuses a worker of another version before reading anything else.
     """
 
+    protocol_version: int
     model_name: str
     num_kv_blocks: int
     block_size: int

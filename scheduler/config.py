@@ -1,10 +1,11 @@
-"""Scheduler configuration: frozen, one dataclass, validated on construction."""
+"""Scheduler configuration: frozen dataclasses, validated on construction, whose fields declare
+their flags (``interfaces.settings``): ``SchedulerSettings`` is ``python -m scheduler``'s."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
+from interfaces.settings import component, setting
 from interfaces.worker_to_scheduler import MAX_KV_BLOCKS
 
 
@@ -23,14 +24,38 @@ class SchedulerConfig:
     queue takes any request.
     """
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = setting(256, "--max-num-seqs", "most requests per step")
     # 512 keeps a burst of prompts from being prefilled in one multi-second step on a CPU, which
     # would hold back every request's first token (docs/performance.md); GPUs want 2048-8192.
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    max_queued_requests: int = 2048
-    max_queued_tokens: int = 1 << 20
-    kv_transfer_timeout_s: float = 30.0
+    max_num_batched_tokens: int = setting(
+        512,
+        "--max-num-batched-tokens",
+        "token budget per step (prefill chunks and decodes); raise it on a GPU",
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "--no-prefix-caching",
+        "do not reuse the KV blocks of identical prompt prefixes",
+        switch=True,
+        default_text="reuse them",
+    )
+    max_queued_requests: int = setting(
+        2048,
+        "--max-queued-requests",
+        "requests allowed to wait beyond those running; more get 429 Too Many Requests",
+    )
+    max_queued_tokens: int = setting(
+        1 << 20,
+        "--max-queued-tokens",
+        "prompt tokens allowed to wait; more get 429 Too Many Requests",
+    )
+    kv_transfer_timeout_s: float = setting(
+        30.0,
+        "--kv-transfer-timeout",
+        "with prefill and decode groups: fail a request whose KV blocks have not reached its "
+        "decode group this long after its first token",
+        metavar="SECONDS",
+    )
     """With disaggregation: how long after its hand-off a request's KV may take to reach its
     decode group before the request fails."""
 
@@ -66,34 +91,6 @@ class KVCacheConfig:
             raise ValueError(f"invalid KV cache configuration: {self}")
 
 
-def add_queue_flags(parser: argparse.ArgumentParser) -> None:
-    """The waiting-queue bounds; ``switchyard serve`` takes the same flags."""
-    parser.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=SchedulerConfig.max_queued_requests,
-        help="requests allowed to wait beyond those running; more get 429 Too Many Requests",
-    )
-    parser.add_argument(
-        "--max-queued-tokens",
-        type=int,
-        default=SchedulerConfig.max_queued_tokens,
-        help="prompt tokens allowed to wait; more get 429 Too Many Requests",
-    )
-
-
-def add_kv_transfer_flag(parser: argparse.ArgumentParser) -> None:
-    """``--kv-transfer-timeout``; ``switchyard serve`` takes the same flag."""
-    parser.add_argument(
-        "--kv-transfer-timeout",
-        type=float,
-        default=SchedulerConfig.kv_transfer_timeout_s,
-        metavar="SECONDS",
-        help="with prefill and decode groups: fail a request whose KV blocks have not reached "
-        "its decode group this long after its first token",
-    )
-
-
 @dataclass(frozen=True)
 class WorkerLimits:
     """What a worker's handshake (``WorkerReady``) may claim before the scheduler believes it.
@@ -104,19 +101,35 @@ class WorkerLimits:
     much memory it has). The other bounds are fixed (``scheduler.worker_group.ready_problem``).
     """
 
-    max_kv_blocks: int = MAX_KV_BLOCKS
+    max_kv_blocks: int = setting(
+        MAX_KV_BLOCKS,
+        "--max-worker-kv-blocks",
+        "refuse a worker group whose KV pool has more blocks than this",
+        metavar="N",
+    )
 
     def __post_init__(self) -> None:
         if self.max_kv_blocks < 1:
             raise ValueError(f"max_kv_blocks must be at least 1, got {self.max_kv_blocks}")
 
 
-def add_worker_limit_flags(parser: argparse.ArgumentParser) -> None:
-    """``--max-worker-kv-blocks``: the ``WorkerLimits`` of ``python -m scheduler``."""
-    parser.add_argument(
-        "--max-worker-kv-blocks",
-        type=int,
-        default=WorkerLimits.max_kv_blocks,
-        metavar="N",
-        help="refuse a worker group whose KV pool has more blocks than this (default: %(default)s)",
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """``python -m scheduler``'s settings (its flags, ``interfaces.settings``) but the transport's
+    and the log's; ``switchyard serve`` takes ``scheduling``'s flags too and fills the addresses.
+    """
+
+    frontend_addr: str | None = setting(
+        None,
+        "--frontend-addr",
+        "ZeroMQ address API servers connect to, e.g. ipc:///tmp/sy/frontend",
+        required=True,
     )
+    backend_addr: str | None = setting(
+        None,
+        "--backend-addr",
+        "ZeroMQ address workers connect to, e.g. tcp://127.0.0.1:5556",
+        required=True,
+    )
+    scheduling: SchedulerConfig = component(SchedulerConfig)
+    worker_limits: WorkerLimits = component(WorkerLimits)

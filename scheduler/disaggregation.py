@@ -1,6 +1,7 @@
-"""Disaggregated requests: prefilled on a prefill group, decoded on a decode group.
+"""Disaggregated placement: requests prefilled on a prefill group, decoded on a decode group.
 
-A request goes:
+``DisaggregatedPlacement`` is the ``scheduler.placement.Placement`` over at least one
+``prefill`` and one ``decode`` group (each with its own ``Scheduler``). A request goes:
 
 1. queued here, in arrival order, until a decode group can reserve blocks for its prompt and
    first token (so no prompt is computed that nobody can decode);
@@ -25,22 +26,26 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from interfaces import ErrorKind, RequestID, SchedulerResult, SchedulerStatus, TextContext
 from interfaces.scheduler_to_worker import KVReceive, KVSend, KVTransfers, ScheduledStep
-from interfaces.worker_to_scheduler import KVReceived, WorkerRole
+from interfaces.worker_to_scheduler import (
+    GrammarsReady,
+    KVReceived,
+    WorkerOutput,
+    WorkerReady,
+    WorkerRole,
+)
 from scheduler.admission import queue_overload
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
-from scheduler.scheduler import ResultsByClient
-
-if TYPE_CHECKING:
-    from scheduler.coordinator import ServedGroup
+from scheduler.placement import Placement, ServedGroup, WorkerMessage, merge
+from scheduler.scheduler import ResultsByClient, TextResult
+from scheduler.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ class Phase(enum.Enum):
 
 
 @dataclass(eq=False)
-class Placement:
+class SplitRequest:
     """A disaggregated request: where it is and what its transfer has done."""
 
     context: TextContext
@@ -74,21 +79,16 @@ class Placement:
         return self.context.request_id
 
 
-class Disaggregation:
-    """Every disaggregated request and KV transfer, over the coordinator's ``groups``."""
+class DisaggregatedPlacement(Placement):
+    """Requests over ``prefill`` and ``decode`` groups, and every KV transfer between them."""
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        counters: SchedulerCounters,
-        groups: dict[str, ServedGroup],
-    ) -> None:
-        self.config = config
-        self.counters = counters
-        self.groups = groups
-        """The coordinator's, shared: groups come and go there."""
-        self.queue: deque[Placement] = deque()
-        self.placements: dict[RequestID, Placement] = {}
+    roles = (WorkerRole.PREFILL, WorkerRole.DECODE)
+
+    def __init__(self, config: SchedulerConfig, counters: SchedulerCounters) -> None:
+        super().__init__(config, counters)
+        self.queue: deque[SplitRequest] = deque()
+        self.requests: dict[RequestID, SplitRequest] = {}
+        """Every request here, whatever its phase, by id."""
         self.messages: list[tuple[str, KVTransfers]] = []
         """Transfer news for decode groups, to send before any later step."""
         self._transfers: dict[int, RequestID] = {}
@@ -98,25 +98,143 @@ class Disaggregation:
     def _of_role(self, role: WorkerRole) -> list[ServedGroup]:
         return [group for group in self.groups.values() if group.role is role]
 
-    # -- requests in ---------------------------------------------------------------------------
+    @property
+    def is_serving(self) -> bool:
+        """Whether a prefill and a decode group serve."""
+        return bool(self._of_role(WorkerRole.PREFILL) and self._of_role(WorkerRole.DECODE))
 
-    def add(self, context: TextContext, client_id: bytes) -> None:
-        """Queue an accepted request until a decode group can reserve its blocks."""
-        placement = Placement(context, client_id)
-        self.placements[context.request_id] = placement
-        self.queue.append(placement)
+    # -- groups --------------------------------------------------------------------------------
 
-    def overload(self, num_prompt_tokens: int) -> str | None:
+    def _role_problem(self, group: WorkerGroup, served: WorkerReady | None) -> str | None:
+        ready = group.ready
+        if ready.kv_layout is None:
+            return "it did not report its KV layout, which KV transfers need"
+        if ready.role is WorkerRole.DECODE and not all(group.destinations):
+            return "a rank did not report the address it receives KV transfers at"
+        if served is not None and ready.kv_layout != served.kv_layout:
+            return (
+                f"its KV layout {ready.kv_layout} differs from the served {served.kv_layout}; "
+                "KV blocks could not be transferred between them"
+            )
+        return None
+
+    def remove_group(self, name: str, reason: str) -> ResultsByClient:
+        """Group ``name`` is gone: drop what it held on every side. A decode group's requests
+        all go; a prefill group's only until they decode (a transfer it had not finished
+        sending is lost with it); its pending transfer news too. With no group of its role
+        left, the queued requests fail as well."""
+        results = super().remove_group(name, reason)
+        self.messages = [(group, news) for group, news in self.messages if group != name]
+
+        def survives(split: SplitRequest) -> bool:
+            if split.decode == name:
+                return False
+            return split.prefill != name or split.phase is Phase.DECODE
+
+        merge(self._drop_where(survives, reason, ErrorKind.UNAVAILABLE), results)
+        if not self.is_serving:
+            queued = self._drop_where(
+                lambda split: split.phase is not Phase.QUEUED, reason, ErrorKind.UNAVAILABLE
+            )
+            merge(queued, results)
+        return results
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def _place(self, context: TextContext, client_id: bytes) -> TextResult | None:
+        """Queue the request until a decode group can reserve its blocks, unless it can never
+        run or the queues are full."""
+        # The smallest pool decides whether a request can ever run (one group of each role
+        # would do: each holds a whole context, the limit checked, and they share it).
+        decode = min(
+            self._of_role(WorkerRole.DECODE), key=lambda g: g.scheduler.block_manager.num_blocks
+        )
+        refusal = decode.scheduler.refusal(context, self._overload(len(context.prompt_token_ids)))
+        if refusal is None:
+            split = SplitRequest(context, client_id)
+            self.requests[context.request_id] = split
+            self.queue.append(split)
+        return refusal
+
+    def _overload(self, num_prompt_tokens: int) -> str | None:
         """The queue bounds over the queue here and the prefill groups' queues."""
         prefill = [group.scheduler for group in self._of_role(WorkerRole.PREFILL)]
         num_queued = len(self.queue) + sum(len(s.waiting) for s in prefill)
         if not num_queued:
             return None
-        num_tokens = sum(len(p.context.prompt_token_ids) for p in self.queue)
+        num_tokens = sum(len(split.context.prompt_token_ids) for split in self.queue)
         num_tokens += sum(s.num_waiting_tokens for s in prefill)
         return queue_overload(self.config, num_queued, num_tokens, num_prompt_tokens)
 
-    def dispatch(self) -> None:
+    def owner(self, request_id: RequestID) -> bytes | None:
+        split = self.requests.get(request_id)
+        return split.client_id if split is not None else super().owner(request_id)
+
+    def abort_requests(self, request_ids: list[RequestID]) -> ResultsByClient:
+        wanted = set(request_ids)
+        results = self._drop_where(
+            lambda split: split.request_id not in wanted, None, ErrorKind.INTERNAL
+        )
+        return merge(super().abort_requests(request_ids), results)
+
+    def abort_client(self, client_id: bytes) -> int:
+        dropped = self._drop_where(
+            lambda split: split.client_id != client_id, None, ErrorKind.INTERNAL
+        )
+        return len(dropped.get(client_id, {})) + super().abort_client(client_id)
+
+    def fail_all(self, error: str, kind: ErrorKind = ErrorKind.UNAVAILABLE) -> ResultsByClient:
+        results = self._drop_where(lambda _: False, error, kind)
+        return merge(super().fail_all(error, kind), results)
+
+    def check_timeouts(self, now: float | None = None) -> ResultsByClient:
+        """Fail the requests whose KV transfer outlived ``kv_transfer_timeout_s``."""
+        now = time.monotonic() if now is None else now
+        timeout = self.config.kv_transfer_timeout_s
+        results: ResultsByClient = {}
+        for split in list(self.requests.values()):
+            if split.phase is Phase.TRANSFER and now - split.handoff_time > timeout:
+                error = (
+                    f"the KV cache transfer from prefill group {split.prefill!r} to decode "
+                    f"group {split.decode!r} did not finish within {timeout:g} s"
+                )
+                logger.error("request %s: %s", split.request_id, error)
+                merge(self._drop(split, error, ErrorKind.UNAVAILABLE), results)
+        return results
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def schedule(self, idle: Iterable[str]) -> list[tuple[str, WorkerMessage]]:
+        """Queued requests go to a prefill group once a decode group reserved their blocks;
+        then, in order: transfer news for decode groups, and the next step of each idle group
+        (a prefill step sends the KV of the prompts it completes)."""
+        self._dispatch()
+        steps = super().schedule(idle)
+        for name, step in steps:
+            if self.groups[name].role is WorkerRole.PREFILL:
+                self._attach_sends(self.groups[name], step)
+        news, self.messages = self.messages, []
+        return [*news, *steps]
+
+    def update_from_output(self, name: str, output: WorkerOutput) -> ResultsByClient:
+        results = super().update_from_output(name, output)
+        group = self.groups[name]
+        if group.role is WorkerRole.PREFILL:
+            self._hand_off(group)
+        self._settle(results)
+        return results
+
+    def fail_step(self, name: str, step: ScheduledStep, error: str) -> ResultsByClient:
+        results = super().fail_step(name, step, error)
+        self._settle(results)
+        return results
+
+    def on_grammars(self, name: str, news: GrammarsReady) -> ResultsByClient:
+        results = super().on_grammars(name, news)
+        self._settle(results)
+        return results
+
+    def _dispatch(self) -> None:
         """Move queued requests, in order, to a prefill group once a decode group reserved
         blocks for them."""
         decode = self._of_role(WorkerRole.DECODE)
@@ -129,45 +247,45 @@ class Disaggregation:
                 for g in self._of_role(WorkerRole.PREFILL)
                 if g.scheduler.num_waiting_tokens < budget
             ]
-            placement = self.queue[0]
-            num_prompt = len(placement.context.prompt_token_ids)
+            split = self.queue[0]
+            num_prompt = len(split.context.prompt_token_ids)
             ready = [g for g in decode if g.scheduler.can_reserve(num_prompt)]
             if not prefill or not ready:
                 return
             target = max(ready, key=lambda g: g.scheduler.block_manager.num_free_blocks)
             source = min(prefill, key=lambda g: g.load)
             # The decode side computes no prompt position: prompt logprobs come from the prefill.
-            decode_context = msgspec.structs.replace(placement.context, prompt_logprobs=None)
-            block_ids = target.scheduler.reserve(decode_context, placement.client_id)
-            source.scheduler.accept(placement.context, placement.client_id)
+            decode_context = msgspec.structs.replace(split.context, prompt_logprobs=None)
+            block_ids = target.scheduler.reserve(decode_context, split.client_id)
+            source.scheduler.accept(split.context, split.client_id)
             self.queue.popleft()
-            placement.phase = Phase.PREFILL
-            placement.prefill, placement.decode = source.name, target.name
-            placement.decode_block_ids = block_ids
+            split.phase = Phase.PREFILL
+            split.prefill, split.decode = source.name, target.name
+            split.decode_block_ids = block_ids
 
     # -- the transfer --------------------------------------------------------------------------
 
-    def attach_sends(self, group: ServedGroup, step: ScheduledStep) -> None:
+    def _attach_sends(self, group: ServedGroup, step: ScheduledStep) -> None:
         """Send the KV of every request whose prompt this step completes, and tell its decode
         group to expect it (that message goes out first)."""
         for request_id in step.num_scheduled_tokens:
-            placement = self.placements.get(request_id)
+            split = self.requests.get(request_id)
             request = group.scheduler.requests.get(request_id)
-            if placement is None or placement.transfer_id is not None or request is None:
+            if split is None or split.transfer_id is not None or request is None:
                 continue
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk; the prompt ends in a later step
             if request.max_new_tokens <= 1:
                 continue  # its first token is its last: nothing to decode
             transfer_id = self.new_transfer_id()
-            placement.transfer_id = transfer_id
+            split.transfer_id = transfer_id
             self._transfers[transfer_id] = request_id
-            decode = self.groups[placement.decode]
-            num_blocks = len(placement.decode_block_ids)
+            decode = self.groups[split.decode]
+            num_blocks = len(split.decode_block_ids)
             step.kv_sends.append(
                 KVSend(transfer_id, request_id, request.block_ids[:num_blocks], decode.destinations)
             )
-            receive = KVReceive(transfer_id, request_id, placement.decode_block_ids, group.size)
+            receive = KVReceive(transfer_id, request_id, split.decode_block_ids, group.size)
             self.messages.append((decode.name, KVTransfers(receive=[receive])))
 
     def new_transfer_id(self) -> int:
@@ -177,125 +295,97 @@ class Disaggregation:
             if transfer_id not in self._transfers:
                 return transfer_id
 
-    def hand_off(self, group: ServedGroup) -> None:
+    def _hand_off(self, group: ServedGroup) -> None:
         """Take the requests prefill group ``group`` finished after their first token."""
         now = time.monotonic()
         for request in group.scheduler.take_handoffs():
-            placement = self.placements[request.request_id]
-            placement.first_token = request.all_token_ids[-1]
-            placement.handoff_time = now
-            placement.phase = Phase.TRANSFER
-            self._maybe_start_decoding(placement)
+            split = self.requests[request.request_id]
+            split.first_token = request.all_token_ids[-1]
+            split.handoff_time = now
+            split.phase = Phase.TRANSFER
+            self._maybe_start_decoding(split)
 
     def on_kv_received(self, name: str, report: KVReceived) -> None:
-        """A decode rank holds its share of a transfer; decoding starts once all do and the
-        first token is known. Reports of cancelled transfers are ignored."""
+        """Decoding starts once every rank of the decode group holds its share and the first
+        token is known. Reports of cancelled transfers are ignored."""
         request_id = self._transfers.get(report.transfer_id)
-        placement = self.placements.get(request_id) if request_id is not None else None
-        if placement is None or placement.decode != name:
+        split = self.requests.get(request_id) if request_id is not None else None
+        if split is None or split.decode != name:
             return
-        placement.ranks_received.add(report.rank)
-        placement.num_bytes += report.num_bytes
-        placement.seconds = max(placement.seconds, report.seconds)
-        if len(placement.ranks_received) == self.groups[name].size:
-            self.counters.observe_kv_transfer(placement.num_bytes, placement.seconds)
-            self._maybe_start_decoding(placement)
+        split.ranks_received.add(report.rank)
+        split.num_bytes += report.num_bytes
+        split.seconds = max(split.seconds, report.seconds)
+        if len(split.ranks_received) == self.groups[name].size:
+            self.counters.observe_kv_transfer(split.num_bytes, split.seconds)
+            self._maybe_start_decoding(split)
 
-    def _maybe_start_decoding(self, placement: Placement) -> None:
-        decode = self.groups[placement.decode]
-        if placement.first_token is None or len(placement.ranks_received) < decode.size:
+    def _maybe_start_decoding(self, split: SplitRequest) -> None:
+        decode = self.groups[split.decode]
+        if split.first_token is None or len(split.ranks_received) < decode.size:
             return
-        decode.scheduler.start_decoding(placement.request_id, placement.first_token)
-        placement.phase = Phase.DECODE
-        del self._transfers[placement.transfer_id]
-
-    def check_timeouts(self, now: float) -> ResultsByClient:
-        """Fail the requests whose KV transfer outlived ``kv_transfer_timeout_s``."""
-        timeout = self.config.kv_transfer_timeout_s
-        results: ResultsByClient = {}
-        for placement in list(self.placements.values()):
-            if placement.phase is Phase.TRANSFER and now - placement.handoff_time > timeout:
-                error = (
-                    f"the KV cache transfer from prefill group {placement.prefill!r} to decode "
-                    f"group {placement.decode!r} did not finish within {timeout:g} s"
-                )
-                logger.error("request %s: %s", placement.request_id, error)
-                merge(self.drop(placement, error, ErrorKind.UNAVAILABLE), results)
-        return results
+        decode.scheduler.start_decoding(split.request_id, split.first_token)
+        split.phase = Phase.DECODE
+        del self._transfers[split.transfer_id]
 
     # -- requests out --------------------------------------------------------------------------
 
-    def settle(self, results: ResultsByClient) -> None:
+    def _settle(self, results: ResultsByClient) -> None:
         """Drop every side of the requests that ``results`` ended."""
         for by_request in results.values():
             for request_id, result in by_request.items():
-                placement = self.placements.get(request_id)
-                if placement is not None and result.status is not SchedulerStatus.ACTIVE:
-                    self.drop(placement, None, ErrorKind.INTERNAL)
+                split = self.requests.get(request_id)
+                if split is not None and result.status is not SchedulerStatus.ACTIVE:
+                    self._drop(split, None, ErrorKind.INTERNAL)
 
-    def drop_group(self, name: str, reason: str) -> ResultsByClient:
-        """Group ``name`` is gone: drop what it held. A decode group's requests all go; a
-        prefill group's only until they decode (a transfer it had not finished sending is
-        lost with it). Its pending transfer news is dropped too."""
-        self.messages = [(group, news) for group, news in self.messages if group != name]
-
-        def survives(placement: Placement) -> bool:
-            if placement.decode == name:
-                return False
-            return placement.prefill != name or placement.phase is Phase.DECODE
-
-        return self.drop_where(survives, reason, ErrorKind.UNAVAILABLE)
-
-    def drop_where(
-        self, keep: Callable[[Placement], bool], error: str | None, kind: ErrorKind
+    def _drop_where(
+        self, keep: Callable[[SplitRequest], bool], error: str | None, kind: ErrorKind
     ) -> ResultsByClient:
-        """Drop the placements ``keep(placement)`` is false for; their cancelling results."""
+        """Drop the requests ``keep(split)`` is false for; their cancelling results."""
         results: ResultsByClient = {}
-        for placement in list(self.placements.values()):
-            if not keep(placement):
-                merge(self.drop(placement, error, kind), results)
+        for split in list(self.requests.values()):
+            if not keep(split):
+                merge(self._drop(split, error, kind), results)
         return results
 
-    def drop(self, placement: Placement, error: str | None, kind: ErrorKind) -> ResultsByClient:
-        """End ``placement`` on every side: free its blocks, cancel its transfer; the result
-        that cancels it with ``error`` (ignored by callers that have a final result)."""
-        request_id = placement.request_id
-        del self.placements[request_id]
-        if placement.phase is Phase.QUEUED:
-            self.queue.remove(placement)
-        for name in (placement.prefill, placement.decode):
+    def _drop(self, split: SplitRequest, error: str | None, kind: ErrorKind) -> ResultsByClient:
+        """End ``split`` on every side: free its blocks, cancel its transfer; the result that
+        cancels it with ``error`` (ignored by callers that have a final result)."""
+        request_id = split.request_id
+        del self.requests[request_id]
+        if split.phase is Phase.QUEUED:
+            self.queue.remove(split)
+        for name in (split.prefill, split.decode):
             group = self.groups.get(name) if name is not None else None
             if group is not None and request_id in group.scheduler.requests:
                 group.scheduler.cancel([request_id], error, kind)
-        if self._transfers.pop(placement.transfer_id, None) is not None:
-            decode = self.groups.get(placement.decode)
+        if self._transfers.pop(split.transfer_id, None) is not None:
+            decode = self.groups.get(split.decode)
             if decode is not None:
-                self.messages.append((decode.name, KVTransfers(cancel=[placement.transfer_id])))
+                self.messages.append((decode.name, KVTransfers(cancel=[split.transfer_id])))
         result = SchedulerResult.cancelled(error, kind)
-        return {placement.client_id: {request_id: result}}
+        return {split.client_id: {request_id: result}}
 
     # -- state ---------------------------------------------------------------------------------
 
-    def transferring(self) -> set[RequestID]:
-        """Requests whose KV is on its way (running nowhere, but not waiting either)."""
-        return {p.request_id for p in self.placements.values() if p.phase is Phase.TRANSFER}
+    def _requests_by_role(self) -> tuple[dict[str, int], dict[str, int], set[RequestID]]:
+        """Also while a role is missing; requests waiting for a decode reservation wait for
+        prefill, and those whose KV is on its way run (in the total only)."""
+        running, waiting, running_ids = super()._requests_by_role()
+        if self.groups:
+            for role in self.roles:
+                running.setdefault(role.value, 0)
+                waiting.setdefault(role.value, 0)
+            waiting[WorkerRole.PREFILL.value] += len(self.queue)
+        running_ids.update(r for r, split in self.requests.items() if split.phase is Phase.TRANSFER)
+        return running, waiting, running_ids
 
     def check_integrity(self) -> None:
-        for placement in self.placements.values():
-            if placement.phase is Phase.QUEUED:
+        super().check_integrity()
+        for split in self.requests.values():
+            if split.phase is Phase.QUEUED:
                 continue
-            decode = self.groups[placement.decode].scheduler
-            if placement.request_id not in decode.requests:
-                raise RuntimeError(f"request {placement.request_id} lost its decode blocks")
-        if len(self.queue) != sum(p.phase is Phase.QUEUED for p in self.placements.values()):
-            raise RuntimeError("the queue and the placements disagree")
-
-
-def merge(results: ResultsByClient, into: ResultsByClient | None = None) -> ResultsByClient:
-    """Add ``results`` to ``into`` (a fresh dict if None); a request's first result stays."""
-    into = {} if into is None else into
-    for client_id, by_request in results.items():
-        mine = into.setdefault(client_id, {})
-        for request_id, result in by_request.items():
-            mine.setdefault(request_id, result)
-    return into
+            decode = self.groups[split.decode].scheduler
+            if split.request_id not in decode.requests:
+                raise RuntimeError(f"request {split.request_id} lost its decode blocks")
+        if len(self.queue) != sum(s.phase is Phase.QUEUED for s in self.requests.values()):
+            raise RuntimeError("the queue and the requests disagree")

@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 STEP_FAILED = "the worker failed while running this request's batch"
 """What every request of a step that failed as a whole is told (the worker's error, which may
 name another request, goes to the logs only)."""
+MALFORMED_OUTPUT = "the worker sent a malformed output for this request"
+"""What a request is told whose output is not one token of its own."""
 TextResult = SchedulerResult[TextGenerationOutput]
 ResultsByClient = dict[bytes, dict[RequestID, TextResult]]
 """Results to send, grouped by the ZeroMQ identity of the API server that owns each request."""
@@ -212,7 +214,9 @@ class Scheduler:
     def update_from_output(self, output: WorkerOutput) -> ResultsByClient:
         """Record the tokens a step produced; finish requests that hit a stop condition.
 
-        Requests the worker refused fail alone, as rejected (the client asked for something the
+        Each produced ``TextGenerationOutput`` is completed (its ``final_status``) and sent on
+        as it came; one that is not one token of its request fails that request alone. Requests
+        the worker refused fail alone, as rejected (the client asked for something the
         worker cannot do); their blocks, computed in the step, stay valid in the prefix cache,
         except from a refused request's first image on (computed without its pixels). Requests
         whose sampling failed end alone too; deferred ones are parked (``_park``).
@@ -240,20 +244,18 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            status = request.append_token(produced.tokens[0])
-            result = TextGenerationOutput(
-                request_id,
-                produced.tokens[:1],
-                status,
-                produced.log_probabilities,
-                produced.prompt_log_probabilities,
-            )
+            if len(produced.tokens) != 1 or produced.request_id != request_id:
+                self._finish(request)
+                results[request.client_id][request_id] = _malformed(request_id, produced)
+                continue
+            # The worker's output goes on to the API server, completed with the request's fate.
+            produced.final_status = status = request.append_token(produced.tokens[0])
             timings = _first_token_timings(request, now) if request.num_output_tokens == 1 else None
             if status.is_done:
                 self._finish(request)
-                results[request.client_id][request_id] = SchedulerResult.complete(result, timings)
+                results[request.client_id][request_id] = SchedulerResult.complete(produced, timings)
             else:
-                results[request.client_id][request_id] = SchedulerResult.active(result, timings)
+                results[request.client_id][request_id] = SchedulerResult.active(produced, timings)
                 if self.prefill_only:
                     self._finish(request)
                     self._handoffs.append(request)
@@ -476,6 +478,19 @@ def _failed(failure: RequestFailure) -> TextResult:
     if failure.invalid_request:
         return SchedulerResult.rejected_request(failure.reason)
     return SchedulerResult.cancelled(failure.reason, ErrorKind.INTERNAL)
+
+
+def _malformed(request_id: RequestID, output: TextGenerationOutput) -> TextResult:
+    """The result of a request whose output is not one token of its own (a worker sends one
+    per request per step, ``worker.request_sampler``)."""
+    logger.warning(
+        "request %s: the worker sent %d tokens for request %r; failing it",
+        request_id,
+        len(output.tokens),
+        output.request_id,
+        extra={"request_id": request_id},
+    )
+    return SchedulerResult.cancelled(MALFORMED_OUTPUT, ErrorKind.INTERNAL)
 
 
 def _first_token_timings(request: Request, now: float) -> RequestTimings:

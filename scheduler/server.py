@@ -2,9 +2,10 @@
 
 One thread, one loop: drain API-server messages, collect worker outputs, and whenever a worker
 group is idle and has work, schedule its next step and send it (each group has at most one step
-in flight; where requests run is ``scheduler.coordinator``'s call). Results go back to the API
-server that owns each request, identified by its ZeroMQ identity. A tensor-parallel group's
-ranks each receive every step; rank 0 answers (``scheduler.worker_group``).
+in flight; where requests run is the call of a ``scheduler.placement.Placement``). Results go
+back to the API server that owns each request, identified by its ZeroMQ identity. A
+tensor-parallel group's ranks each receive every step; rank 0 answers
+(``scheduler.worker_group``).
 
 Peers that go away are noticed at once (``scheduler.peers.PeerTracker``). A worker (any rank)
 that disconnects fails every request its group held with an UNAVAILABLE error, and the rest of
@@ -17,7 +18,10 @@ Nothing that arrives is trusted beyond its types: a request's values are checked
 served model (``scheduler.admission.context_problem``) and a bad one is refused to its sender
 alone; a worker's handshake is checked (``scheduler.worker_group.ready_problem``) and a place in
 a group belongs to the connection that took it; an API server may abort only the requests it
-submitted. A message whose handling raises is logged and refused, and the loop serves on.
+submitted. A worker or an API server of another protocol version is refused at its handshake
+(``interfaces.handshake``): a worker gets ``Shutdown`` with the reason, an API server
+``HandshakeRefused``, and its frames are ignored from then on. A message whose handling raises
+is logged and refused, and the loop serves on.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from interfaces.api_to_scheduler import (
     SubmitEmbeddings,
     SubmitRequest,
 )
+from interfaces.handshake import ApiHello, HandshakeRefused, frame_head, version_mismatch
 from interfaces.scheduler_to_api import SchedulerEmbeddingsResults, SchedulerResults, SchedulerStats
 from interfaces.scheduler_to_worker import ScheduledStep, Shutdown
 from interfaces.transport import BACKEND, FRONTEND, Link, TransportSecurity
@@ -61,11 +66,13 @@ from interfaces.worker_to_scheduler import (
 from scheduler.admission import context_problem
 from scheduler.admission import refusal as admission_refusal
 from scheduler.config import SchedulerConfig, WorkerLimits
-from scheduler.coordinator import Coordinator
 from scheduler.counters import SchedulerCounters
+from scheduler.disaggregation import DisaggregatedPlacement
 from scheduler.embeddings import Embeddings, EmbeddingsByClient
+from scheduler.hybrid import HybridPlacement
 from scheduler.images import ImageSegments
 from scheduler.peers import PeerTracker
+from scheduler.placement import Placement
 from scheduler.scheduler import STEP_FAILED, ResultsByClient, TextResult
 from scheduler.worker_group import Registration, WorkerGroup, WorkerGroups, ready_problem
 
@@ -73,6 +80,8 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100
 MAX_WORKER_MESSAGE_BYTES = 256 << 20
+READY_TAG = WorkerReady.__struct_config__.tag
+HELLO_TAG = ApiHello.__struct_config__.tag
 
 
 class _RequestIdOnly(msgspec.Struct):
@@ -109,14 +118,19 @@ class SchedulerServer:
         self._decode_api = msgpack_numpy_decoder(ApiToSchedulerMessage)
         self._decode_submitted_id = msgspec.msgpack.Decoder(_SubmittedId)
         self._decode_worker = msgpack_numpy_decoder(WorkerToSchedulerMessage)
-        self.coordinator = Coordinator(config, SchedulerCounters())
-        """Its counters are shared by every group's ``Scheduler``, for the life of this process,
-        so /metrics counters only grow."""
+        self.counters = SchedulerCounters()
+        """Shared by every group's ``Scheduler``, for the life of this process, so /metrics
+        counters only grow."""
+        self.placement: Placement = HybridPlacement(config, self.counters)
+        """Where requests run: the first group to serve picks the kind (``_serve``)."""
         self.images = ImageSegments()
         """The pixels of requests with images, unlinked when each request leaves."""
         self.embeddings = Embeddings(config)
         """The embedding groups, apart: they run no generation and hold no KV cache."""
         self._workers = WorkerGroups()
+        self._refused_api_servers: set[bytes] = set()
+        """API servers refused at their ``ApiHello`` (another protocol version), until they
+        disconnect: their frames are ignored."""
         self._in_flight: dict[str, ScheduledStep] = {}
         """The step each group is running, by group name."""
         self._stopping = threading.Event()
@@ -151,7 +165,7 @@ class SchedulerServer:
                     self._drain(self._frontend, self._api_peers, self._on_api_message)
                 if self._backend in events:
                     self._drain(self._backend, self._worker_peers, self._on_worker_message)
-                self._send_results(self.coordinator.check_timeouts())
+                self._send_results(self.placement.check_timeouts())
                 self._send_worker_messages()
                 if self.images:
                     self.images.release_departed(self._holds)
@@ -181,13 +195,21 @@ class SchedulerServer:
     # -- API servers ---------------------------------------------------------------------------
 
     def _on_api_message(self, client_id: bytes, payload: memoryview) -> None:
+        if client_id in self._refused_api_servers:
+            return
         try:
             message = self._decode_api(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
+            tag, version = frame_head(payload)
+            if tag == HELLO_TAG and version_mismatch("API server", version) is not None:
+                self._on_hello(client_id, version)  # an ApiHello of another version's shape
+                return
             logger.warning("dropped a malformed frame from an API server: %s", error)
             self._refuse_undecodable(client_id, payload, error)
             return
-        if isinstance(message, SubmitRequest):
+        if isinstance(message, ApiHello):
+            self._on_hello(client_id, message.protocol_version)
+        elif isinstance(message, SubmitRequest):
             self._on_submit(client_id, message.context)
         elif isinstance(message, SubmitEmbeddings):
             self._send_embeddings(self.embeddings.submit(client_id, message.contexts))
@@ -195,6 +217,16 @@ class SchedulerServer:
             self._on_abort(client_id, message.request_ids)
         elif isinstance(message, StatsRequest):
             self._frontend.send_multipart([client_id, self._encode(self.stats())])
+
+    def _on_hello(self, client_id: bytes, version: int | None) -> None:
+        """An API server speaks protocol ``version``: one of another version is refused (it
+        exits) and its frames are ignored from now on; a matching one needs no answer."""
+        reason = version_mismatch("API server", version)
+        if reason is None:
+            return
+        logger.error("refused an API server: %s", reason)
+        self._refused_api_servers.add(client_id)
+        self._frontend.send_multipart([client_id, self._encode(HandshakeRefused(reason))])
 
     def _refuse_undecodable(self, client_id: bytes, payload: memoryview, error: Exception) -> None:
         """Answer a ``SubmitRequest`` whose values did not decode, if its id did, so its
@@ -207,7 +239,7 @@ class SchedulerServer:
         self._send_results({client_id: {request_id: rejection}})
 
     def _on_submit(self, client_id: bytes, context: TextContext) -> None:
-        problem = context_problem(context, self._vocab_size())
+        problem = context_problem(context, self.placement.vocab_size)
         result = admission_refusal(context, problem, None) if problem is not None else None
         if result is None:
             result = self._add_request(client_id, context)
@@ -218,38 +250,34 @@ class SchedulerServer:
             self.images.add(context)
 
     def _add_request(self, client_id: bytes, context: TextContext) -> TextResult | None:
-        """``Coordinator.add_request``; a request whose admission raised is dropped again and
+        """``Placement.add_request``; a request whose admission raised is dropped again and
         refused (logged), and the scheduler serves on."""
         request_id = context.request_id
-        known = self.coordinator.knows(request_id)
+        known = self.placement.owner(request_id) is not None
         try:
-            return self.coordinator.add_request(context, client_id)
+            return self.placement.add_request(context, client_id)
         except Exception:
             logger.exception("could not admit request %s; refused it", request_id)
             if not known:
-                self.coordinator.abort_requests([request_id])
+                self.placement.abort_requests([request_id])
             error = "the scheduler could not admit this request"
             return SchedulerResult.cancelled(error, ErrorKind.INTERNAL)
-
-    def _vocab_size(self) -> int:
-        """The served model's vocabulary size (the smallest reported); 0 if none was."""
-        groups = self.coordinator.groups.values()
-        return min((g.ready.vocab_size for g in groups if g.ready.vocab_size), default=0)
 
     def _on_abort(self, client_id: bytes, request_ids: list[RequestID]) -> None:
         """Abort those of ``request_ids`` that API server ``client_id`` submitted; another
         server's are left alone (logged), unknown ones ignored."""
         self.embeddings.abort(client_id, request_ids)
-        owners = {request_id: self.coordinator.owner(request_id) for request_id in request_ids}
+        owners = {request_id: self.placement.owner(request_id) for request_id in request_ids}
         mine = [request_id for request_id, owner in owners.items() if owner == client_id]
         num_foreign = sum(owner not in (None, client_id) for owner in owners.values())
         if num_foreign:
             logger.warning("ignored an abort of %d requests another API server owns", num_foreign)
         if mine:
-            self._send_results(self.coordinator.abort_requests(mine))
+            self._send_results(self.placement.abort_requests(mine))
 
     def _on_api_disconnect(self, client_id: bytes) -> None:
-        num_aborted = self.coordinator.abort_client(client_id)
+        self._refused_api_servers.discard(client_id)
+        num_aborted = self.placement.abort_client(client_id)
         num_aborted += self.embeddings.abort_client(client_id)
         if num_aborted:
             logger.warning("an API server went away; aborted its %d requests", num_aborted)
@@ -257,12 +285,12 @@ class SchedulerServer:
     def _holds(self, request_id: RequestID) -> bool:
         """Whether a request is in the scheduler, or in a step a worker is still running (an
         aborted request's pixels stay until the step that may read them is answered)."""
-        return self.coordinator.knows(request_id) or any(
+        return self.placement.owner(request_id) is not None or any(
             request_id in step.num_scheduled_tokens for step in self._in_flight.values()
         )
 
     def stats(self) -> SchedulerStats:
-        stats = self.coordinator.stats()
+        stats = self.placement.stats()
         stats.embedding_workers_ready = bool(self.embeddings.groups)
         return stats
 
@@ -284,7 +312,11 @@ class SchedulerServer:
         try:
             message = self._decode_worker(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
-            logger.warning("dropped a malformed frame from a worker: %s", error)
+            tag, version = frame_head(payload)
+            if tag == READY_TAG and version_mismatch("worker", version) is not None:
+                self._refuse_version(worker_id, version)  # a WorkerReady of another shape
+            else:
+                logger.warning("dropped a malformed frame from a worker: %s", error)
             return
         if isinstance(message, WorkerReady):
             self._on_worker_ready(worker_id, message)
@@ -293,10 +325,10 @@ class SchedulerServer:
         if group is not None and group.name in self.embeddings.groups:
             self._on_embedding_worker_message(group.name, worker_id == group.driver, message)
             return
-        serving = group is not None and group.name in self.coordinator.groups
+        serving = group is not None and group.name in self.placement.groups
         if isinstance(message, KVReceived):
             if serving and _is_own_report(group, worker_id, message):
-                self.coordinator.on_kv_received(group.name, message)
+                self.placement.on_kv_received(group.name, message)
             elif serving:
                 logger.warning("dropped a KVReceived that is not its sender's: %s", message)
             return
@@ -310,11 +342,11 @@ class SchedulerServer:
             logger.warning("dropped output of step %d, expected %d", message.step_id, step.step_id)
         elif isinstance(message, WorkerOutput):
             del self._in_flight[group.name]
-            self._send_results(self.coordinator.update_from_output(group.name, message))
+            self._send_results(self.placement.update_from_output(group.name, message))
         elif isinstance(message, WorkerFailure):
             logger.error("group %r failed step %d: %s", group.name, message.step_id, message.error)
             del self._in_flight[group.name]  # the detail may name any request: logs only
-            self._send_results(self.coordinator.fail_step(group.name, step, STEP_FAILED))
+            self._send_results(self.placement.fail_step(group.name, step, STEP_FAILED))
 
     def _on_grammars(
         self, group: WorkerGroup | None, worker_id: bytes, news: GrammarsReady
@@ -323,7 +355,7 @@ class SchedulerServer:
         if group is None or worker_id != group.driver:
             logger.warning("dropped an unexpected GrammarsReady from a worker")
             return
-        self._send_results(self.coordinator.on_grammars(group.name, news))
+        self._send_results(self.placement.on_grammars(group.name, news))
 
     def _on_embedding_worker_message(
         self, name: str, from_driver: bool, message: WorkerToSchedulerMessage
@@ -351,9 +383,19 @@ class SchedulerServer:
             )
         self._retire(registration, "the worker serving this request died")
 
+    def _refuse_version(self, worker_id: bytes, version: int | None) -> None:
+        """A worker of another protocol version is told why and shut down; nothing else
+        changes (it holds no place in any group)."""
+        reason = version_mismatch("worker", version)
+        logger.error("refused a worker: %s", reason)
+        self._backend.send_multipart([worker_id, self._encode(Shutdown(reason))])
+
     def _on_worker_ready(self, worker_id: bytes, ready: WorkerReady) -> None:
         """Register a worker; one whose handshake is refused is told why and shut down, and
         nothing else changes."""
+        if version_mismatch("worker", ready.protocol_version) is not None:
+            self._refuse_version(worker_id, ready.protocol_version)
+            return
         problem = ready_problem(ready, self.worker_limits)
         if problem is not None:
             error = f"refused the handshake of a worker of group {ready.group!r}: {problem}"
@@ -369,7 +411,7 @@ class SchedulerServer:
             logger.info("serving embedding group %r: %s", ready.group, ready.model_name)
         elif registration.now_serving:
             group = self._workers.groups[ready.group]
-            refusal = self.coordinator.add_group(group)
+            refusal = self._serve(group)
             if refusal is not None:
                 logger.error("%s", refusal)
                 for identity in self._workers.remove(group.name):
@@ -383,6 +425,13 @@ class SchedulerServer:
                 ready.role.value,
             )
 
+    def _serve(self, group: WorkerGroup) -> str | None:
+        """``Placement.add_group``; the first group to serve picks how requests are placed."""
+        if not self.placement.groups and group.role not in self.placement.roles:
+            kind = HybridPlacement if group.role is WorkerRole.HYBRID else DisaggregatedPlacement
+            self.placement = kind(self.config, self.counters)
+        return self.placement.add_group(group)
+
     def _retire(self, registration: Registration, reason: str) -> None:
         """Fail the requests of a group that stopped serving, and shut down its survivors (a
         refused registration is told why)."""
@@ -390,18 +439,16 @@ class SchedulerServer:
             self._send_embeddings(self.embeddings.remove_group(registration.group, reason))
         elif registration.was_serving:
             self._in_flight.pop(registration.group, None)
-            self._send_results(self.coordinator.remove_group(registration.group, reason))
+            self._send_results(self.placement.remove_group(registration.group, reason))
         shutdown = Shutdown(registration.error) if registration.error else Shutdown()
         for identity in registration.retired:
             self._backend.send_multipart([identity, self._encode(shutdown)])
 
     def _send_worker_messages(self) -> None:
-        """Send the coordinator's transfer news and the next step of every idle group."""
+        """Send the placement's news and the next step of every idle group."""
         embedding_steps = self.embeddings.schedule(self.embeddings.groups)
-        idle = [name for name in self.coordinator.groups if name not in self._in_flight]
-        if not embedding_steps and not self.coordinator.has_work(idle):
-            return
-        for name, message in [*embedding_steps, *self.coordinator.schedule(idle)]:
+        idle = [name for name in self.placement.groups if name not in self._in_flight]
+        for name, message in [*embedding_steps, *self.placement.schedule(idle)]:
             group = self._workers.groups.get(name)
             if group is None:
                 continue  # it left while the message waited
@@ -412,7 +459,7 @@ class SchedulerServer:
                 self._backend.send_multipart([identity, payload])
 
     def _shutdown(self) -> None:
-        self._send_results(self.coordinator.fail_all("the scheduler is shutting down"))
+        self._send_results(self.placement.fail_all("the scheduler is shutting down"))
         self.images.release_all()
         for name in list(self.embeddings.groups):
             self._send_embeddings(

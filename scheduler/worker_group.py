@@ -4,7 +4,7 @@ Every rank registers with ``WorkerReady`` on its own connection, naming its grou
 serves once all ``tensor_parallel_size`` ranks have registered alike (model, KV pool, role,
 layout); steps then go to every rank and rank 0 (the driver) answers. ``WorkerGroups.register``
 decides what each registration means, so the server only acts on the outcome; whether a complete
-group fits beside the others (roles, KV layouts) is the coordinator's call.
+group fits beside the others (roles, KV layouts) is the placement's call.
 
 A handshake's values are checked before any of it is believed (``ready_problem``), and a place
 in a group belongs to the connection that took it until that connection closes: another

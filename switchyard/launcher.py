@@ -36,13 +36,19 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from secrets import token_hex
 
 from interfaces import envs
+from interfaces.settings import to_argv
 from interfaces.shared_memory import segment_paths
+from interfaces.shared_settings import ModelSettings, SchedulerAddress
+from interfaces.worker_to_scheduler import WorkerRole
+from scheduler.config import SchedulerSettings
 from switchyard.restart_backoff import API_SERVER_OUTAGE_LIMIT_S, RestartBackoff
 from switchyard.serve_config import ServeConfig
+from worker.settings import WorkerSettings
 
 logger = logging.getLogger("switchyard")
 
@@ -94,7 +100,7 @@ class Launcher:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.children: dict[str, subprocess.Popen] = {}
-        self.port = config.port
+        self.port = config.bind.port
         self._run_dir = tempfile.TemporaryDirectory(prefix="switchyard-")
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
@@ -131,8 +137,8 @@ class Launcher:
         logger.debug("starting %s: %s", name, " ".join(command))
         env = child_environment(
             api_key,
-            SWITCHYARD_LOG_LEVEL=self.config.log_level,
-            SWITCHYARD_LOG_FORMAT=self.config.log_format,
+            SWITCHYARD_LOG_LEVEL=self.config.log.level,
+            SWITCHYARD_LOG_FORMAT=self.config.log.format,
             **{envs.SHM_NAMESPACE_VARIABLE: self.shm_namespace},
             **variables,
         )
@@ -143,7 +149,7 @@ class Launcher:
     def start(self) -> None:
         """Start all processes; returns once the API answers ``/ready`` with 200."""
         config = self.config
-        self._listener = _bind_listener(config.host, config.port)
+        self._listener = _bind_listener(config.bind.host, config.bind.port)
         self.port = self._listener.getsockname()[1]
         self._metrics_dir.mkdir()
         self.start_engine()
@@ -154,43 +160,67 @@ class Launcher:
     def start_engine(self) -> str:
         """Start the scheduler and the worker groups (no API server); returns the scheduler's
         frontend address, where clients connect (the offline API, ``switchyard.offline``, does)."""
-        backend = self._ipc("backend.sock")
-        self._spawn("scheduler", self._scheduler_argv(self._ipc("frontend.sock"), backend))
+        for name, argv in self.engine_argv(self._ipc("backend.sock")).items():
+            self._spawn(name, argv)
+        return self._ipc("frontend.sock")
+
+    def engine_argv(self, backend: str) -> dict[str, list[str]]:
+        """Each engine process's ``python -m`` command line, by name: the scheduler, every
+        rank of every text generation worker group, and the embedding worker."""
+        argv = {"scheduler": self._scheduler_argv(self._ipc("frontend.sock"), backend)}
         size = self.config.tensor_parallel_size
         groups = self.config.worker_groups
         for group, role in groups:
-            master_port = _free_port() if size > 1 else None
+            master_port = _free_port() if size > 1 else WorkerSettings.master_port
             for rank in range(size):
                 name = "worker" if len(groups) == 1 else group
                 name += "" if size == 1 else f"-{rank}"
-                argv = self._worker_argv(backend, rank, master_port)
-                if role != "hybrid":
-                    transfer_addr = self._ipc(f"kv-{group}-{rank}.sock")
-                    argv += ["--role", role, "--group", group, "--kv-transfer-addr", transfer_addr]
-                self._spawn(name, argv)
+                settings = self._worker_settings(backend, group, role, rank, master_port)
+                argv[name] = self._worker_argv(settings)
         if self.config.embedding_model_dir is not None:
-            self._spawn("embedding-worker", self._embedding_worker_argv(backend))
-        return self._ipc("frontend.sock")
+            argv["embedding-worker"] = self._embedding_worker_argv(backend)
+        return argv
 
-    def _thread_flags(self) -> list[str]:
-        """``--num-threads`` for a worker when several share the cores (evenly)."""
+    def _num_threads(self) -> int | None:
+        """Torch's CPU threads for a worker when several share the cores (evenly)."""
         num_processes = self.config.num_worker_processes
         if num_processes == 1:
-            return []
-        return ["--num-threads", str(max(1, len(os.sched_getaffinity(0)) // num_processes))]
+            return None
+        return max(1, len(os.sched_getaffinity(0)) // num_processes)
+
+    def _worker_settings(
+        self, backend: str, group: str, role: WorkerRole, rank: int, master_port: int
+    ) -> WorkerSettings:
+        """A text generation worker's settings: ``serve``'s, and its place among the others."""
+        config = self.config
+        placement = {}
+        if role is not WorkerRole.HYBRID:
+            transfer_addr = self._ipc(f"kv-{group}-{rank}.sock")
+            placement = {"role": role, "group": group, "kv_transfer_addr": transfer_addr}
+        return replace(
+            config.worker,
+            model=config.model,
+            scheduler=SchedulerAddress(backend),
+            num_threads=self._num_threads(),
+            rank=rank,
+            master_port=master_port,
+            **placement,
+        )
+
+    def _worker_argv(self, settings: WorkerSettings) -> list[str]:
+        return ["worker", *to_argv(settings)]
 
     def _embedding_worker_argv(self, backend: str) -> list[str]:
         config = self.config
-        argv = [
-            "worker",
-            *("--role", "embedding", "--group", "embedding"),
-            *("--model", str(config.embedding_model_dir), "--scheduler-addr", backend),
-            *("--served-model-name", config.embedding_model_name or ""),
-            *self._thread_flags(),
-        ]
-        if config.device is not None:
-            argv += ["--device", config.device]
-        return argv
+        settings = WorkerSettings(
+            model=ModelSettings(str(config.embedding_model_dir), config.embedding_model_name),
+            scheduler=SchedulerAddress(backend),
+            device=config.worker.device,
+            num_threads=self._num_threads(),
+            role=WorkerRole.EMBEDDING,
+            group="embedding",
+        )
+        return ["worker", *to_argv(settings)]
 
     def _spawn_api_server(self, name: str) -> None:
         fd = self._listener.fileno()
@@ -200,72 +230,23 @@ class Launcher:
         self._api_server_restarts.setdefault(name, RestartBackoff()).started(time.monotonic())
 
     def _scheduler_argv(self, frontend: str, backend: str) -> list[str]:
-        config = self.config
-        return [
-            "scheduler",
-            *("--frontend-addr", frontend, "--backend-addr", backend),
-            *("--max-num-seqs", str(config.max_num_seqs)),
-            *("--max-num-batched-tokens", str(config.max_num_batched_tokens)),
-            *("--max-queued-requests", str(config.max_queued_requests)),
-            *("--max-queued-tokens", str(config.max_queued_tokens)),
-            *("--kv-transfer-timeout", str(config.kv_transfer_timeout_s)),
-            *(() if config.enable_prefix_caching else ("--no-prefix-caching",)),
-        ]
-
-    def _worker_argv(self, backend: str, rank: int, master_port: int | None) -> list[str]:
-        config = self.config
-        argv = [
-            "worker",
-            *("--model", str(config.model_dir), "--scheduler-addr", backend),
-            *("--served-model-name", config.served_model_name),
-            *("--block-size", str(config.block_size)),
-            *self._thread_flags(),
-            *config.worker_flags,
-        ]
-        size = config.tensor_parallel_size
-        if master_port is not None:
-            argv += [
-                *("--tensor-parallel-size", str(size), "--rank", str(rank)),
-                *("--master-addr", "127.0.0.1", "--master-port", str(master_port)),
-            ]
-        optional = {
-            "--max-model-len": config.max_model_len,
-            "--kv-cache-memory": config.kv_cache_memory,
-            "--device": config.device,
-            "--dtype": config.dtype,
-        }
-        for flag, value in optional.items():
-            if value is not None:
-                argv += [flag, str(value)]
-        return argv
+        settings = SchedulerSettings(frontend, backend, scheduling=self.config.scheduler)
+        return ["scheduler", *to_argv(settings)]
 
     def _api_server_argv(self, frontend: str, fd: int) -> list[str]:
+        """An API server's command line; its API key goes by environment (``_spawn``)."""
         config = self.config
-        argv = [
-            "api_server",
-            *("--scheduler-addr", frontend, "--fd", str(fd)),
-            *("--shutdown-timeout", str(config.shutdown_timeout_s)),
-            *config.api_server_flags,
-        ]
-        if config.model_dir is not None:
-            argv += ["--model", str(config.model_dir)]
-            argv += ["--served-model-name", config.served_model_name]
-            if config.max_model_len is not None:
-                argv += ["--max-model-len", str(config.max_model_len)]
-        if config.allowed_origins:
-            argv += ["--allowed-origins", ",".join(config.allowed_origins)]
-        if config.allowed_local_media_path is not None:
-            argv += ["--allowed-local-media-path", str(config.allowed_local_media_path)]
-        if config.allowed_media_domains:
-            argv += ["--allowed-media-domains", ",".join(config.allowed_media_domains)]
-        argv += ["--max-images-per-prompt", str(config.max_images_per_prompt)]
-        if config.embedding_model_dir is not None:
-            argv += ["--embedding-model", str(config.embedding_model_dir)]
-            argv += ["--embedding-model-name", config.embedding_model_name or ""]
-        return argv
+        settings = replace(
+            config.api_server,
+            model=config.model,
+            scheduler=SchedulerAddress(frontend),
+            fd=fd,
+            embedding=config.embedding,
+        )
+        return ["api_server", *to_argv(settings)]
 
     def _wait_until_ready(self) -> None:
-        url = f"http://{_url_host(self.config.host)}:{self.port}/ready"
+        url = f"http://{_url_host(self.config.bind.host)}:{self.port}/ready"
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stopping.is_set():
             if self.dead_child() is not None:
@@ -333,7 +314,7 @@ class Launcher:
         child that overstays; clean up."""
         api_servers = {n: p for n, p in self.children.items() if n.startswith("api-server")}
         backends = {n: p for n, p in self.children.items() if n not in api_servers}
-        _terminate(api_servers, self.config.shutdown_timeout_s + STOP_TIMEOUT_S)
+        _terminate(api_servers, self.config.api_server.shutdown_timeout_s + STOP_TIMEOUT_S)
         _terminate(backends, STOP_TIMEOUT_S)
         if self._listener is not None:
             self._listener.close()

@@ -36,7 +36,9 @@ from api_server.config import EngineClientConfig, resolve_max_model_len
 from api_server.engine_client import EngineClient
 from api_server.text_stream import GenerationStream, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
+from interfaces.logs import LogSettings
 from interfaces.scheduler_to_api import SchedulerStats
+from scheduler.config import SchedulerConfig
 from switchyard.launcher import Launcher
 from switchyard.offline_prompts import Prompt, PromptBuilder
 from switchyard.offline_types import (
@@ -47,6 +49,7 @@ from switchyard.offline_types import (
     Session,
 )
 from switchyard.serve_config import ServeConfig
+from worker.settings import WorkerSettings, parse_memory
 
 logger = logging.getLogger("switchyard.offline")
 
@@ -77,7 +80,7 @@ class Pipeline:
         self.tokenizer = HuggingFaceTokenizer(
             model_dir, resolve_max_model_len(model_dir, config.session_len)
         )
-        self.prompts = PromptBuilder(self.tokenizer, self.model_name, chat_template_config)
+        self.prompts = PromptBuilder(self.tokenizer, chat_template_config)
         self.scheduler_addr = scheduler_addr
         """The scheduler's frontend, where more clients of this engine may connect."""
         self._launcher: Launcher | None = None
@@ -250,16 +253,14 @@ class Pipeline:
         self, index: int, prompt: Prompt, config: GenerationConfig, incremental: bool
     ) -> AsyncIterator[Response]:
         config = self.prompts.with_stop_words(config)
-        request = self.prompts.request(prompt, config)
+        request = await self.tokenizer.run_in_thread(self.prompts.request, prompt, config)
         num_prompt_tokens = len(request.prompt)
         if num_prompt_tokens >= self.tokenizer.max_model_len:
             # lmdeploy answers a prompt that leaves no room with an empty "length" response.
             logger.info("run out of tokens: the prompt has %d tokens", num_prompt_tokens)
             yield Response("", 0, num_prompt_tokens, "length", index=index)
             return
-        context = await self.tokenizer.new_context(
-            request, logprobs=config.logprobs, structured_output=config.structured_output()
-        )
+        context = await self.tokenizer.new_context(request)
         options = TextOptions(
             stop=tuple(config.stop_words or ()),
             skip_special_tokens=config.skip_special_tokens,
@@ -304,19 +305,25 @@ def pipeline(
 
 def _serve_config(model_dir: Path, name: str, config: EngineConfig, log_level: str) -> ServeConfig:
     memory = config.cache_max_entry_count
-    return ServeConfig(
-        model_dir=model_dir,
-        served_model_name=name,
+    worker = WorkerSettings(
         tensor_parallel_size=config.tp,
-        max_model_len=config.session_len,
-        kv_cache_memory=None if memory is None else str(memory),
+        kv_cache_memory=None if memory is None else parse_memory(str(memory)),
         block_size=config.block_size,
+        device=config.device_type or WorkerSettings.device,
+        dtype=config.dtype,
+    )
+    scheduler = SchedulerConfig(
         max_num_seqs=config.max_batch_size,
         max_num_batched_tokens=config.max_prefill_token_num,
         enable_prefix_caching=config.enable_prefix_caching,
-        device=config.device_type,
-        dtype=config.dtype,
-        log_level=log_level,
+    )
+    return ServeConfig(
+        model_dir=model_dir,
+        served_model_name=name,
+        max_model_len=config.session_len,
+        scheduler=scheduler,
+        worker=worker,
+        log=LogSettings(level=log_level),
     )
 
 

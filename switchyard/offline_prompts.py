@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -37,11 +36,9 @@ class PromptBuilder:
     def __init__(
         self,
         tokenizer: HuggingFaceTokenizer,
-        model_name: str,
         chat_template_config: ChatTemplateConfig | None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.model_name = model_name
         self.chat_template_config = chat_template_config
         self._template_tokenizer = self._find_template_tokenizer(tokenizer.model_dir)
 
@@ -50,10 +47,9 @@ class PromptBuilder:
         request = TextGenerationRequest(
             request_id=f"pipeline-{uuid.uuid4().hex}",
             index=0,
-            model_name=self.model_name,
-            timestamp_ns=time.time_ns(),
-            stop=config.stop_words,
+            logprobs=config.logprobs,
             sampling_params=config.sampling_params(),
+            structured_output=config.structured_output(),
             **self._prompt_field(prompt),
         )
         token_ids = self.tokenizer.prompt_token_ids(request)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from interfaces import SamplingParams
 from interfaces.requests import StructuredOutput
-from switchyard.serve_config import ServeConfig
+from scheduler.config import SchedulerConfig
 
 
 @dataclass
@@ -99,10 +99,10 @@ class EngineConfig:
 
     tp: int = 1
     session_len: int | None = None
-    max_batch_size: int = ServeConfig.max_num_seqs
+    max_batch_size: int = SchedulerConfig.max_num_seqs
     cache_max_entry_count: float | str | None = None
     block_size: int = 16
-    max_prefill_token_num: int = ServeConfig.max_num_batched_tokens
+    max_prefill_token_num: int = SchedulerConfig.max_num_batched_tokens
     enable_prefix_caching: bool = True
     device_type: str | None = None
     dtype: str | None = None

@@ -1,74 +1,106 @@
 """``ServeConfig``: everything ``switchyard serve`` (and the offline pipeline) asks of the
-launcher, checked when it is made (``ValueError`` with a message for the user)."""
+launcher, checked when it is made (``ValueError`` with a message for the user).
+
+It composes the roles' settings rather than repeating them (``interfaces.settings``): the
+API server's ``HttpBind``, the scheduler's ``SchedulerConfig``, of the worker's and the API
+server's settings those a user gives ``serve`` (``SERVE_WORKER_SETTINGS``,
+``SERVE_API_SERVER_SETTINGS``) and the log's; ``switchyard.cli`` resolves the models of the
+``ModelSettings`` and ``EmbeddingModelSettings`` given. The launcher fills in the rest
+(addresses, ranks, models) and starts each role with ``to_argv`` of its settings.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from api_server.config import DEFAULT_SHUTDOWN_TIMEOUT_S, MediaConfig
+from api_server.config import ApiServerSettings, EmbeddingModelSettings, HttpBind
+from interfaces.logs import LogSettings
+from interfaces.settings import component, setting, to_argv
+from interfaces.shared_settings import ModelSettings
+from interfaces.worker_to_scheduler import WorkerRole
 from scheduler.config import SchedulerConfig
+from worker.settings import WorkerSettings
 
-DEFAULT_BLOCK_SIZE = 16
-"""Tokens per KV cache block."""
+SERVE_WORKER_SETTINGS = (
+    *("tensor_parallel_size", "kv_cache_memory", "dtype", "block_size", "device"),
+    "grammar_limits",
+)
+"""The ``WorkerSettings`` fields ``serve`` takes flags for."""
+SERVE_API_SERVER_SETTINGS = (
+    *("api_key", "allowed_origins", "shutdown_timeout_s", "limits", "request_limits"),
+    *("max_stream_backlog", "media"),
+)
+"""The ``ApiServerSettings`` fields ``serve`` takes flags for."""
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Everything ``switchyard serve`` needs; flags map one to one."""
+    """Everything ``switchyard serve`` needs: its own settings and the roles' it passes on."""
 
     model_dir: Path | None
     """The text generation model; None serves only ``embedding_model_dir``."""
     served_model_name: str | None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_servers: int = 1
-    tensor_parallel_size: int = 1
-    prefill_workers: int = 0
+    max_model_len: int | None = None
+    """The context length its workers and API servers enforce; None: the model's."""
+    bind: HttpBind = component(HttpBind)
+    """Where ``serve`` listens, handing the socket to every API server."""
+    api_servers: int = setting(1, "--api-servers", "API server processes")
+    prefill_workers: int = setting(
+        0,
+        "--prefill-workers",
+        "disaggregate: this many prefill worker groups (with --decode-workers)",
+    )
     """Prefill groups (each of ``tensor_parallel_size`` ranks); 0 with ``decode_workers`` 0
     serves one hybrid group."""
-    decode_workers: int = 0
-    kv_transfer_timeout_s: float = SchedulerConfig.kv_transfer_timeout_s
+    decode_workers: int = setting(
+        0,
+        "--decode-workers",
+        "disaggregate: this many decode worker groups (with --prefill-workers)",
+    )
     embedding_model_dir: Path | None = None
     """Also serve /v1/embeddings with this encoder, on a worker of its own."""
     embedding_model_name: str | None = None
-    max_model_len: int | None = None
-    kv_cache_memory: str | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_num_seqs: int = SchedulerConfig.max_num_seqs
-    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
-    enable_prefix_caching: bool = True
-    device: str | None = None
-    dtype: str | None = None
-    api_key: str | None = field(default=None, repr=False)
-    """Passed to the API servers in their environment (SWITCHYARD_API_KEY), never in argv."""
-    allowed_origins: tuple[str, ...] = ()
-    allowed_local_media_path: Path | None = None
-    """Chat images may be ``file://`` URLs of files inside this directory (None: none)."""
-    allowed_media_domains: tuple[str, ...] = ()
-    """Chat images may be http(s) URLs on these hosts (empty: none)."""
-    max_images_per_prompt: int = MediaConfig.max_images_per_prompt
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
-    max_queued_requests: int = SchedulerConfig.max_queued_requests
-    max_queued_tokens: int = SchedulerConfig.max_queued_tokens
-    api_server_flags: tuple[str, ...] = ()
-    """More ``python -m api_server`` flags, as given (the HTTP limits)."""
-    worker_flags: tuple[str, ...] = ()
-    """More ``python -m worker`` flags for text generation workers (the structured-output
-    limits)."""
-    log_level: str = "INFO"
-    log_format: str = "text"
-    """Every child logs this way (interfaces.logs), told through its environment."""
+    scheduler: SchedulerConfig = component(SchedulerConfig)
+    worker: WorkerSettings = component(WorkerSettings, only=SERVE_WORKER_SETTINGS)
+    """What every text generation worker is given; the launcher fills in the rest."""
+    api_server: ApiServerSettings = component(ApiServerSettings, only=SERVE_API_SERVER_SETTINGS)
+    """What every API server is given; the launcher fills in the rest. Its ``api_key`` goes to
+    the API servers in their environment (SWITCHYARD_API_KEY), never in argv."""
+    log: LogSettings = component(LogSettings)
+    """How ``serve`` and every child log, told through the children's environment."""
 
     @property
-    def worker_groups(self) -> list[tuple[str, str]]:
+    def tensor_parallel_size(self) -> int:
+        """Ranks in each text generation worker group."""
+        return self.worker.tensor_parallel_size
+
+    @property
+    def api_key(self) -> str | None:
+        return self.api_server.api_key
+
+    @property
+    def model(self) -> ModelSettings:
+        """The text generation model as its workers and API servers are given it (no path:
+        none)."""
+        path = None if self.model_dir is None else str(self.model_dir)
+        return ModelSettings(path, self.served_model_name, self.max_model_len)
+
+    @property
+    def embedding(self) -> EmbeddingModelSettings:
+        """The embedding model as the API servers are given it (no path: none)."""
+        path = None if self.embedding_model_dir is None else str(self.embedding_model_dir)
+        return EmbeddingModelSettings(path, self.embedding_model_name)
+
+    @property
+    def worker_groups(self) -> list[tuple[str, WorkerRole]]:
         """(group name, role) of every text generation worker group to start."""
         if self.model_dir is None:
             return []
         if not self.prefill_workers:
-            return [("hybrid", "hybrid")]
-        return [(f"prefill-{i}", "prefill") for i in range(self.prefill_workers)] + [
-            (f"decode-{i}", "decode") for i in range(self.decode_workers)
+            return [("hybrid", WorkerRole.HYBRID)]
+        return [(f"prefill-{i}", WorkerRole.PREFILL) for i in range(self.prefill_workers)] + [
+            (f"decode-{i}", WorkerRole.DECODE) for i in range(self.decode_workers)
         ]
 
     @property
@@ -85,17 +117,18 @@ class ServeConfig:
         return " and ".join(name for name in names if name)
 
     def _generation_only_flags(self) -> list[str]:
-        """The flags given that only a text generation model uses."""
-        given = {
-            "--tensor-parallel-size": self.tensor_parallel_size != 1,
-            "--prefill-workers/--decode-workers": bool(self.prefill_workers),
-            "--max-model-len": self.max_model_len is not None,
-            "--kv-cache-memory": self.kv_cache_memory is not None,
-            "--block-size": self.block_size != DEFAULT_BLOCK_SIZE,
-            "--no-prefix-caching": not self.enable_prefix_caching,
-            "--dtype": self.dtype is not None,
-        }
-        return [flag for flag, is_given in given.items() if is_given]
+        """The flags given that only a text generation model uses: the worker's but
+        ``--device`` (the embedding worker's too), the context length, disaggregation and
+        prefix caching."""
+        worker = replace(self.worker, device=WorkerSettings.device)
+        given = [arg for arg in to_argv(worker) if arg.startswith("--")]
+        if self.max_model_len is not None:
+            given.append("--max-model-len")
+        if self.prefill_workers:
+            given.append("--prefill-workers/--decode-workers")
+        if not self.scheduler.enable_prefix_caching:
+            given.append("--no-prefix-caching")
+        return given
 
     def __post_init__(self) -> None:
         if self.model_dir is None and self.embedding_model_dir is None:
@@ -119,11 +152,9 @@ class ServeConfig:
                 "disaggregated serving needs both --prefill-workers and --decode-workers "
                 f"(got {self.prefill_workers} and {self.decode_workers})"
             )
-        if self.allowed_local_media_path and not self.allowed_local_media_path.is_dir():
+        if not 0 <= self.bind.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.bind.port}")
+        if not self.api_server.shutdown_timeout_s >= 0:
             raise ValueError(
-                f"--allowed-local-media-path {self.allowed_local_media_path} is not a directory"
+                f"--shutdown-timeout must be 0 or more, got {self.api_server.shutdown_timeout_s}"
             )
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if not self.shutdown_timeout_s >= 0:
-            raise ValueError(f"--shutdown-timeout must be 0 or more, got {self.shutdown_timeout_s}")

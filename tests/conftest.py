@@ -4,6 +4,7 @@ fakes and process helpers several folders share."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -30,6 +31,19 @@ TINY_LLAMA = {
     "pad_token_id": 2,
 }
 """The tiny random Llama's shape (also the tiny LLaVA's language model), less its vocabulary."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def collectable_at_exit():
+    """Give the objects ``gc.freeze()`` moved out of the collector's reach back to it when the
+    session ends, so the interpreter's exit collects them.
+
+    The scheduler freezes its startup heap (``new_scheduler``), and tests run schedulers in this
+    process beside torch. Frozen objects are never collected, not even at exit: triton's
+    reference cycles (imported by torch._dynamo, which transformers' model classes import) then
+    outlive the interpreter, and nanobind reports them ("nanobind: leaked 64 types!")."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session", autouse=True)

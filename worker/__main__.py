@@ -18,78 +18,33 @@ import torch
 import torch.distributed as dist
 from transformers.utils import logging as transformers_logging
 
-from interfaces.logs import add_log_flags, configure_logging
+from interfaces.logs import LogSettings, configure_logging
+from interfaces.settings import add_flags, from_args
 from interfaces.transport import add_transport_flags, transport_from_args
 from interfaces.worker_to_scheduler import WorkerRole
-from worker.config import DTYPES, WorkerConfig, default_num_threads, parse_memory
+from worker.config import WorkerConfig, default_num_threads
 from worker.embeddings import EmbeddingsGenerator
-from worker.grammar_limits import add_grammar_flags, grammar_limits_from_args
 from worker.model_files import model_name_for, resolve_model
 from worker.model_runner import ModelRunner
 from worker.parallel import GroupBroken, destroy_tensor_parallel, init_tensor_parallel
 from worker.server import WorkerServer
+from worker.settings import WorkerSettings
 
 logger = logging.getLogger("worker")
 
 PROCESS_TITLE = "switchyard-worker tp{rank}"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
-    parser.add_argument(
-        "--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M)"
-    )
-    parser.add_argument(
-        "--scheduler-addr", required=True, help="the scheduler's backend ROUTER address"
-    )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES))
-    parser.add_argument(
-        "--kv-cache-memory",
-        type=parse_memory,
-        default=None,
-        help="KV cache bytes (4294967296, 512MiB, 2GiB) or a fraction of free memory (0.8)",
-    )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--seed", type=int, default=None, help="seed for unseeded requests")
-    parser.add_argument(
-        "--num-threads", type=int, default=None, help="CPU threads (default: every core)"
-    )
-    group = parser.add_argument_group("tensor parallelism")
-    group.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks in the group")
-    group.add_argument("--rank", type=int, default=0, help="this worker's rank in the group")
-    group.add_argument(
-        "--master-addr", default="127.0.0.1", help="the host of rank 0, where the ranks meet"
-    )
-    group.add_argument("--master-port", type=int, default=29500, help="rank 0's rendezvous port")
-    group = parser.add_argument_group("disaggregation")
-    group.add_argument(
-        "--role",
-        type=WorkerRole,
-        default=WorkerRole.HYBRID,
-        choices=list(WorkerRole),
-        metavar="{" + ",".join(role.value for role in WorkerRole) + "}",
-        help="hybrid runs whole requests; prefill and decode groups split them; embedding "
-        "serves an encoder model's vectors (default: hybrid)",
-    )
-    group.add_argument(
-        "--group",
-        default=None,
-        help="the worker group's name, alike on its ranks and unique among groups (default: "
-        "the role and, with tensor parallelism, the rendezvous address; else host and pid)",
-    )
-    group.add_argument(
-        "--kv-transfer-addr",
-        default="tcp://127.0.0.1:*",
-        help="a decode rank receives KV blocks here; prefill ranks connect to it, so on "
-        "several hosts give an address they reach (tcp://HOST:PORT, or :* for a free port)",
-    )
-    add_grammar_flags(parser)
+    add_flags(parser, WorkerSettings)
     add_transport_flags(parser, binds=True)
-    add_log_flags(parser)
-    return parser.parse_args(argv)
+    add_flags(parser, LogSettings)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, _exit_while_loading)
     try:
         security = transport_from_args(args)  # before the model: bad keys fail fast
-        config = _config(args)
+        settings = from_args(WorkerSettings, args)
+        config = _config(settings)
         init_tensor_parallel(
             config.rank,
             config.tensor_parallel_size,
@@ -110,17 +66,17 @@ def main(argv: list[str] | None = None) -> int:
             config.master_port,
             config.torch_device,
         )
-        runner = _runner(args.role, config)
+        runner = _runner(settings.role, config)
     except (ValueError, dist.DistError, GroupBroken) as error:
         logger.error("cannot start the worker: %s", error)
         return 1
     server = WorkerServer(
         runner,
-        args.scheduler_addr,
+        settings.scheduler.address,
         security,
-        args.role,
-        args.group or _default_group(args),
-        args.kv_transfer_addr,
+        settings.role,
+        settings.group or _default_group(settings),
+        settings.kv_transfer_addr,
     )
     code = server.serve()
     if code == 0:  # a broken group's communicators may block in teardown: the exit frees them
@@ -128,22 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _config(args: argparse.Namespace) -> WorkerConfig:
+def _config(settings: WorkerSettings) -> WorkerConfig:
     return WorkerConfig(
-        model_dir=resolve_model(args.model),
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        served_model_name=args.served_model_name or model_name_for(args.model),
-        num_threads=args.num_threads,
-        rank=args.rank,
-        tensor_parallel_size=args.tensor_parallel_size,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        grammar_limits=grammar_limits_from_args(args),
+        model_dir=resolve_model(settings.model.path),
+        device=settings.device,
+        dtype=settings.dtype,
+        kv_cache_memory=settings.kv_cache_memory,
+        block_size=settings.block_size,
+        max_model_len=settings.model.max_model_len,
+        seed=settings.seed,
+        served_model_name=settings.model.served_model_name or model_name_for(settings.model.path),
+        num_threads=settings.num_threads,
+        rank=settings.rank,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        master_addr=settings.master_addr,
+        master_port=settings.master_port,
+        grammar_limits=settings.grammar_limits,
     )
 
 
@@ -158,10 +114,10 @@ def _runner(role: WorkerRole, config: WorkerConfig) -> ModelRunner | EmbeddingsG
     return EmbeddingsGenerator(config.model_dir, config.torch_device, config.model_name)
 
 
-def _default_group(args: argparse.Namespace) -> str:
-    if args.tensor_parallel_size > 1:  # the ranks share their rendezvous, and only they do
-        return f"{args.role.value}@{args.master_addr}:{args.master_port}"
-    return f"{args.role.value}@{socket.gethostname()}:{os.getpid()}"
+def _default_group(settings: WorkerSettings) -> str:
+    if settings.tensor_parallel_size > 1:  # the ranks share their rendezvous, and only they do
+        return f"{settings.role.value}@{settings.master_addr}:{settings.master_port}"
+    return f"{settings.role.value}@{socket.gethostname()}:{os.getpid()}"
 
 
 def _exit_while_loading(signum: int, _frame: FrameType | None) -> None:

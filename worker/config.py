@@ -1,4 +1,5 @@
-"""WorkerConfig: how one worker process loads its model and sizes its KV cache."""
+"""WorkerConfig: how one worker process loads its model and sizes its KV cache (made from the
+``WorkerSettings`` of its flags, ``worker.settings``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from worker.grammar_limits import GrammarLimits
 from worker.parallel import check_rank
+from worker.settings import DTYPE_NAMES, WorkerSettings
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.8
 
@@ -35,18 +37,18 @@ class WorkerConfig:
     """
 
     model_dir: Path
-    device: str = "auto"
+    device: str = WorkerSettings.device
     dtype: str | None = None
     kv_cache_memory: float | None = None
-    block_size: int = 16
+    block_size: int = WorkerSettings.block_size
     max_model_len: int | None = None
     seed: int | None = None
     served_model_name: str | None = None
     num_threads: int | None = None
     rank: int = 0
     tensor_parallel_size: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_addr: str = WorkerSettings.master_addr
+    master_port: int = WorkerSettings.master_port
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
@@ -96,20 +98,6 @@ class WorkerConfig:
     def model_name(self) -> str:
         """The name clients use for this model."""
         return self.served_model_name or self.model_dir.name
-
-
-def parse_memory(text: str) -> float:
-    """Parse ``--kv-cache-memory``: "0.5" (fraction), "2147483648", "512MiB", "2GiB" or "2GB"."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    lowered = text.strip().lower()
-    for suffix, scale in units.items():
-        if lowered.endswith(suffix):
-            return int(float(lowered[: -len(suffix)]) * scale)
-    try:
-        value = float(lowered)
-    except ValueError:
-        raise ValueError(f"cannot parse memory size {text!r}") from None
-    return int(value) if value > 1 else value
 
 
 def default_num_threads() -> int:

@@ -4,16 +4,17 @@ Compiling a grammar costs time superlinear in its size (a 1.1 MB choice list too
 spec is checked against ``max_spec_bytes`` and ``max_alternatives`` when its request arrives
 (refused alone, an HTTP 400), compiles off the step for at most ``compile_timeout_s`` (then the
 request fails alone, a 400 naming the limit) and compiled grammars are cached up to
-``cache_bytes``. No torch here: ``switchyard serve`` takes the same flags.
+``cache_bytes``. No torch here: ``switchyard serve`` takes the same flags (declared on the fields,
+``interfaces.settings``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 
 from interfaces import StructuredOutput
+from interfaces.settings import setting
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,28 @@ class GrammarLimits:
     ``oneOf`` entries in a JSON schema.
     """
 
-    compile_timeout_s: float = 30.0
-    max_spec_bytes: int = 1 << 20
-    max_alternatives: int = 20_000
-    cache_bytes: int = 512 << 20
+    compile_timeout_s: float = setting(
+        30.0,
+        "--grammar-compile-timeout",
+        "fail a request (400) whose grammar takes longer than this to compile; other requests "
+        "keep running meanwhile",
+        metavar="SECONDS",
+    )
+    max_spec_bytes: int = setting(
+        1 << 20,
+        "--max-grammar-bytes",
+        "refuse (400) a JSON schema, regex, grammar or choice list bigger than this",
+    )
+    max_alternatives: int = setting(
+        20_000,
+        "--max-grammar-alternatives",
+        "refuse (400) a spec with more alternatives than this (choices, enum entries)",
+    )
+    cache_bytes: int = setting(
+        512 << 20,
+        "--grammar-cache-bytes",
+        "memory for compiled grammars kept for reuse (least recently used go first)",
+    )
 
     def __post_init__(self) -> None:
         if not self.compile_timeout_s > 0:
@@ -83,54 +102,3 @@ def count_alternatives(structured: StructuredOutput) -> int:
         elif isinstance(node, list):
             stack.extend(node)
     return count
-
-
-def add_grammar_flags(parser: argparse.ArgumentParser) -> None:
-    """The structured-output limits; ``switchyard serve`` takes the same flags."""
-    defaults = GrammarLimits()
-    group = parser.add_argument_group("structured output")
-    group.add_argument(
-        "--grammar-compile-timeout",
-        type=float,
-        default=defaults.compile_timeout_s,
-        metavar="SECONDS",
-        help="fail a request (400) whose grammar takes longer than this to compile; other "
-        "requests keep running meanwhile",
-    )
-    group.add_argument(
-        "--max-grammar-bytes",
-        type=int,
-        default=defaults.max_spec_bytes,
-        help="refuse (400) a JSON schema, regex, grammar or choice list bigger than this",
-    )
-    group.add_argument(
-        "--max-grammar-alternatives",
-        type=int,
-        default=defaults.max_alternatives,
-        help="refuse (400) a spec with more alternatives than this (choices, enum entries)",
-    )
-    group.add_argument(
-        "--grammar-cache-bytes",
-        type=int,
-        default=defaults.cache_bytes,
-        help="memory for compiled grammars kept for reuse (least recently used go first)",
-    )
-
-
-def grammar_limits_from_args(args: argparse.Namespace) -> GrammarLimits:
-    return GrammarLimits(
-        args.grammar_compile_timeout,
-        args.max_grammar_bytes,
-        args.max_grammar_alternatives,
-        args.grammar_cache_bytes,
-    )
-
-
-def grammar_flags(limits: GrammarLimits) -> list[str]:
-    """``limits`` as ``python -m worker`` flags (what ``switchyard serve`` passes on)."""
-    return [
-        *("--grammar-compile-timeout", str(limits.compile_timeout_s)),
-        *("--max-grammar-bytes", str(limits.max_spec_bytes)),
-        *("--max-grammar-alternatives", str(limits.max_alternatives)),
-        *("--grammar-cache-bytes", str(limits.cache_bytes)),
-    ]

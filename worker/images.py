@@ -26,7 +26,6 @@ from worker.models.config import VisionConfig
 
 if TYPE_CHECKING:
     from worker.models.loader import Model
-    from worker.request_state import RequestState
 
 
 @dataclass
@@ -71,12 +70,19 @@ def read_images(
 
 
 def input_embeddings(
-    model: Model, input_ids: torch.Tensor, states: Sequence[RequestState], counts: Sequence[int]
+    model: Model,
+    input_ids: torch.Tensor,
+    images: Sequence[Sequence[RequestImage]],
+    num_computed_tokens: Sequence[int],
+    counts: Sequence[int],
 ) -> torch.Tensor | None:
     """The step's input embeddings (num_tokens, hidden_size) for ``input_ids``, the requests'
     scheduled tokens in batch order, with image features at the image positions the step
-    computes; None when it computes none (the model then embeds ``input_ids`` itself)."""
-    spans = list(_image_spans(states, counts))
+    computes; None when it computes none (the model then embeds ``input_ids`` itself).
+
+    Per request, in batch order: its ``images`` (``RequestState.images``), how many of its
+    tokens were computed before this step and how many the step computes."""
+    spans = list(_image_spans(images, num_computed_tokens, counts))
     if not spans:
         return None
     _encode([image for _, image, _, _ in spans if image.features is None], model)
@@ -90,14 +96,16 @@ def input_embeddings(
 
 
 def _image_spans(
-    states: Sequence[RequestState], counts: Sequence[int]
+    images: Sequence[Sequence[RequestImage]],
+    num_computed_tokens: Sequence[int],
+    counts: Sequence[int],
 ) -> Iterator[tuple[int, RequestImage, int, int]]:
     """(first batch row, image, first position, end position) for each image's positions in
     the step: those in [num_computed_tokens, num_computed_tokens + count) of its request."""
     row = 0
-    for state, count in zip(states, counts, strict=True):
-        start, end = state.num_computed_tokens, state.num_computed_tokens + count
-        for image in state.images:
+    for request_images, start, count in zip(images, num_computed_tokens, counts, strict=True):
+        end = start + count
+        for image in request_images:
             first, last = max(start, image.start), min(end, image.end)
             if first < last:
                 yield row + first - start, image, first, last

@@ -275,8 +275,9 @@ class ModelRunner:
             return {}
         for state, count in zip(states, counts, strict=True):
             self._check_schedulable(state, count)
+        num_computed = [state.num_computed_tokens for state in states]
         layout = build_batch_layout(
-            [state.num_computed_tokens for state in states],
+            num_computed,
             counts,
             [state.block_ids for state in states],
             self.block_size,
@@ -297,7 +298,9 @@ class ModelRunner:
                 self.kv_cache,
                 layout.metadata,
                 torch.cat([layout.last_token_indices[sampling], prompt_indices.to(self.device)]),
-                input_embeddings(self.model, input_ids, states, counts),
+                input_embeddings(
+                    self.model, input_ids, [state.images for state in states], num_computed, counts
+                ),
             )  # (len(sampling) + len(prompt_indices), vocab_size)
         for state, count in zip(states, counts, strict=True):
             state.num_computed_tokens += count

@@ -1,8 +1,10 @@
 """The worker's ZeroMQ loop: receive a step from the scheduler, run it, send the tokens back.
 
 The worker connects a DEALER to the scheduler's backend ROUTER, announces itself with
-``WorkerReady``, then answers every ``ScheduledStep`` with ``WorkerOutput`` (or
-``WorkerFailure`` if the step raised) until ``Shutdown``, SIGTERM or SIGINT. It polls with a short
+``WorkerReady`` (its protocol version first), then answers every ``ScheduledStep`` with
+``WorkerOutput`` (or ``WorkerFailure`` if the step raised) until ``Shutdown``, SIGTERM or SIGINT.
+A ``Shutdown`` with a reason is a refusal (another protocol version, a handshake the scheduler
+does not believe): the worker logs the reason and exits 1. It polls with a short
 timeout so signals are noticed between steps; a step in progress always finishes first. Rank 0
 also polls the pipe its grammar compiles write to, and sends ``GrammarsReady`` between steps
 when a deferred request's grammar compiled or failed (``worker.model_runner``).
@@ -33,6 +35,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from interfaces import msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.scheduler_to_worker import (
     EmbeddingsStep,
     KVTransfers,
@@ -273,6 +276,7 @@ class WorkerServer:
     def _ready(self) -> WorkerReady:
         runner, group = self.runner, tensor_parallel()
         return WorkerReady(
+            PROTOCOL_VERSION,
             runner.model_name,
             runner.num_kv_blocks,
             runner.block_size,

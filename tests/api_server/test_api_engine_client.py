@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -26,11 +28,18 @@ from interfaces.api_to_scheduler import (
     SubmitRequest,
 )
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
+from interfaces.handshake import PROTOCOL_VERSION, ApiHello, HandshakeRefused
 from interfaces.outputs import GenerationStatus
 from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats
+from tests.support.fake_scheduler import FakeScheduler
 
+ROOT = Path(__file__).resolve().parents[2]
 encode = msgpack_numpy_encoder()
 decode = msgpack_numpy_decoder(ApiToSchedulerMessage)
+REFUSAL = (
+    f"the API server speaks protocol version {PROTOCOL_VERSION}, and this scheduler speaks "
+    f"protocol version {PROTOCOL_VERSION + 1}: run the same Switchyard version on every process"
+)
 CONTEXT = TextContext(request_id="r1", prompt_token_ids=[1, 2], max_length=10)
 
 
@@ -89,6 +98,8 @@ def run_with_router(
         client = EngineClient(config)
         await client.start()
         try:
+            if bind:  # every connection opens with the protocol version
+                assert (await receive(router))[1] == ApiHello(PROTOCOL_VERSION)
             await asyncio.wait_for(test(client, router), 10)
         finally:
             await client.close()
@@ -278,3 +289,53 @@ def test_a_consumer_that_stops_reading_is_aborted_and_told_why(tmp_path: Path) -
         assert await other_first == done
 
     run_with_router(tmp_path, test, max_stream_backlog=3)
+
+
+def test_the_hello_is_the_first_frame_even_before_the_scheduler_listens(tmp_path: Path) -> None:
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        first = asyncio.ensure_future(anext(client.generate(CONTEXT)))
+        await asyncio.sleep(0.05)  # the submit waits for a connection, behind the hello
+        router.bind(f"ipc://{tmp_path}/scheduler.ipc")
+        identity, hello = await receive(router)
+        assert hello == ApiHello(PROTOCOL_VERSION)
+        assert await receive(router) == (identity, SubmitRequest(CONTEXT))
+        first.cancel()
+
+    run_with_router(tmp_path, test, bind=False)
+
+
+def test_a_refused_hello_fails_every_request_and_says_why(tmp_path: Path) -> None:
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        router.bind(f"ipc://{tmp_path}/scheduler.ipc")
+        identity, _ = await receive(router)  # the hello
+        in_flight = asyncio.ensure_future(anext(client.generate(CONTEXT)))
+        await receive(router)
+        await router.send_multipart([identity, encode(HandshakeRefused(REFUSAL))])
+        assert await client.refused() == REFUSAL
+        reason = f"the scheduler refused this API server: {REFUSAL}"
+        with pytest.raises(SchedulerUnavailable) as raised:
+            await in_flight
+        assert str(raised.value) == reason
+        with pytest.raises(SchedulerUnavailable) as raised:
+            await anext(client.generate(CONTEXT))
+        assert str(raised.value) == reason
+
+    run_with_router(tmp_path, test, bind=False)
+
+
+def test_an_api_server_the_scheduler_refuses_exits_1_saying_why(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    address = f"ipc://{tmp_path}/scheduler.ipc"
+    scheduler = FakeScheduler(address)
+    scheduler.refuse_hello_with = REFUSAL
+    scheduler.start()
+    argv = [sys.executable, "-m", "api_server", "--model", str(default_model_dir)]
+    argv += ["--scheduler-addr", address, "--port", "0"]
+    try:
+        result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        scheduler.stop()
+    assert result.returncode == 1, result.stderr
+    assert f"the scheduler refused this API server: {REFUSAL}" in result.stderr
+    assert scheduler.hellos == [ApiHello(PROTOCOL_VERSION)]

@@ -23,19 +23,12 @@ from fastapi import FastAPI, Response
 from fastapi.responses import RedirectResponse
 from PIL import Image
 
-from api_server import image_segments
 from api_server.app import create_app
 from api_server.choices import Generation
 from api_server.config import ApiServerConfig, EngineClientConfig, MediaConfig
 from api_server.errors import invalid_request
 from api_server.image_processor import ImageProcessor
-from api_server.image_segments import (
-    PreparedImage,
-    create_images,
-    images_sent,
-    release_images,
-    share_images,
-)
+from api_server.image_segments import ImageSegments, prepared_image
 from api_server.request_limits import OutputBudget
 from api_server.vision import VisionModel
 from interfaces.shared_memory import SEGMENT_PREFIX, SharedMemoryArray
@@ -393,22 +386,19 @@ def test_a_failing_fan_out_unlinks_the_shared_segment(llava, created, monkeypatc
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "too many tokens"
     assert len(created) == 1 and live(created) == []
-    assert image_segments._shares == {}
 
 
-def test_the_shared_segment_is_unlinked_by_the_last_choice_to_let_go(created) -> None:
-    images = create_images([PreparedImage.of(np.ones((3, 2, 2), np.float32))], [(0, 4)])
-    share_images(images, 3)
-    release_images(images)
-    images_sent(images)  # another choice reached the scheduler: the segment is its now
+def test_the_owner_unlinks_the_segments_unless_it_handed_them_over(created) -> None:
+    with ImageSegments() as sent:
+        sent.create([prepared_image(np.ones((3, 2, 2), np.float32))], [(0, 4)])
+        sent.hand_over()  # a choice reached the scheduler: the segment is its now
     assert live(created) == created
-    release_images(images)
-    assert live(created) == created and image_segments._shares == {}
-    unsent = create_images([PreparedImage.of(np.zeros((3, 2, 2), np.float32))], [(0, 4)])
-    share_images(unsent, 2)
-    release_images(unsent)
-    assert live(created) == created
-    release_images(unsent)  # no choice was sent: the last one unlinks it
+    with ImageSegments() as unsent:
+        images = unsent.create([prepared_image(np.zeros((3, 2, 2), np.float32))], [(0, 4)])
+        assert [image.pixel_values.name for image in images] == created[1:]
+        assert live(created) == created
+    assert live(created) == created[:1]  # no choice was sent: closing unlinks it
+    unsent.close()  # closing again changes nothing
     assert live(created) == created[:1]
 
 
@@ -424,6 +414,7 @@ def test_choices_that_never_start_have_their_segments_unlinked(llava, created, m
 
 def test_the_media_flags_reach_the_api_server(tiny_llava_dir, media_root) -> None:
     from api_server.__main__ import build_config, parse_args
+    from api_server.config import ApiServerSettings
     from switchyard.cli import build_parser
     from switchyard.launcher import Launcher
     from switchyard.serve_config import ServeConfig
@@ -450,13 +441,8 @@ def test_the_media_flags_reach_the_api_server(tiny_llava_dir, media_root) -> Non
         build_parser().parse_args(["serve", "--max-images-per-prompt", "3"]).max_images_per_prompt
         == 3
     )
-    config = ServeConfig(
-        tiny_llava_dir,
-        "m",
-        allowed_local_media_path=media_root,
-        allowed_media_domains=("a.com", "b", "c"),
-        max_images_per_prompt=3,
-    )
+    media = MediaConfig(media_root, ("a.com", "b", "c"), max_images_per_prompt=3)
+    config = ServeConfig(tiny_llava_dir, "m", api_server=ApiServerSettings(media=media))
     launcher = Launcher(config)
     try:
         argv = launcher._api_server_argv("ipc://frontend", 3)

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from api_server.__main__ import build_config, parse_args
-from api_server.config import EngineClientConfig, RequestLimits, limit_flags
+from api_server.config import ApiServerSettings, EngineClientConfig, RequestLimits
 from api_server.errors import OpenAIError
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
 from api_server.request_limits import OutputBudget, chat_prompt_bytes, check_request_limits
 from api_server.structured_output import structured_output
 from interfaces import TextContext
+from interfaces.settings import from_args, to_argv
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 CONTEXT_LENGTH = 1000
@@ -68,7 +69,9 @@ def test_the_flags_reach_the_config_and_the_api_servers(tmp_path: Path) -> None:
     config = build_config(args)
     assert config.request_limits == RequestLimits(100, 200, 3, 400)
     assert config.engine.max_stream_backlog == 5
-    assert limit_flags(args)[6:] == tuple(flags)  # what `switchyard serve` hands on
+    # what `switchyard serve` hands on: the flags that give these settings, after --model and
+    # --scheduler-addr
+    assert tuple(to_argv(from_args(ApiServerSettings, args))[4:]) == tuple(flags)
 
 
 def test_choices_are_counted_over_prompts_and_n() -> None:

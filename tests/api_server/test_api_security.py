@@ -13,6 +13,7 @@ import pytest
 
 from api_server.__main__ import build_config, parse_args
 from api_server.bind_address import is_loopback, listening_host
+from api_server.config import ApiServerSettings
 from api_server.security import is_json_media_type, is_local_host_header
 from switchyard import cli
 from switchyard.cli import build_parser
@@ -172,7 +173,8 @@ def test_serve_passes_the_key_by_environment_only(
         ["serve", "--allowed-origins", "a,b", "--allowed-origins", "c"]
     )
     assert (args.api_key, args.allowed_origins) == ("from-env", ["a,b", "c"])
-    config = ServeConfig(tmp_path, "m", api_key=KEY, allowed_origins=("a", "b", "c"))
+    settings = ApiServerSettings(api_key=KEY, allowed_origins=("a", "b", "c"))
+    config = ServeConfig(tmp_path, "m", api_server=settings)
     assert KEY not in repr(config)
     launcher = Launcher(config)
     try:
@@ -297,7 +299,7 @@ def test_serve_warns_once_when_it_listens_beyond_loopback_without_a_key(
     monkeypatch.setattr(cli, "_prepare_in_child", lambda model: default_model_dir)
 
     def launcher(config: ServeConfig) -> None:
-        raise LauncherStarted(config.host)
+        raise LauncherStarted(config.bind.host)
 
     monkeypatch.setattr(cli, "Launcher", launcher)
     args = build_parser().parse_args(["serve", *flags])

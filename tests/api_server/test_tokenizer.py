@@ -39,7 +39,6 @@ def chat_request(messages: list[dict], max_new_tokens: int | None = None) -> Tex
     return TextGenerationRequest(
         request_id="r1",
         index=0,
-        model_name="m",
         messages=[TextGenerationRequestMessage(**message) for message in messages],
         sampling_params=SamplingParams(max_new_tokens=max_new_tokens),
     )
@@ -123,7 +122,7 @@ def test_content_parts_are_joined_and_developer_is_system(tokenizer: HuggingFace
 
 
 def test_prompt_too_long_is_a_value_error(tokenizer: HuggingFaceTokenizer) -> None:
-    request = TextGenerationRequest(request_id="r", index=0, model_name="m", prompt="word " * 100)
+    request = TextGenerationRequest(request_id="r", index=0, prompt="word " * 100)
     with pytest.raises(ValueError, match="maximum context length is 64 tokens, but the prompt has"):
         asyncio.run(tokenizer.new_context(request))
     with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
@@ -131,10 +130,10 @@ def test_prompt_too_long_is_a_value_error(tokenizer: HuggingFaceTokenizer) -> No
 
 
 def test_a_prompt_that_fills_the_context_leaves_no_room(tokenizer: HuggingFaceTokenizer) -> None:
-    request = TextGenerationRequest(request_id="r", index=0, model_name="m", prompt=[5] * 64)
+    request = TextGenerationRequest(request_id="r", index=0, prompt=[5] * 64)
     with pytest.raises(ValueError, match="leaving no room"):
         asyncio.run(tokenizer.new_context(request))
-    ok = TextGenerationRequest(request_id="r", index=0, model_name="m", prompt=[5] * 63)
+    ok = TextGenerationRequest(request_id="r", index=0, prompt=[5] * 63)
     assert asyncio.run(tokenizer.new_context(ok)).max_length == 64
 
 
@@ -142,7 +141,7 @@ def test_a_prompt_that_fills_the_context_leaves_no_room(tokenizer: HuggingFaceTo
     ("prompt", "message"), [("", "prompt is empty"), ([], "prompt is empty"), ([49152], "outside")]
 )
 def test_bad_prompts(tokenizer: HuggingFaceTokenizer, prompt, message: str) -> None:
-    request = TextGenerationRequest(request_id="r", index=0, model_name="m", prompt=prompt)
+    request = TextGenerationRequest(request_id="r", index=0, prompt=prompt)
     with pytest.raises(ValueError, match=message):
         asyncio.run(tokenizer.new_context(request))
 
@@ -150,7 +149,7 @@ def test_bad_prompts(tokenizer: HuggingFaceTokenizer, prompt, message: str) -> N
 def test_completion_prompt_text_is_encoded_with_special_tokens(
     tokenizer: HuggingFaceTokenizer,
 ) -> None:
-    request = TextGenerationRequest(request_id="r", index=0, model_name="m", prompt="Hello world")
+    request = TextGenerationRequest(request_id="r", index=0, prompt="Hello world")
     context = asyncio.run(tokenizer.new_context(request))
     assert context.prompt_token_ids == [19556, 905]  # SmolLM2 adds no BOS to plain text
 

@@ -27,7 +27,6 @@ from interfaces import (
     TextGenerationRequestFunction,
     TextGenerationRequestMessage,
     TextGenerationRequestTool,
-    TextGenerationResponseFormat,
     TokenGenerator,
     msgpack_numpy_decoder,
     msgpack_numpy_encoder,
@@ -40,6 +39,8 @@ from interfaces.api_to_scheduler import (
     SubmitRequest,
 )
 from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
+from interfaces.handshake import PROTOCOL_VERSION
+from interfaces.requests import PreparedImage
 from interfaces.scheduler_to_api import (
     SchedulerEmbeddingsResults,
     SchedulerResults,
@@ -131,8 +132,14 @@ MESSAGES = [
         ),
     ),
     (SchedulerToWorkerMessage, Shutdown()),
-    (WorkerToSchedulerMessage, WorkerReady("SmolLM2-135M-Instruct", 1000, 16, 8192)),
-    (WorkerToSchedulerMessage, WorkerReady("SmolLM2-135M-Instruct", 1000, 16, 8192, 2, 3)),
+    (
+        WorkerToSchedulerMessage,
+        WorkerReady(PROTOCOL_VERSION, "SmolLM2-135M-Instruct", 1000, 16, 8192),
+    ),
+    (
+        WorkerToSchedulerMessage,
+        WorkerReady(PROTOCOL_VERSION, "SmolLM2-135M-Instruct", 1000, 16, 8192, 2, 3),
+    ),
     (WorkerToSchedulerMessage, WorkerOutput(9, {"req-1": OUTPUT})),
     (WorkerToSchedulerMessage, WorkerOutput(9, {}, refused={"x": "invalid regex"})),
     (
@@ -160,6 +167,7 @@ MESSAGES = [
     (
         WorkerToSchedulerMessage,
         WorkerReady(
+            PROTOCOL_VERSION,
             "m",
             64,
             16,
@@ -201,32 +209,31 @@ def test_embeddings_travel_as_float32_arrays():
 
 
 def test_text_generation_request_round_trips_with_every_field():
+    pixels = np.arange(18, dtype=np.float32).reshape(2, 3, 3)
     request = TextGenerationRequest(
         request_id="r",
         index=1,
-        model_name="m",
-        lora_name="adapter",
         messages=[
             TextGenerationRequestMessage("system", "be brief"),
             TextGenerationRequestMessage("user", [{"type": "text", "text": "hi"}]),
         ],
-        images=[SharedMemoryArray(SEGMENT, (2, 3, 3), "uint8")],
+        images=[PreparedImage(pixels, "f00d")],
         tools=[
             TextGenerationRequestTool(
                 TextGenerationRequestFunction("get_weather", "Weather", {"type": "object"})
             )
         ],
-        response_format=TextGenerationResponseFormat("json_schema", {"type": "object"}),
-        timestamp_ns=123,
-        request_path="/v1/chat/completions",
         logprobs=3,
         echo=True,
-        stop=["x"],
-        chat_template_options={"enable_thinking": False},
         sampling_params=SAMPLING,
+        structured_output=StructuredOutput("json_schema", '{"type": "object"}'),
+        cache_salt="tenant",
     )
-    assert msgpack_numpy_decoder(TextGenerationRequest)(encode(request)) == request
-    completion = TextGenerationRequest("r", 0, "m", prompt=[1, 2, 3])
+    decoded = msgpack_numpy_decoder(TextGenerationRequest)(encode(request))
+    assert np.array_equal(decoded.images[0].pixels, pixels)
+    without_pixels = msgspec.structs.replace(decoded, images=[])
+    assert without_pixels == msgspec.structs.replace(request, images=[])
+    completion = TextGenerationRequest("r", 0, prompt=[1, 2, 3])
     assert msgpack_numpy_decoder(TextGenerationRequest)(encode(completion)).prompt == [1, 2, 3]
 
 

@@ -1,6 +1,6 @@
-"""Prefill/decode disaggregation: the coordinator's placements and the KV transfer itself.
+"""Prefill/decode disaggregation: its placement of requests and the KV transfer itself.
 
-The coordinator runs against model-free workers (``FakeTokenGenerator``: the next token is a
+The placement runs against model-free workers (``FakeTokenGenerator``: the next token is a
 function of every token so far, so a request computed on two groups must produce what one group
 produces). The transfer runs real ZeroMQ sockets between real KV caches, with tensor-parallel
 sizes that differ on the two sides.
@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from interfaces import ErrorKind, SchedulerStatus, TextContext
+from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.scheduler_to_worker import KVReceive, KVSend, KVTransfers, ScheduledStep
 from interfaces.transport import TransportSecurity
 from interfaces.worker_to_scheduler import (
@@ -26,9 +27,9 @@ from interfaces.worker_to_scheduler import (
     WorkerRole,
 )
 from scheduler.config import SchedulerConfig
-from scheduler.coordinator import Coordinator
 from scheduler.counters import SchedulerCounters
-from scheduler.disaggregation import Phase
+from scheduler.disaggregation import DisaggregatedPlacement, Phase
+from scheduler.hybrid import HybridPlacement
 from scheduler.worker_group import WorkerGroups
 from tests.support.fake_worker import FakeTokenGenerator
 from worker.kv_cache import KVCache
@@ -38,15 +39,17 @@ BLOCK_SIZE = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32")
 
 
-# -- the coordinator ------------------------------------------------------------------------------
+# -- the placement --------------------------------------------------------------------------------
 
 
 class Cluster:
-    """A coordinator with fake groups; ``run`` plays the server's loop, transfers included."""
+    """A placement with fake groups; ``run`` plays the server's loop, transfers included."""
 
     def __init__(self, roles: dict[str, WorkerRole], num_blocks: int = 64, **config) -> None:
         config = {"max_num_batched_tokens": 8, **config}
-        self.coordinator = Coordinator(SchedulerConfig(**config), SchedulerCounters())
+        hybrid = all(role is WorkerRole.HYBRID for role in roles.values())
+        kind = HybridPlacement if hybrid else DisaggregatedPlacement
+        self.placement = kind(SchedulerConfig(**config), SchedulerCounters())
         self.workers = WorkerGroups()
         self.generators = {name: FakeTokenGenerator(BLOCK_SIZE) for name in roles}
         self.sent: list[tuple[str, object]] = []
@@ -55,27 +58,27 @@ class Cluster:
         """Every token each request streamed, in order."""
         for name, role in roles.items():
             ready = WorkerReady(
-                "m", num_blocks, BLOCK_SIZE, 256, role=role, group=name, kv_layout=LAYOUT,
-                transfer_addr=f"inproc://{name}",
+                PROTOCOL_VERSION, "m", num_blocks, BLOCK_SIZE, 256, role=role, group=name,
+                kv_layout=LAYOUT, transfer_addr=f"inproc://{name}",
             )  # fmt: skip
             assert self.workers.register(name.encode(), ready).now_serving
-            assert self.coordinator.add_group(self.workers.groups[name]) is None
+            assert self.placement.add_group(self.workers.groups[name]) is None
 
     def submit(self, request_id: str, prompt: list[int], max_new_tokens: int = 6) -> None:
         context = TextContext(request_id, prompt, len(prompt) + max_new_tokens)
-        assert self.coordinator.add_request(context, b"client") is None
+        assert self.placement.add_request(context, b"client") is None
 
     def step(self) -> dict:
         """One round of the loop: every group runs its next step; returns the results (the
         last of each request's)."""
         results: dict = {}
-        for name, message in self.coordinator.schedule(list(self.coordinator.groups)):
+        for name, message in self.placement.schedule(list(self.placement.groups)):
             self.sent.append((name, message))
             if not isinstance(message, ScheduledStep):
                 continue
             outputs = self.generators[name].next_token(message)
             output = WorkerOutput(message.step_id, outputs)
-            update = self.coordinator.update_from_output(name, output)
+            update = self.placement.update_from_output(name, output)
             for request_id, result in update.get(b"client", {}).items():
                 if result.result is not None:
                     self.tokens.setdefault(request_id, []).extend(result.result.tokens)
@@ -83,31 +86,30 @@ class Cluster:
             if self.deliver_transfers:
                 for send in message.kv_sends:
                     self.receive(send)
-        self.coordinator.check_integrity()
+        self.placement.check_integrity()
         return results
 
     def receive(self, send: KVSend) -> None:
         """The decode group reports the transfer done (its generator learns nothing: the fake
         model needs only the tokens, which the decode side's first step carries)."""
-        placement = self.coordinator.disaggregation.placements[send.request_id]
+        split = self.placement.requests[send.request_id]
         report = KVReceived(send.transfer_id, 0, 100 * len(send.block_ids), 0.002)
-        self.coordinator.on_kv_received(placement.decode, report)
+        self.placement.on_kv_received(split.decode, report)
 
     def run(self, max_rounds: int = 200) -> dict[str, list[int]]:
         """Step until every request finished; every token each streamed."""
         for _ in range(max_rounds):
             self.step()
-            if not self.coordinator.disaggregation.placements and not any(
-                group.scheduler.requests for group in self.coordinator.groups.values()
-            ):
-                self.sent += self.coordinator.schedule([])  # the last news for decode groups
+            stats = self.placement.stats()
+            if not stats.num_requests_running and not stats.num_requests_waiting:
+                self.sent += self.placement.schedule([])  # the last news for decode groups
                 return self.tokens
         raise AssertionError("requests did not finish")
 
     def used_blocks(self) -> dict[str, int]:
         return {
             name: group.scheduler.block_manager.num_used_blocks
-            for name, group in self.coordinator.groups.items()
+            for name, group in self.placement.groups.items()
         }
 
 
@@ -141,7 +143,7 @@ def test_disaggregated_requests_produce_the_hybrid_tokens_and_transfer_the_promp
                     and send in m.kv_sends)  # fmt: skip
         assert announce < step
 
-    stats = split.coordinator.stats()
+    stats = split.placement.stats()
     assert stats.kv_transfer_bytes_total == sum(100 * len(send.block_ids) for send in sends)
     assert sum(stats.kv_transfer_seconds_counts) == len(PROMPTS)
     assert split.used_blocks() == {"p": 0, "d": 0}
@@ -156,22 +158,22 @@ def hybrid_tokens(prompts: dict[str, list[int]], max_new_tokens: int = 6) -> dic
 
 def test_decoding_waits_for_both_the_first_token_and_every_decode_rank():
     cluster = Cluster(DISAGGREGATED)
-    cluster.coordinator.groups["d"].size = 2  # two decode ranks must report
+    cluster.placement.groups["d"].size = 2  # two decode ranks must report
     cluster.deliver_transfers = False
     prompt = list(range(1, 10))
     cluster.submit("a", prompt)
     first = {}
     while not first:
         first = cluster.step()
-    placement = cluster.coordinator.disaggregation.placements["a"]
+    placement = cluster.placement.requests["a"]
     assert placement.phase is Phase.TRANSFER and first["a"].status is SchedulerStatus.ACTIVE
-    decode = cluster.coordinator.groups["d"].scheduler
+    decode = cluster.placement.groups["d"].scheduler
     assert cluster.step() == {}  # nothing runs while the blocks travel
-    cluster.coordinator.on_kv_received("d", KVReceived(placement.transfer_id, 0, 10, 0.1))
+    cluster.placement.on_kv_received("d", KVReceived(placement.transfer_id, 0, 10, 0.1))
     assert "a" in decode.reserved and not decode.running
-    cluster.coordinator.on_kv_received("d", KVReceived(placement.transfer_id, 1, 10, 0.3))
+    cluster.placement.on_kv_received("d", KVReceived(placement.transfer_id, 1, 10, 0.3))
     assert decode.running[0].request_id == "a" and placement.phase is Phase.DECODE
-    stats = cluster.coordinator.stats()
+    stats = cluster.placement.stats()
     assert (stats.kv_transfer_bytes_total, stats.kv_transfer_seconds_sum) == (20, 0.3)
     assert cluster.run()["a"] == hybrid_tokens({"a": prompt})["a"]
 
@@ -182,18 +184,18 @@ def test_an_abort_mid_transfer_frees_both_sides_and_cancels_the_transfer():
     cluster.submit("a", list(range(1, 20)))
     while "a" not in cluster.step():
         pass
-    transfer_id = cluster.coordinator.disaggregation.placements["a"].transfer_id
+    transfer_id = cluster.placement.requests["a"].transfer_id
     assert cluster.used_blocks()["d"] == 5  # 19 prompt tokens and the first output: 20 / 4
 
-    results = cluster.coordinator.abort_requests(["a"])
+    results = cluster.placement.abort_requests(["a"])
     assert results[b"client"]["a"].status is SchedulerStatus.CANCELLED
     assert cluster.used_blocks() == {"p": 0, "d": 0}
-    name, message = cluster.coordinator.schedule([])[0]
+    name, message = cluster.placement.schedule([])[0]
     assert (name, message) == ("d", KVTransfers(cancel=[transfer_id]))
     # A report that arrives afterwards is ignored.
-    cluster.coordinator.on_kv_received("d", KVReceived(transfer_id, 0, 10, 0.1))
-    cluster.coordinator.check_integrity()
-    assert cluster.coordinator.disaggregation.placements == {}
+    cluster.placement.on_kv_received("d", KVReceived(transfer_id, 0, 10, 0.1))
+    cluster.placement.check_integrity()
+    assert cluster.placement.requests == {}
 
 
 def test_a_transfer_that_does_not_finish_in_time_fails_its_request_clearly():
@@ -202,9 +204,9 @@ def test_a_transfer_that_does_not_finish_in_time_fails_its_request_clearly():
     cluster.submit("a", list(range(1, 9)))
     while "a" not in cluster.step():
         pass
-    coordinator = cluster.coordinator
-    assert coordinator.check_timeouts(time.monotonic() + 1) == {}
-    results = coordinator.check_timeouts(time.monotonic() + 6)
+    placement = cluster.placement
+    assert placement.check_timeouts(time.monotonic() + 1) == {}
+    results = placement.check_timeouts(time.monotonic() + 6)
     result = results[b"client"]["a"]
     assert (result.status, result.error_kind) == (SchedulerStatus.CANCELLED, ErrorKind.UNAVAILABLE)
     assert result.error == (
@@ -232,7 +234,7 @@ def test_a_request_that_ends_at_its_first_token_by_eos_cancels_its_transfer():
     prompt = list(range(1, 9))
     first = hybrid_tokens({"a": prompt})["a"][0]
     context = TextContext("a", prompt, len(prompt) + 6, eos_token_ids=[first])
-    assert cluster.coordinator.add_request(context, b"client") is None
+    assert cluster.placement.add_request(context, b"client") is None
     cluster.deliver_transfers = False
     assert cluster.run() == {"a": [first]}
     assert cluster.used_blocks() == {"p": 0, "d": 0}
@@ -249,9 +251,7 @@ def test_requests_wait_for_decode_blocks_and_survive_preemption_on_the_decode_gr
     for request_id, prompt in prompts.items():
         cluster.submit(request_id, prompt, max_new_tokens=8)
     cluster.step()
-    assert [p.request_id for p in cluster.coordinator.disaggregation.queue] == [
-        "c"
-    ]  # no decode blocks yet
+    assert [p.request_id for p in cluster.placement.queue] == ["c"]  # no decode blocks yet
     assert cluster.run() == hybrid_tokens(prompts, max_new_tokens=8)
 
 
@@ -261,13 +261,13 @@ def test_the_death_of_a_group_fails_its_requests_on_both_sides():
     cluster.submit("a", list(range(1, 9)))
     cluster.submit("b", list(range(1, 40)))
     cluster.step()
-    results = cluster.coordinator.remove_group("d", "the worker serving this request died")
+    results = cluster.placement.remove_group("d", "the worker serving this request died")
     assert {r: (x.status, x.error_kind) for r, x in results[b"client"].items()} == {
         "a": (SchedulerStatus.CANCELLED, ErrorKind.UNAVAILABLE),
         "b": (SchedulerStatus.CANCELLED, ErrorKind.UNAVAILABLE),
     }
-    assert cluster.used_blocks() == {"p": 0} and cluster.coordinator.disaggregation.placements == {}
-    refused = cluster.coordinator.add_request(TextContext("c", [1, 2], 10), b"client")
+    assert cluster.used_blocks() == {"p": 0} and cluster.placement.requests == {}
+    refused = cluster.placement.add_request(TextContext("c", [1, 2], 10), b"client")
     assert refused.error_kind is ErrorKind.UNAVAILABLE  # no decode group is left
 
 
@@ -276,14 +276,14 @@ def test_a_prefill_group_that_dies_takes_only_the_requests_not_yet_decoding():
     cluster.submit("decoding", list(range(1, 9)), max_new_tokens=20)
     cluster.step()
     cluster.step()
-    placements = cluster.coordinator.disaggregation.placements
+    placements = cluster.placement.requests
     assert placements["decoding"].phase is Phase.DECODE
     cluster.submit("prefilling", list(range(1, 40)))
-    cluster.coordinator.schedule([])  # dispatched to the prefill group, not yet run
-    results = cluster.coordinator.remove_group("p", "the worker serving this request died")
+    cluster.placement.schedule([])  # dispatched to the prefill group, not yet run
+    results = cluster.placement.remove_group("p", "the worker serving this request died")
     assert list(results[b"client"]) == ["prefilling"]
     assert list(placements) == ["decoding"]
-    refused = cluster.coordinator.add_request(TextContext("new", [1, 2], 10), b"client")
+    refused = cluster.placement.add_request(TextContext("new", [1, 2], 10), b"client")
     assert refused.error_kind is ErrorKind.UNAVAILABLE  # no prefill group left...
     tokens = cluster.run()  # ...but the request already decoding runs to its end
     assert len(tokens["decoding"]) == 20
@@ -291,7 +291,7 @@ def test_a_prefill_group_that_dies_takes_only_the_requests_not_yet_decoding():
 
 def test_stats_count_each_role_while_a_role_is_missing():
     cluster = Cluster({"d": WorkerRole.DECODE})
-    stats = cluster.coordinator.stats()
+    stats = cluster.placement.stats()
     assert not stats.workers_ready
     assert stats.num_requests_running_by_role == {"prefill": 0, "decode": 0}
     assert stats.num_requests_waiting_by_role == {"prefill": 0, "decode": 0}
@@ -299,14 +299,15 @@ def test_stats_count_each_role_while_a_role_is_missing():
 
 def test_groups_that_cannot_work_together_are_refused_with_the_reason():
     cluster = Cluster(DISAGGREGATED)
-    workers, coordinator = cluster.workers, cluster.coordinator
+    workers, placement = cluster.workers, cluster.placement
 
     def register(name: str, role: WorkerRole, **changes) -> str | None:
-        fields = {"model_name": "m", "num_kv_blocks": 64, "block_size": BLOCK_SIZE}
+        fields = {"protocol_version": PROTOCOL_VERSION, "model_name": "m", "num_kv_blocks": 64}
+        fields |= {"block_size": BLOCK_SIZE}
         fields |= {"max_model_len": 256, "kv_layout": LAYOUT, "transfer_addr": "inproc://x"}
         ready = WorkerReady(**{**fields, **changes}, role=role, group=name)
         workers.register(name.encode(), ready)
-        return coordinator.add_group(workers.groups[name])
+        return placement.add_group(workers.groups[name])
 
     assert register("h", WorkerRole.HYBRID) == (
         "group 'h' (hybrid) cannot serve: hybrid groups and prefill/decode groups cannot serve "
@@ -324,7 +325,7 @@ def test_groups_that_cannot_work_together_are_refused_with_the_reason():
         "transfers at"
     )
     assert register("p3", WorkerRole.PREFILL) is None  # a second prefill group is welcome
-    assert sorted(coordinator.groups) == ["d", "p", "p3"]
+    assert sorted(placement.groups) == ["d", "p", "p3"]
 
 
 def test_requests_spread_over_the_prefill_groups_and_the_decode_groups():
@@ -337,7 +338,7 @@ def test_requests_spread_over_the_prefill_groups_and_the_decode_groups():
     senders = {name for name, m in cluster.sent if getattr(m, "kv_sends", [])}
     receivers = {name for name, m in cluster.sent if isinstance(m, KVTransfers)}
     assert (senders, receivers) == ({"p0", "p1"}, {"d0", "d1"})
-    stats = cluster.coordinator.stats()
+    stats = cluster.placement.stats()
     assert stats.num_requests_running_by_role == {"prefill": 0, "decode": 0}
 
 
@@ -464,7 +465,9 @@ def test_early_shards_wait_for_their_announcement_and_cancelled_ones_are_dropped
 
 
 def test_the_handshake_round_trips_with_its_layout_and_role():
-    ready = WorkerReady("m", 8, 16, 64, 1, 2, WorkerRole.DECODE, "d", LAYOUT, "tcp://h:1")
+    ready = WorkerReady(
+        PROTOCOL_VERSION, "m", 8, 16, 64, 1, 2, WorkerRole.DECODE, "d", LAYOUT, "tcp://h:1"
+    )
     encoded = msgspec.msgpack.encode(ready)
     assert msgspec.msgpack.decode(encoded, type=WorkerReady) == ready
     assert LAYOUT.block_bytes(16) == 2 * 2 * 16 * 4 * 8 * 4

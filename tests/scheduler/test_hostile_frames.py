@@ -29,6 +29,7 @@ from interfaces import (
 )
 from interfaces.api_to_scheduler import AbortRequests, SubmitRequest
 from interfaces.embeddings import EmbeddingsContext
+from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.sampling import SamplingParams
 from interfaces.scheduler_to_api import SchedulerResults
 from interfaces.scheduler_to_worker import KVReceive, KVSend, Shutdown
@@ -38,7 +39,7 @@ from interfaces.worker_to_worker import KVShardHeader
 from scheduler.admission import context_problem
 from scheduler.config import SchedulerConfig, WorkerLimits
 from scheduler.counters import SchedulerCounters
-from scheduler.disaggregation import Disaggregation
+from scheduler.disaggregation import DisaggregatedPlacement
 from scheduler.embeddings import Embeddings
 from scheduler.worker_group import ready_problem
 from tests.interfaces.test_transport import role_keys
@@ -195,14 +196,14 @@ def test_an_error_while_admitting_one_request_refuses_it_alone(system, monkeypat
     server, context, frontend, backend = system
     client = api_client(context, frontend)
     start_worker(context, backend, client)
-    add_request = server.coordinator.add_request
+    add_request = server.placement.add_request
 
     def add_or_raise(request, client_id):
         if request.request_id == "boom":
             raise RuntimeError("a bug that only this request triggers")
         return add_request(request, client_id)
 
-    monkeypatch.setattr(server.coordinator, "add_request", add_or_raise)
+    monkeypatch.setattr(server.placement, "add_request", add_or_raise)
     client.send(encode(SubmitRequest(ctx("innocent", [1, 1], max_new_tokens=10))))
     client.send(encode(SubmitRequest(ctx("boom", [2]))))
     tokens, finals = collect(client, ["innocent", "boom"])
@@ -305,7 +306,8 @@ def test_hostile_handshakes_are_refused_and_the_workers_serve_on(system, case):
     assert not worker.got_shutdown.is_set()
 
 
-READY = {"model_name": "fake", "num_kv_blocks": 64, "block_size": 4, "max_model_len": 256}
+READY = {"protocol_version": PROTOCOL_VERSION, "model_name": "fake", "num_kv_blocks": 64}
+READY |= {"block_size": 4, "max_model_len": 256}
 """The fake worker's handshake (``tests.scheduler.test_scheduler_server.FakeWorkerThread``)."""
 
 
@@ -386,8 +388,8 @@ def transfer():
 
 
 def test_transfer_ids_are_unguessable():
-    disaggregation = Disaggregation(SchedulerConfig(), SchedulerCounters(), {})
-    ids = [disaggregation.new_transfer_id() for _ in range(1000)]
+    placement = DisaggregatedPlacement(SchedulerConfig(), SchedulerCounters())
+    ids = [placement.new_transfer_id() for _ in range(1000)]
     assert len(set(ids)) == 1000 and all(0 <= i < 2**64 for i in ids)
     assert sum(i >= 2**32 for i in ids) > 990  # 64 random bits, not a counter
 
@@ -515,7 +517,8 @@ def test_the_kv_block_bound_is_the_schedulers_flag():
         "num_kv_blocks 64 is outside [1, 32] (give the worker a larger --block-size or a "
         "smaller --kv-cache-memory, or the scheduler a larger --max-worker-kv-blocks)"
     )
-    embedding = WorkerReady("e", 0, 1, 512, role=WorkerRole.EMBEDDING)  # no KV cache at all
+    # No KV cache at all:
+    embedding = WorkerReady(PROTOCOL_VERSION, "e", 0, 1, 512, role=WorkerRole.EMBEDDING)
     assert ready_problem(embedding, limits) is None
     with pytest.raises(ValueError, match="max_kv_blocks must be at least 1"):
         WorkerLimits(max_kv_blocks=0)

@@ -17,7 +17,7 @@ from interfaces import (
 )
 from interfaces.worker_to_scheduler import GrammarsReady, RequestFailure, WorkerOutput
 from scheduler.config import KVCacheConfig, SchedulerConfig
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import MALFORMED_OUTPUT, Scheduler
 from tests.support.fake_worker import FakeTokenGenerator, next_token_for
 
 CLIENT = b"api-0"
@@ -417,6 +417,34 @@ def test_a_request_whose_sampling_failed_ends_alone_and_its_blocks_stay_cached()
     scheduler.add_request(context("again", [6, 7, 8, 9, 10]), CLIENT)
     step = scheduler.schedule()
     assert step.new_requests[0].num_computed_tokens == 4  # the failed request's block is kept
+
+
+def test_the_workers_output_is_sent_on_completed_and_a_malformed_one_fails_alone():
+    scheduler, worker = make_scheduler(), FakeTokenGenerator(4)
+    for request_id in ("good", "none", "two", "other"):
+        scheduler.add_request(context(request_id, [1, 2, 3], max_new_tokens=1), CLIENT)
+    step = scheduler.schedule()
+    good = worker.next_token(step)["good"]
+    outputs = {
+        "good": good,
+        "none": TextGenerationOutput("none", []),
+        "two": TextGenerationOutput("two", [5, 6]),
+        "other": TextGenerationOutput("good", [5]),
+    }
+    results = scheduler.update_from_output(WorkerOutput(step.step_id, outputs))[CLIENT]
+    scheduler.check_integrity()
+    assert results["good"].result is good  # built once, by the worker
+    assert good.final_status is GenerationStatus.MAXIMUM_LENGTH
+    for request_id in ("none", "two", "other"):
+        failed = results[request_id]
+        assert (failed.status, failed.error_kind, failed.error) == (
+            SchedulerStatus.CANCELLED,
+            ErrorKind.INTERNAL,
+            MALFORMED_OUTPUT,
+        )
+    assert scheduler.requests == {}
+    scheduler.add_request(context("next", [4]), CLIENT)
+    assert sorted(scheduler.schedule().finished_request_ids) == ["good", "none", "other", "two"]
 
 
 def test_a_deferred_request_waits_outside_the_batch_until_its_grammar_is_ready():

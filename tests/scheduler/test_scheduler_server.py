@@ -24,6 +24,7 @@ from interfaces import (
     msgpack_numpy_encoder,
 )
 from interfaces.api_to_scheduler import AbortRequests, StatsRequest, SubmitRequest
+from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats, SchedulerToApiMessage
 from interfaces.scheduler_to_worker import ScheduledStep, SchedulerToWorkerMessage, Shutdown
 from interfaces.worker_to_scheduler import WorkerFailure, WorkerOutput, WorkerReady
@@ -71,7 +72,9 @@ class FakeWorkerThread(threading.Thread):
             self.socket.close()  # by its own thread, before the fixture destroys the context
 
     def _serve(self) -> None:
-        ready = WorkerReady("fake", 64, 4, 256, self.rank, self.tensor_parallel_size)
+        ready = WorkerReady(
+            PROTOCOL_VERSION, "fake", 64, 4, 256, self.rank, self.tensor_parallel_size
+        )
         self.socket.send(encode(ready))
         while self.socket.poll(TIMEOUT_MS):
             message = decode_worker(self.socket.recv())

@@ -4,7 +4,9 @@ A thread owns a ZeroMQ ROUTER bound to an ``ipc://`` address. It answers ``Stats
 ``SchedulerStats``; for each ``SubmitRequest`` it streams a fixed token sequence (``reply``, then
 ``eos_token_id``) one step at a time, finishing with END_OF_SEQUENCE, or with MAXIMUM_LENGTH when
 the context's ``max_length`` is reached first; it records every submitted context and every
-aborted request id. Behaviour is set through attributes between tests (see ``reset``).
+aborted request id. Behaviour is set through attributes between tests (see ``reset``). It
+records each ``ApiHello`` and answers it with ``HandshakeRefused`` when ``refuse_hello_with``
+is set, as a scheduler of another protocol version does.
 
 When a context asks for log probabilities the fake reports canned ones, as the worker would:
 ``fake_logprob(position)`` for each token and ``fake_top(token_id, position, k)`` for its
@@ -32,6 +34,7 @@ from interfaces.api_to_scheduler import (
 )
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.embeddings import EmbeddingsContext
+from interfaces.handshake import ApiHello, HandshakeRefused
 from interfaces.outputs import GenerationStatus
 from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats
 
@@ -86,6 +89,7 @@ class FakeScheduler:
         self.submitted: list[TextContext] = []
         self.embeddings_submitted: list[EmbeddingsContext] = []
         self.aborted: list[str] = []
+        self.hellos: list[ApiHello] = []
         self.num_stats_requests = 0
         self.reset()
         self._running: dict[str, _Running] = {}
@@ -109,6 +113,7 @@ class FakeScheduler:
         self.fail_with: str | None = None
         self.fail_after_tokens = 0
         self.reject_with: str | None = None
+        self.refuse_hello_with: str | None = None
         self.workers_ready = True
         self.silent = False
 
@@ -162,7 +167,11 @@ class FakeScheduler:
                 next_step = time.monotonic() + self.step_interval_s
 
     def _handle(self, identity: bytes, message: ApiToSchedulerMessage) -> None:
-        if isinstance(message, StatsRequest):
+        if isinstance(message, ApiHello):
+            self.hellos.append(message)
+            if self.refuse_hello_with is not None:
+                self._send(identity, HandshakeRefused(self.refuse_hello_with))
+        elif isinstance(message, StatsRequest):
             self.num_stats_requests += 1
             self._send(identity, self.stats())
         elif isinstance(message, SubmitEmbeddings):
@@ -234,7 +243,9 @@ class FakeScheduler:
             return SchedulerResult.active(output)
         return SchedulerResult.complete(output)
 
-    def _send(self, identity: bytes, message: SchedulerResults | SchedulerStats) -> None:
+    def _send(
+        self, identity: bytes, message: SchedulerResults | SchedulerStats | HandshakeRefused
+    ) -> None:
         self._socket.send_multipart([identity, self._encode(message)])
 
 

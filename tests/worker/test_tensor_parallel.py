@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interfaces import SamplingParams, StructuredOutput, TextContext
+from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.worker_to_scheduler import WorkerReady
 from scheduler.worker_group import WorkerGroups
 from tests.scheduler.test_engine_parity import greedy_tokens
@@ -216,7 +217,8 @@ def test_tp3_matches_transformers_on_the_default_model(default_model_dir, refere
 
 
 def ready(rank: int, size: int = 2, **changes) -> WorkerReady:
-    fields = {"model_name": "m", "num_kv_blocks": 64, "block_size": 16, "max_model_len": 512}
+    fields = {"protocol_version": PROTOCOL_VERSION, "model_name": "m", "num_kv_blocks": 64}
+    fields |= {"block_size": 16, "max_model_len": 512}
     return WorkerReady(**{**fields, **changes}, rank=rank, tensor_parallel_size=size)
 
 

@@ -19,6 +19,7 @@ from interfaces import (
     msgpack_numpy_decoder,
     msgpack_numpy_encoder,
 )
+from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.scheduler_to_worker import (
     CachedRequestData,
     NewRequestData,
@@ -54,12 +55,12 @@ def router(tmp_path):
     context.term()
 
 
-def start_worker(model_dir: Path, address: str) -> subprocess.Popen:
+def start_worker(model_dir: Path, address: str, **popen) -> subprocess.Popen:
     command = [sys.executable, "-m", "worker", "--model", str(model_dir)]
     command += ["--scheduler-addr", address, "--kv-cache-memory", "1MiB", "--device", "cpu"]
     command += ["--served-model-name", "tiny"]
     return subprocess.Popen(
-        command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, **popen
     )
 
 
@@ -94,7 +95,14 @@ def test_worker_serves_steps_survives_hostile_frames_and_shuts_down(
     assert ready.group.startswith("hybrid@")  # the role, the host and the pid
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
     assert ready == WorkerReady(
-        "tiny", 128, 16, 512, group=ready.group, kv_layout=layout, vocab_size=49152
+        PROTOCOL_VERSION,
+        "tiny",
+        128,
+        16,
+        512,
+        group=ready.group,
+        kv_layout=layout,
+        vocab_size=49152,
     )
     expected = expected_greedy_tokens(tiny_llama_dir, 2)
 
@@ -125,6 +133,21 @@ def test_worker_serves_steps_survives_hostile_frames_and_shuts_down(
     socket.send_multipart([identity, encode(Shutdown())])
     assert worker.wait(timeout=20) == 0
     assert not marker.exists()
+
+
+def test_a_worker_refused_for_its_protocol_version_logs_both_and_exits_1(tiny_llama_dir, router):
+    socket, address = router
+    process = start_worker(tiny_llama_dir, address, stderr=subprocess.PIPE, text=True)
+    identity, ready = receive(socket, STARTUP_TIMEOUT_MS)
+    assert ready.protocol_version == PROTOCOL_VERSION
+    reason = (  # what a scheduler of the next version answers
+        f"the worker speaks protocol version {PROTOCOL_VERSION}, and this scheduler speaks "
+        f"protocol version {PROTOCOL_VERSION + 1}: run the same Switchyard version on every process"
+    )
+    socket.send_multipart([identity, encode(Shutdown(reason))])
+    _, log = process.communicate(timeout=20)
+    assert process.returncode == 1
+    assert f"the scheduler refused this worker: {reason}" in log
 
 
 def test_worker_exits_1_when_the_scheduler_goes_away(router, worker):

@@ -14,7 +14,7 @@ from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, Sc
 from interfaces.worker_to_scheduler import MAX_KV_BLOCKS
 from scheduler.config import WorkerLimits
 from worker.attention import build_batch_layout
-from worker.config import WorkerConfig, parse_memory
+from worker.config import WorkerConfig
 from worker.kv_cache import (
     bytes_per_block,
     free_memory,
@@ -28,6 +28,7 @@ from worker.models import panel_gemm
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear, prepacking
 from worker.sampler import Sampler, SamplingBatch, check_supported
+from worker.settings import parse_memory
 
 VOCAB = 50
 CPU = torch.device("cpu")

@@ -215,6 +215,8 @@ class ApiServerConfig:
 
     It serves a text generation model (``model_dir``, for the chat, completion and tokenizer
     routes), an embedding model (``embedding_model_dir``, for /v1/embeddings), or both.
+    ``python -m api_server`` makes it from ``ApiServerSettings`` (its flags) once the model
+    directories are resolved; tests build it directly.
     """
 
     model_dir: Path | None

@@ -10,8 +10,13 @@ stays silent for ``scheduler_timeout_s`` every in-flight request fails with
 A scheduler that dies is noticed sooner: the socket's monitor reports the dropped connection,
 every request in flight fails at once, and new ones fail at once until the connection is back.
 
-The first frame on every connection is ``ApiHello``, the protocol version this server speaks
-(``interfaces.handshake``). A scheduler of another version answers ``HandshakeRefused``: the
+``ApiHello``, the protocol version this server speaks (``interfaces.handshake``), is the first
+frame sent on the first connection, and is sent again each time the monitor reports the
+connection back, ahead of any request submitted on it (requests are refused while it is lost).
+Frames asked for while the connection was down (an abort, a stats request, embeddings still
+waiting for the socket) wait in pyzmq's queue and may leave ahead of that ``ApiHello``: harmless,
+since the scheduler serves frames that come before one, and refuses a server of another version
+when its ``ApiHello`` arrives. A scheduler of another version answers ``HandshakeRefused``: the
 reason is logged, every request fails as with a lost scheduler, and ``refused()`` returns it,
 for the server to exit.
 

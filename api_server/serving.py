@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
@@ -56,8 +57,6 @@ from api_server.tokenizer import HuggingFaceTokenizer
 from api_server.tools import ToolCalling, chat_constraint, tool_calling
 from interfaces import (
     ErrorKind,
-    SamplingParams,
-    StructuredOutput,
     TextContext,
     TextGenerationRequest,
 )
@@ -113,8 +112,8 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     state.check_accepting()
     check_request_limits(request, state.request_limits, state.tokenizer.max_model_len)
     response_id = f"chatcmpl-{current_request_id()}"
-    tools, constraint, params = await state.tokenizer.run_in_thread(
-        _checked_chat_request, request, state
+    tools, prompt = await state.tokenizer.run_in_thread(
+        _checked_chat_request, request, state, engine_request_id(response_id)
     )
     options = _text_options(request)
     if tools is not None and state.tokenizer.special_token_texts & set(tools.markers):
@@ -127,10 +126,8 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     check_images_accepted(inputs, state.tokenizer.why_no_images, state.model_name)
     vision, max_model_len = state.tokenizer.vision, state.tokenizer.max_model_len
     images = await load_images(inputs, state.config.media, vision, max_model_len)
-    prompt_tools = None if tools is None else tools.tools
-    prompt = chat_generation_request(
-        request, engine_request_id(response_id), params, prompt_tools, constraint, images
-    )
+    if images:
+        prompt = msgspec.structs.replace(prompt, images=images)
     generation = await _generation(state, request, [prompt], options, arrival_time)
     # No await between the two: from here on ``Generation.deltas``, which ``_respond`` starts
     # at once, closes the generation's image segments however it ends.
@@ -157,15 +154,18 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
 
 
 def _checked_chat_request(
-    request: ChatCompletionRequest, state: ServerState
-) -> tuple[ToolCalling | None, StructuredOutput | None, SamplingParams]:
-    """The request's tools, constraint and sampling parameters; a 400 for anything unsupported
-    or invalid. CPU work (meta-validating schemas): run it in a prepare thread."""
+    request: ChatCompletionRequest, state: ServerState, request_id: str
+) -> tuple[ToolCalling | None, TextGenerationRequest]:
+    """The request's tools and the request itself, still without its images; a 400 for
+    anything unsupported or invalid. CPU work (meta-validating schemas, one wire message per
+    chat message): run it in a prepare thread."""
     check_supported(request)
     max_bytes = state.request_limits.max_structured_output_bytes
     tools = tool_calling(request, max_bytes)
     constraint = chat_constraint(request, tools, max_bytes)
-    return tools, constraint, sampling_params(request, state.tokenizer.vocab_size)
+    params = sampling_params(request, state.tokenizer.vocab_size)
+    prompt_tools = None if tools is None else tools.tools
+    return tools, chat_generation_request(request, request_id, params, prompt_tools, constraint)
 
 
 def _checked_completion_requests(

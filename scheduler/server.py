@@ -18,10 +18,9 @@ Nothing that arrives is trusted beyond its types: a request's values are checked
 served model (``scheduler.admission.context_problem``) and a bad one is refused to its sender
 alone; a worker's handshake is checked (``scheduler.worker_group.ready_problem``) and a place in
 a group belongs to the connection that took it; an API server may abort only the requests it
-submitted. A worker or an API server of another protocol version is refused at its handshake
-(``interfaces.handshake``): a worker gets ``Shutdown`` with the reason, an API server
-``HandshakeRefused``, and its frames are ignored from then on. A message whose handling raises
-is logged and refused, and the loop serves on.
+submitted. A worker or an API server of another protocol version is refused at its handshake,
+and a frame that does not decode is dropped or refused (``scheduler.handshakes``). A message
+whose handling raises is logged and refused, and the loop serves on.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from interfaces.api_to_scheduler import (
     SubmitEmbeddings,
     SubmitRequest,
 )
-from interfaces.handshake import ApiHello, HandshakeRefused, frame_head, version_mismatch
+from interfaces.handshake import ApiHello
 from interfaces.scheduler_to_api import SchedulerEmbeddingsResults, SchedulerResults, SchedulerStats
 from interfaces.scheduler_to_worker import ScheduledStep, Shutdown
 from interfaces.transport import BACKEND, FRONTEND, Link, TransportSecurity
@@ -69,6 +68,7 @@ from scheduler.config import SchedulerConfig, WorkerLimits
 from scheduler.counters import SchedulerCounters
 from scheduler.disaggregation import DisaggregatedPlacement
 from scheduler.embeddings import Embeddings, EmbeddingsByClient
+from scheduler.handshakes import Handshakes
 from scheduler.hybrid import HybridPlacement
 from scheduler.images import ImageSegments
 from scheduler.peers import PeerTracker
@@ -80,18 +80,6 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100
 MAX_WORKER_MESSAGE_BYTES = 256 << 20
-READY_TAG = WorkerReady.__struct_config__.tag
-HELLO_TAG = ApiHello.__struct_config__.tag
-
-
-class _RequestIdOnly(msgspec.Struct):
-    request_id: str
-
-
-class _SubmittedId(msgspec.Struct, tag="submit", array_like=True):
-    """Just the request id of a ``SubmitRequest`` whose values did not decode, to refuse it."""
-
-    context: _RequestIdOnly
 
 
 class SchedulerServer:
@@ -116,7 +104,6 @@ class SchedulerServer:
         self._worker_peers = PeerTracker(self._backend)
         self._encode = msgpack_numpy_encoder()
         self._decode_api = msgpack_numpy_decoder(ApiToSchedulerMessage)
-        self._decode_submitted_id = msgspec.msgpack.Decoder(_SubmittedId)
         self._decode_worker = msgpack_numpy_decoder(WorkerToSchedulerMessage)
         self.counters = SchedulerCounters()
         """Shared by every group's ``Scheduler``, for the life of this process, so /metrics
@@ -128,9 +115,8 @@ class SchedulerServer:
         self.embeddings = Embeddings(config)
         """The embedding groups, apart: they run no generation and hold no KV cache."""
         self._workers = WorkerGroups()
-        self._refused_api_servers: set[bytes] = set()
-        """API servers refused at their ``ApiHello`` (another protocol version), until they
-        disconnect: their frames are ignored."""
+        self._handshakes = Handshakes()
+        """Who is refused at the handshake, and what they are told."""
         self._in_flight: dict[str, ScheduledStep] = {}
         """The step each group is running, by group name."""
         self._stopping = threading.Event()
@@ -195,20 +181,17 @@ class SchedulerServer:
     # -- API servers ---------------------------------------------------------------------------
 
     def _on_api_message(self, client_id: bytes, payload: memoryview) -> None:
-        if client_id in self._refused_api_servers:
+        if self._handshakes.refused(client_id):
             return
         try:
             message = self._decode_api(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
-            tag, version = frame_head(payload)
-            if tag == HELLO_TAG and version_mismatch("API server", version) is not None:
-                self._on_hello(client_id, version)  # an ApiHello of another version's shape
-                return
-            logger.warning("dropped a malformed frame from an API server: %s", error)
-            self._refuse_undecodable(client_id, payload, error)
+            reply = self._handshakes.on_undecodable_api_frame(client_id, payload, error)
+            self._answer_api(client_id, reply)
             return
         if isinstance(message, ApiHello):
-            self._on_hello(client_id, message.protocol_version)
+            reply = self._handshakes.on_hello(client_id, message.protocol_version)
+            self._answer_api(client_id, reply)
         elif isinstance(message, SubmitRequest):
             self._on_submit(client_id, message.context)
         elif isinstance(message, SubmitEmbeddings):
@@ -216,27 +199,12 @@ class SchedulerServer:
         elif isinstance(message, AbortRequests):
             self._on_abort(client_id, message.request_ids)
         elif isinstance(message, StatsRequest):
-            self._frontend.send_multipart([client_id, self._encode(self.stats())])
+            self._answer_api(client_id, self.stats())
 
-    def _on_hello(self, client_id: bytes, version: int | None) -> None:
-        """An API server speaks protocol ``version``: one of another version is refused (it
-        exits) and its frames are ignored from now on; a matching one needs no answer."""
-        reason = version_mismatch("API server", version)
-        if reason is None:
-            return
-        logger.error("refused an API server: %s", reason)
-        self._refused_api_servers.add(client_id)
-        self._frontend.send_multipart([client_id, self._encode(HandshakeRefused(reason))])
-
-    def _refuse_undecodable(self, client_id: bytes, payload: memoryview, error: Exception) -> None:
-        """Answer a ``SubmitRequest`` whose values did not decode, if its id did, so its
-        sender does not wait for it forever."""
-        try:
-            request_id = self._decode_submitted_id.decode(payload).context.request_id
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return
-        rejection = SchedulerResult.rejected_request(f"the request is malformed: {error}")
-        self._send_results({client_id: {request_id: rejection}})
+    def _answer_api(self, client_id: bytes, reply: msgspec.Struct | None) -> None:
+        """Send ``reply`` to API server ``client_id``; None sends nothing."""
+        if reply is not None:
+            self._frontend.send_multipart([client_id, self._encode(reply)])
 
     def _on_submit(self, client_id: bytes, context: TextContext) -> None:
         problem = context_problem(context, self.placement.vocab_size)
@@ -276,7 +244,7 @@ class SchedulerServer:
             self._send_results(self.placement.abort_requests(mine))
 
     def _on_api_disconnect(self, client_id: bytes) -> None:
-        self._refused_api_servers.discard(client_id)
+        self._handshakes.forget(client_id)
         num_aborted = self.placement.abort_client(client_id)
         num_aborted += self.embeddings.abort_client(client_id)
         if num_aborted:
@@ -312,11 +280,8 @@ class SchedulerServer:
         try:
             message = self._decode_worker(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as error:
-            tag, version = frame_head(payload)
-            if tag == READY_TAG and version_mismatch("worker", version) is not None:
-                self._refuse_version(worker_id, version)  # a WorkerReady of another shape
-            else:
-                logger.warning("dropped a malformed frame from a worker: %s", error)
+            reply = self._handshakes.on_undecodable_worker_frame(payload, error)
+            self._answer_worker(worker_id, reply)
             return
         if isinstance(message, WorkerReady):
             self._on_worker_ready(worker_id, message)
@@ -383,18 +348,17 @@ class SchedulerServer:
             )
         self._retire(registration, "the worker serving this request died")
 
-    def _refuse_version(self, worker_id: bytes, version: int | None) -> None:
-        """A worker of another protocol version is told why and shut down; nothing else
-        changes (it holds no place in any group)."""
-        reason = version_mismatch("worker", version)
-        logger.error("refused a worker: %s", reason)
-        self._backend.send_multipart([worker_id, self._encode(Shutdown(reason))])
+    def _answer_worker(self, worker_id: bytes, reply: Shutdown | None) -> None:
+        """Send ``reply`` to worker ``worker_id``; None sends nothing."""
+        if reply is not None:
+            self._backend.send_multipart([worker_id, self._encode(reply)])
 
     def _on_worker_ready(self, worker_id: bytes, ready: WorkerReady) -> None:
         """Register a worker; one whose handshake is refused is told why and shut down, and
         nothing else changes."""
-        if version_mismatch("worker", ready.protocol_version) is not None:
-            self._refuse_version(worker_id, ready.protocol_version)
+        refusal = self._handshakes.on_worker_ready(ready)
+        if refusal is not None:
+            self._answer_worker(worker_id, refusal)
             return
         problem = ready_problem(ready, self.worker_limits)
         if problem is not None:

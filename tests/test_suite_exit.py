@@ -1,4 +1,6 @@
-"""The suite itself: a session whose tests froze the heap exits without nanobind's leak report."""
+"""The suite itself: a session whose tests froze the heap exits without nanobind's leak report.
+
+It tests tests/conftest.py, which belongs to no package, so it sits beside it."""
 
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ def test_headers_at_the_limits_pass() -> None:
     assert run_middleware(headers, [b""])[1][0]["status"] == 431
 
 
-def test_limit_flags(default_model_dir: Path) -> None:
+def test_http_limits_take_their_flags_or_defaults_and_refuse_zero(default_model_dir: Path) -> None:
     required = ["--model", str(default_model_dir), "--scheduler-addr", "ipc://s"]
     assert build_config(parse_args(required)).limits == HttpLimits(33554432, 100, 65536)
     flags = ["--max-request-body-bytes", "1000", "--max-header-count", "5"]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from api_server.chat_template import ChatTemplateError
 from api_server.tokenizer import HuggingFaceTokenizer
-from interfaces import SamplingParams, TextGenerationRequest, TextGenerationRequestMessage
+from interfaces import TextGenerationRequest
+from tests.support.tokenizer_dirs import chat_request, make_model_dir
 
 SMOLLM_DEFAULT_SYSTEM = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -22,26 +22,6 @@ SMOLLM_DEFAULT_SYSTEM = (
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir: Path) -> HuggingFaceTokenizer:
     return HuggingFaceTokenizer(default_model_dir, max_model_len=64)
-
-
-def make_model_dir(source: Path, target: Path, tokenizer_config: dict, **files: str) -> Path:
-    """A model directory with ``source``'s tokenizer.json and the given configs."""
-    target.mkdir()
-    shutil.copy(source / "tokenizer.json", target / "tokenizer.json")
-    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    (target / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
-    for name, text in files.items():
-        (target / name.replace("__", ".")).write_text(text)
-    return target
-
-
-def chat_request(messages: list[dict], max_new_tokens: int | None = None) -> TextGenerationRequest:
-    return TextGenerationRequest(
-        request_id="r1",
-        index=0,
-        messages=[TextGenerationRequestMessage(**message) for message in messages],
-        sampling_params=SamplingParams(max_new_tokens=max_new_tokens),
-    )
 
 
 def test_smollm2_chat_template(tokenizer: HuggingFaceTokenizer) -> None:

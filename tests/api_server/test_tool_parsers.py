@@ -17,7 +17,7 @@ from api_server.tool_parsers import (
     merge_deltas,
 )
 from interfaces import ParsedToolCallDelta, ParsedToolResponse
-from tests.api_server.test_tokenizer import chat_request, make_model_dir
+from tests.support.tokenizer_dirs import chat_request, make_model_dir
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TIME = '{"name": "get_time", "arguments": {}}'

@@ -13,7 +13,7 @@ import subprocess
 
 import yaml
 
-from tests.deploy.test_deploy import (
+from tests.support.deploy import (
     COMPOSE_SECRETS,
     IMAGE_CURVE_KEYS_DIR,
     K8S_DIR,

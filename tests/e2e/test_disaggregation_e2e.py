@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.e2e.test_metrics import scrape
-from tests.scheduler.test_engine_parity import greedy_tokens
 from tests.support.clients import free_port
+from tests.support.engine import greedy_tokens
+from tests.support.metrics import scrape
 from tests.support.serve_process import (
     DEFAULT_MODEL_NAME,
     ServeProcess,

@@ -27,6 +27,7 @@ from api_server.metrics import (
     ServerMetrics,
     method_label,
 )
+from tests.support.metrics import Samples, parse_samples, scrape
 from tests.support.serve_process import DEFAULT_MODEL_NAME, ServeProcess, chat_messages, long_chat
 
 MODEL = DEFAULT_MODEL_NAME
@@ -40,22 +41,6 @@ PER_REQUEST_HISTOGRAMS = (
     "request_prompt_tokens",
     "request_generation_tokens",
 )
-Samples = dict[tuple[str, frozenset], float]
-
-
-def scrape(base_url: str) -> Samples:
-    return parse_samples(httpx.get(f"{base_url}/metrics", timeout=10).text)
-
-
-def parse_samples(text: str) -> Samples:
-    """Every sample of a Prometheus exposition, each of which must appear once."""
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = (sample.name, frozenset(sample.labels.items()))
-            assert key not in samples, f"{sample.name} {sample.labels} appears twice"
-            samples[key] = sample.value
-    return samples
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:

@@ -30,6 +30,7 @@ from interfaces.transport import (
     generate_curve_keys,
     transport_from_args,
 )
+from tests.support.curve_keys import role_keys
 
 WAIT_MS = 5000  # for a message that must arrive
 SILENCE_MS = 1000  # for a message that must not (a CURVE handshake on loopback takes ~ms)
@@ -230,15 +231,6 @@ def wrong_server_key(keys_dir: Path, tmp_path: Path) -> Path:
     directory.mkdir()
     shutil.copy(tmp_path / "other" / "scheduler.key", directory)
     for name in ("api_server.key", "api_server.key_secret"):
-        shutil.copy(keys_dir / name, directory)
-    return directory
-
-
-def role_keys(keys_dir: Path, tmp_path: Path, process: str) -> Path:
-    """A directory with only the files ``FILES_BY_PROCESS[process]`` (one host's share)."""
-    directory = tmp_path / process.replace(" ", "-")
-    directory.mkdir(mode=0o700)
-    for name in FILES_BY_PROCESS[process]:
         shutil.copy(keys_dir / name, directory)
     return directory
 

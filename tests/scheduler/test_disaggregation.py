@@ -32,12 +32,8 @@ from scheduler.disaggregation import DisaggregatedPlacement, Phase
 from scheduler.hybrid import HybridPlacement
 from scheduler.worker_group import WorkerGroups
 from tests.support.fake_worker import FakeTokenGenerator
-from worker.kv_cache import KVCache
+from tests.support.kv_caches import BLOCK_SIZE, LAYOUT, empty_cache, filled_cache, poll_reports
 from worker.kv_transfer import KVReceiver, KVSender, Shard, head_range, transfer_plan
-
-BLOCK_SIZE = 4
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32")
-
 
 # -- the placement --------------------------------------------------------------------------------
 
@@ -100,8 +96,10 @@ class Cluster:
         """Step until every request finished; every token each streamed."""
         for _ in range(max_rounds):
             self.step()
-            stats = self.placement.stats()
-            if not stats.num_requests_running and not stats.num_requests_waiting:
+            split = isinstance(self.placement, DisaggregatedPlacement) and self.placement.requests
+            if not split and not any(
+                group.scheduler.requests for group in self.placement.groups.values()
+            ):
                 self.sent += self.placement.schedule([])  # the last news for decode groups
                 return self.tokens
         raise AssertionError("requests did not finish")
@@ -359,23 +357,6 @@ def test_transfer_plan_sends_each_decode_rank_its_heads_from_the_lowest_holder()
         transfer_plan(4, 3, 1)
 
 
-def filled_cache(num_blocks: int, heads: tuple[int, int], seed: int) -> KVCache:
-    """A cache holding global heads [heads) of a random full cache (the same for every seed)."""
-    generator = torch.Generator().manual_seed(seed)
-    full = torch.randn(2, LAYOUT.num_layers, num_blocks, BLOCK_SIZE, LAYOUT.num_kv_heads,
-                       LAYOUT.head_dim, generator=generator)  # fmt: skip
-    cache = empty_cache(num_blocks, heads[1] - heads[0])
-    for layer in range(LAYOUT.num_layers):
-        cache.key_caches[layer].copy_(full[0, layer, :, :, heads[0] : heads[1]])
-        cache.value_caches[layer].copy_(full[1, layer, :, :, heads[0] : heads[1]])
-    return cache
-
-
-def empty_cache(num_blocks: int, num_heads: int) -> KVCache:
-    return KVCache(LAYOUT.num_layers, num_blocks, BLOCK_SIZE, num_heads, LAYOUT.head_dim,
-                   torch.float32, torch.device("cpu"))  # fmt: skip
-
-
 @pytest.mark.parametrize(("source_size", "destination_size"), [(1, 1), (2, 1), (1, 2), (2, 4)])
 def test_blocks_arrive_intact_across_tensor_parallel_sizes(source_size, destination_size):
     context = zmq.Context()
@@ -421,16 +402,6 @@ def test_blocks_arrive_intact_across_tensor_parallel_sizes(source_size, destinat
             endpoint.close()
         binder.close()
         context.term()
-
-
-def poll_reports(receiver: KVReceiver, timeout_s: float = 5.0) -> list[KVReceived]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if receiver.socket.poll(100):
-            reports = receiver.receive()
-            if reports:
-                return reports
-    raise AssertionError("no transfer completed")
 
 
 def test_early_shards_wait_for_their_announcement_and_cancelled_ones_are_dropped():

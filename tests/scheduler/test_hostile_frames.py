@@ -42,10 +42,9 @@ from scheduler.counters import SchedulerCounters
 from scheduler.disaggregation import DisaggregatedPlacement
 from scheduler.embeddings import Embeddings
 from scheduler.worker_group import ready_problem
-from tests.interfaces.test_transport import role_keys
-from tests.scheduler import test_scheduler_server
-from tests.scheduler.test_disaggregation import LAYOUT, empty_cache, filled_cache, poll_reports
-from tests.scheduler.test_scheduler_server import (
+from tests.support.curve_keys import role_keys
+from tests.support.kv_caches import LAYOUT, empty_cache, filled_cache, poll_reports
+from tests.support.scheduler_sockets import (
     TIMEOUT_MS,
     api_client,
     collect,
@@ -59,9 +58,6 @@ from tests.scheduler.test_scheduler_server import (
 )
 from worker import kv_early_shards
 from worker.kv_transfer import KVReceiver, KVSender
-
-system = test_scheduler_server.system
-"""A scheduler on real sockets with fake workers and API servers (that module's fixture)."""
 
 # -- the scheduler's frontend: what an API server (or anyone on its socket) submits ---------------
 
@@ -308,7 +304,7 @@ def test_hostile_handshakes_are_refused_and_the_workers_serve_on(system, case):
 
 READY = {"protocol_version": PROTOCOL_VERSION, "model_name": "fake", "num_kv_blocks": 64}
 READY |= {"block_size": 4, "max_model_len": 256}
-"""The fake worker's handshake (``tests.scheduler.test_scheduler_server.FakeWorkerThread``)."""
+"""The fake worker's handshake (``tests.support.scheduler_sockets.FakeWorkerThread``)."""
 
 
 def test_a_second_handshake_cannot_take_a_serving_group(system):

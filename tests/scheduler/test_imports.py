@@ -60,3 +60,16 @@ def test_a_cycle_under_type_checking_is_found(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     assert cycle_in("loop") in (["loop.a", "loop.b", "loop.a"], ["loop.b", "loop.a", "loop.b"])
+
+
+def test_the_hybrid_step_path_imports_nothing_of_disaggregation():
+    """The hybrid placement and the interface it implements reach no module of disaggregation,
+    directly or through others."""
+    graph = imports_within("scheduler")
+    reached, todo = set(), ["scheduler.hybrid", "scheduler.placement"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph.get(module, ())
+    assert not {m for m in reached if m.startswith("scheduler.disaggregation")}, reached

@@ -9,8 +9,7 @@ from interfaces.api_to_scheduler import StatsRequest, SubmitRequest
 from interfaces.handshake import PROTOCOL_VERSION, ApiHello, HandshakeRefused
 from interfaces.scheduler_to_worker import Shutdown
 from interfaces.worker_to_scheduler import WorkerReady
-from tests.scheduler import test_scheduler_server
-from tests.scheduler.test_scheduler_server import (
+from tests.support.scheduler_sockets import (
     TIMEOUT_MS,
     api_client,
     collect,
@@ -22,9 +21,6 @@ from tests.scheduler.test_scheduler_server import (
     start_worker,
     stats,
 )
-
-system = test_scheduler_server.system
-"""A scheduler on real sockets with fake workers and API servers (that module's fixture)."""
 
 NEWER = PROTOCOL_VERSION + 1
 ADVICE = "run the same Switchyard version on every process"

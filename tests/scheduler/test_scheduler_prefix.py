@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from interfaces import SchedulerStatus, TextContext
 from interfaces.worker_to_scheduler import WorkerOutput
-from tests.scheduler.test_scheduler import (
+from tests.support.fake_worker import FakeTokenGenerator
+from tests.support.scheduler_steps import (
     CLIENT,
     context,
     expected_tokens,
@@ -15,7 +16,6 @@ from tests.scheduler.test_scheduler import (
     run_step,
     run_to_completion,
 )
-from tests.support.fake_worker import FakeTokenGenerator
 
 
 def test_a_repeated_prompt_computes_only_its_uncached_tail():

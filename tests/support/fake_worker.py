@@ -1,4 +1,4 @@
-"""A model-free TokenGenerator that consumes SchedulerOutputs exactly as the real worker must.
+"""A model-free TokenGenerator that consumes ScheduledSteps exactly as the real worker must.
 
 Its next token is a pure function of the request's whole token sequence, so any scheduling path
 (chunking, preemption and recompute, batching) that is correct yields the same outputs.

@@ -4,7 +4,8 @@ Every rank receives the same steps, as from the scheduler: new requests in full,
 prompts prefilled in the given chunks while other requests decode and blocks drawn from a
 shuffled pool. The schedule depends on no output (requests ignore EOS and run to ``num_new``
 tokens), so it is written out before any rank starts. Rank 0 reports its outputs and refusals;
-the other ranks report the tokens they were sent.
+the other ranks report the tokens they were sent. ``tiny_requests()`` are the requests the CPU
+and GPU tests script.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from interfaces import TextContext
+import torch
+
+from interfaces import SamplingParams, StructuredOutput, TextContext
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, ScheduledStep
+from worker.config import WorkerConfig
 
 RANK_TIMEOUT_S = 240
 
@@ -126,7 +130,6 @@ def _rank_main(rank, world_size, port, model_dir, steps, max_model_len, device, 
 
 
 def _run_rank(rank, world_size, port, model_dir, steps, max_model_len, device) -> dict:
-    from worker.config import WorkerConfig
     from worker.model_runner import ModelRunner
     from worker.parallel import destroy_tensor_parallel, init_tensor_parallel
 
@@ -164,3 +167,29 @@ def _run_rank(rank, world_size, port, model_dir, steps, max_model_len, device) -
     }
     destroy_tensor_parallel()
     return report
+
+
+NUM_NEW_TOKENS = 12
+
+
+def greedy(request_id: str, prompt: list[int], **fields) -> TextContext:
+    params = SamplingParams(top_k=1, ignore_eos=True)
+    return TextContext(request_id, prompt, len(prompt) + NUM_NEW_TOKENS, [2], params, **fields)
+
+
+def tiny_requests() -> list[ScriptedRequest]:
+    """Three prompts, two prefilled in chunks while others decode; one asks for log
+    probabilities; one has a grammar that only rank 0 compiles, and fails to."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (9, 40, 77)]
+    bad_grammar = StructuredOutput("regex", "[0-9")
+    return [
+        ScriptedRequest(greedy("short", prompts[0], logprobs=2), [9]),
+        ScriptedRequest(greedy("chunked", prompts[1], prompt_logprobs=1), [16, 24]),
+        ScriptedRequest(greedy("long", prompts[2]), [50, 27]),
+        ScriptedRequest(
+            greedy("bad", prompts[0], structured_output=bad_grammar),
+            [9],
+            stop_after_first_step=True,
+        ),
+    ]

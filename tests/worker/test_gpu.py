@@ -7,9 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.support.tensor_parallel_ranks import run_group, scripted_steps
-from tests.worker.test_tensor_parallel import tiny_requests
-from tests.worker.test_worker_parity import NUM_NEW_TOKENS, DrivenRequest, FakeScheduler
+from tests.support.parity_scheduler import NUM_NEW_TOKENS, DrivenRequest, FakeScheduler
+from tests.support.tensor_parallel_ranks import run_group, scripted_steps, tiny_requests
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 

@@ -26,7 +26,7 @@ from interfaces import ImageMetadata, SamplingParams, SharedMemoryArray, TextCon
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, ScheduledStep
 from interfaces.worker_to_scheduler import WorkerOutput
 from tests.conftest import LLAVA_IMAGE_TOKEN_ID
-from tests.scheduler.test_engine_parity import Engine
+from tests.support.engine import Engine
 from tests.support.tensor_parallel_ranks import ScriptedRequest, run_group, scripted_steps
 from worker import images as worker_images
 from worker.config import WorkerConfig

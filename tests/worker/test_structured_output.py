@@ -1,6 +1,6 @@
 """Structured output through xgrammar masks: greedy decoding on the default model (SmolLM2).
 
-Requests are driven through the ModelRunner with hand-built SchedulerOutputs (``StepDriver``).
+Requests are driven through the ModelRunner with hand-built ScheduledSteps (``StepDriver``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from interfaces import StructuredOutput
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, ScheduledStep
 from interfaces.worker_to_scheduler import GrammarsReady
-from tests.worker.test_worker_sampling import EOS, DrivenRequest, StepDriver, context, small_runner
+from tests.support.step_driver import EOS, DrivenRequest, StepDriver, context, small_runner
 from worker.grammar_compiler import GrammarCompiler
 from worker.grammar_limits import GrammarLimits
 from worker.model_runner import ModelRunner

@@ -16,12 +16,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interfaces import SamplingParams, StructuredOutput, TextContext
 from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.worker_to_scheduler import WorkerReady
 from scheduler.worker_group import WorkerGroups
-from tests.scheduler.test_engine_parity import greedy_tokens
 from tests.support.clients import free_port, in_background, wait_until
+from tests.support.engine import greedy_tokens
 from tests.support.serve_process import (
     DEFAULT_MODEL_NAME,
     ServeProcess,
@@ -31,12 +30,17 @@ from tests.support.serve_process import (
     role_processes,
     wait_until_ready,
 )
-from tests.support.tensor_parallel_ranks import ScriptedRequest, run_group, scripted_steps
+from tests.support.tensor_parallel_ranks import (
+    NUM_NEW_TOKENS,
+    ScriptedRequest,
+    greedy,
+    run_group,
+    scripted_steps,
+    tiny_requests,
+)
 from worker import parallel
 from worker.config import WorkerConfig
 from worker.models.linear import Linear, Split, VocabEmbedding
-
-NUM_NEW_TOKENS = 12
 
 
 @pytest.fixture
@@ -131,29 +135,6 @@ def reference():
         return greedy_tokens(model_for(model_dir), prompt, NUM_NEW_TOKENS)
 
     return generate
-
-
-def greedy(request_id: str, prompt: list[int], **fields) -> TextContext:
-    params = SamplingParams(top_k=1, ignore_eos=True)
-    return TextContext(request_id, prompt, len(prompt) + NUM_NEW_TOKENS, [2], params, **fields)
-
-
-def tiny_requests() -> list[ScriptedRequest]:
-    """Three prompts, two prefilled in chunks while others decode; one asks for log
-    probabilities; one has a grammar that only rank 0 compiles, and fails to."""
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in (9, 40, 77)]
-    bad_grammar = StructuredOutput("regex", "[0-9")
-    return [
-        ScriptedRequest(greedy("short", prompts[0], logprobs=2), [9]),
-        ScriptedRequest(greedy("chunked", prompts[1], prompt_logprobs=1), [16, 24]),
-        ScriptedRequest(greedy("long", prompts[2]), [50, 27]),
-        ScriptedRequest(
-            greedy("bad", prompts[0], structured_output=bad_grammar),
-            [9],
-            stop_after_first_step=True,
-        ),
-    ]
 
 
 def test_tp2_and_tp4_match_tp1_and_transformers_on_the_tiny_model(tiny_llama_dir, reference):

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from interfaces.scheduler_to_worker import NewRequestData, ScheduledStep
-from tests.worker.test_worker_sampling import DrivenRequest, StepDriver, context, small_runner
+from tests.support.step_driver import DrivenRequest, StepDriver, context, small_runner
 from worker.model_runner import ModelRunner
 
 PROMPT = [1, 412, 1337, 95, 6012, 44, 23011, 7, 310, 2048, 17, 999, 4321, 5, 88, 1200, 31, 64, 3]

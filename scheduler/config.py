@@ -58,6 +58,15 @@ class SchedulerConfig:
     )
     """With disaggregation: how long after its hand-off a request's KV may take to reach its
     decode group before the request fails."""
+    migration_limit: int = setting(
+        3,
+        "--migration-limit",
+        "how many times one request may move to another worker group after its group died; "
+        "0 fails them as before",
+        metavar="N",
+    )
+    """With hybrid groups: how often one request may be moved to a surviving group (and
+    recomputed there) when the group running it dies; past it, it fails with 503."""
 
     def __post_init__(self) -> None:
         if not self.kv_transfer_timeout_s > 0:
@@ -76,6 +85,8 @@ class SchedulerConfig:
             )
         if self.max_queued_tokens < 1:
             raise ValueError(f"max_queued_tokens must be at least 1, got {self.max_queued_tokens}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be at least 0, got {self.migration_limit}")
 
 
 @dataclass(frozen=True)

@@ -155,8 +155,8 @@ class Placement(abc.ABC):
         return None
 
     def remove_group(self, name: str, reason: str) -> ResultsByClient:
-        """Group ``name`` is gone: fail every request it held with ``reason``; requests running
-        elsewhere go on."""
+        """Group ``name`` is gone: fail every request it held with ``reason`` (a hybrid
+        placement may move them instead); requests running elsewhere go on."""
         group = self.groups.pop(name, None)
         return {} if group is None else group.scheduler.fail_all(reason)
 

@@ -48,6 +48,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     worker_has_state: bool = False
     num_preemptions: int = 0
+    num_migrations: int = 0
+    """How often it moved to another group after the group running it died."""
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     """When the request was first admitted to the batch (``time.monotonic()``)."""

@@ -112,6 +112,38 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._enqueue(request)
 
+    def take_requests(self) -> list[Request]:
+        """Remove and return every request held here, running ones first (oldest first), then
+        the queue in order, their blocks freed: the group died, and they move to another
+        (``adopt``). Nothing is released on the worker: it is gone."""
+        requests = [*self.running, *self.waiting, *self.reserved.values()]
+        for request in requests:
+            self.block_manager.free(request)
+        self.running, self.waiting, self.reserved, self.requests = [], deque(), {}, {}
+        self.num_waiting_tokens = 0
+        return requests
+
+    def adopt(self, requests: list[Request]) -> None:
+        """Queue ``requests``, taken from a group that died (``take_requests``), at the front
+        in this order, as preempted ones: their KV blocks died with that group, so each is
+        recomputed from its prompt plus the tokens it generated so far, which this group's
+        worker receives as its outputs (``NewRequestData.output_token_ids``). The queue's
+        bounds do not apply: they were accepted once. The caller checked each with
+        ``can_adopt``."""
+        for request in reversed(requests):
+            request.num_computed_tokens = 0
+            request.waiting_for_grammar = False
+            request.worker_has_state = False
+            request.status = RequestStatus.WAITING
+            request.num_migrations += 1
+            self.requests[request.request_id] = request
+            self._enqueue(request, at_front=True)
+
+    def can_adopt(self, request: Request) -> bool:
+        """Whether ``request`` could ever run here (its context fits this pool)."""
+        max_model_len = self.kv_cache.max_model_len
+        return admission_problem(request.context, max_model_len, self.block_manager) is None
+
     def can_reserve(self, num_prompt_tokens: int) -> bool:
         """Whether ``reserve`` would succeed now. Never while requests wait here (preempted
         ones, to be recomputed): freed blocks go to them first."""

@@ -8,8 +8,9 @@ tensor-parallel group's ranks each receive every step; rank 0 answers
 (``scheduler.worker_group``).
 
 Peers that go away are noticed at once (``scheduler.peers.PeerTracker``). A worker (any rank)
-that disconnects fails every request its group held with an UNAVAILABLE error, and the rest of
-the group is told to shut down; while no group can serve, new requests are refused the same way.
+that disconnects fails every request its group held with an UNAVAILABLE error (or, with hybrid
+groups, moves them to another group: ``HybridPlacement.remove_group``), and the rest of the
+group is told to shut down; while no group can serve, new requests are refused the same way.
 An API server that disconnects has its requests aborted and their blocks freed. Nothing is
 dropped for being queued: the high-water marks are off, so results wait for a busy API server
 instead of vanishing; a peer that dies takes its queue with it.
@@ -344,7 +345,8 @@ class SchedulerServer:
             return
         if registration.was_serving:
             logger.error(
-                "a worker of group %r disconnected; failing its requests", registration.group
+                "a worker of group %r disconnected; failing or moving its requests",
+                registration.group,
             )
         self._retire(registration, "the worker serving this request died")
 

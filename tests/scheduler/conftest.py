@@ -13,10 +13,12 @@ from tests.support.scheduler_sockets import FakeWorkerThread
 
 
 @pytest.fixture
-def system(tmp_path):
-    """A running SchedulerServer plus a zmq context; yields (server, context, frontend, backend)."""
+def system(request, tmp_path):
+    """A running SchedulerServer plus a zmq context; yields (server, context, frontend, backend).
+    Parametrized indirectly, its param is a dict of ``SchedulerConfig`` fields to change."""
     frontend, backend = f"ipc://{tmp_path}/frontend", f"ipc://{tmp_path}/backend"
-    server = SchedulerServer(SchedulerConfig(max_num_batched_tokens=32), frontend, backend)
+    fields = {"max_num_batched_tokens": 32, **getattr(request, "param", {})}
+    server = SchedulerServer(SchedulerConfig(**fields), frontend, backend)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     context = zmq.Context()

@@ -44,10 +44,12 @@ class FakeWorkerThread(threading.Thread):
         die_after_steps=None,
         rank: int = 0,
         tensor_parallel_size: int = 1,
+        group: str = "",
     ) -> None:
         super().__init__(daemon=True)
         self.die_after_steps = die_after_steps
         self.rank, self.tensor_parallel_size = rank, tensor_parallel_size
+        self.group = group
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
@@ -66,7 +68,14 @@ class FakeWorkerThread(threading.Thread):
 
     def _serve(self) -> None:
         ready = WorkerReady(
-            PROTOCOL_VERSION, "fake", 64, 4, 256, self.rank, self.tensor_parallel_size
+            PROTOCOL_VERSION,
+            "fake",
+            64,
+            4,
+            256,
+            self.rank,
+            self.tensor_parallel_size,
+            group=self.group,
         )
         self.socket.send(encode(ready))
         while self.socket.poll(TIMEOUT_MS):

@@ -95,7 +95,7 @@ def serve_argv(tmp_path: Path) -> list[str]:
         *("--host", "127.0.0.2", "--port", "8001", "--api-servers", "2"),
         *("--prefill-workers", "1", "--decode-workers", "2"),
         *("--max-num-seqs", "7", "--max-num-batched-tokens", "99", "--no-prefix-caching"),
-        *("--max-queued-requests", "5", "--max-queued-tokens", "500"),
+        *("--max-queued-requests", "5", "--max-queued-tokens", "500", "--migration-limit", "1"),
         *("--kv-transfer-timeout", "2.5", "--device", "cpu", "--kv-cache-memory", "64MiB"),
         *("--dtype", "float16", "--block-size", "32", "--max-model-len", "100"),
         *("--tensor-parallel-size", "2", "--grammar-compile-timeout", "3.5"),
@@ -187,7 +187,7 @@ def test_the_values_given_to_serve_reach_the_roles(served):
     args, config, commands = served
     scheduler = scheduler_parser().parse_args(commands["scheduler"][1:])
     assert from_args(SchedulerSettings, scheduler).scheduling == config.scheduler
-    assert config.scheduler == SchedulerConfig(7, 99, False, 5, 500, 2.5)
+    assert config.scheduler == SchedulerConfig(7, 99, False, 5, 500, 2.5, 1)
     assert from_args(WorkerSettings, args, SERVE_WORKER_SETTINGS) == config.worker
     for name in ("prefill-0-0", "prefill-0-1", "decode-1-1"):
         worker = from_args(WorkerSettings, worker_parser().parse_args(commands[name][1:]))
@@ -248,7 +248,7 @@ def role_samples(media_dir: Path) -> dict[str, object]:
         "scheduler": SchedulerSettings(
             "ipc://frontend",
             "tcp://127.0.0.1:5556",
-            SchedulerConfig(7, 99, False, 5, 500, 2.5),
+            SchedulerConfig(7, 99, False, 5, 500, 2.5, 1),
             WorkerLimits(64),
         ),
         "worker": WorkerSettings(

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -39,7 +38,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import load_generator
 from cpu_accounting import CpuWatch, process_core_s
 from instant_worker import INSTANT_WORKER_SETTINGS
@@ -166,20 +164,18 @@ async def benchmark(
         base_url, args.concurrency, args.request_timeout
     ) as client:
         model = (await load_generator.served_model(client))["id"]
-        payload, send = _payload_and_sender(args.chat)
-        first = await send(client, payload(model, prompts[-1], min(args.output_len, 8)))
+        payload = load_generator.chat_payload if args.chat else load_generator.completion_payload
+        warm_up = payload(model, prompts[-1], min(args.output_len, 8))
+        first = await load_generator.stream_completion(client, warm_up)
         if not first.success:
             raise BenchmarkError(f"the warm-up request to {base_url} failed: {first.error}")
         payloads = [payload(model, prompt, args.output_len) for prompt in prompts[:-1]]
         print(f"benchmarking {base_url}: {len(payloads)} requests", file=sys.stderr, flush=True)
         cpu_watch, cpu_before = CpuWatch(), read_cpu(pids)
         cpu_watch.start()
-        if args.chat:
-            results, duration = await run_chat_load(client, payloads, args.concurrency)
-        else:
-            results, duration = await load_generator.run_load(
-                client, payloads, args.concurrency, math.inf, args.seed
-            )
+        results, duration = await load_generator.run_load(
+            client, payloads, args.concurrency, math.inf, args.seed
+        )
         cpu, cpu_after = cpu_watch.stop(), read_cpu(pids)
     summary = summarize(results, duration)
     return {
@@ -191,12 +187,6 @@ async def benchmark(
         ),
         "requests": per_request_records(results),
     }
-
-
-def _payload_and_sender(chat: bool) -> tuple:
-    if chat:
-        return chat_payload, stream_chat
-    return load_generator.completion_payload, load_generator.stream_completion
 
 
 def chat_conversations(
@@ -219,74 +209,6 @@ def chat_conversations(
         ]
         for _ in range(num_prompts)
     ]
-
-
-def chat_payload(model: str, messages: list[dict], output_len: int) -> dict:
-    payload = load_generator.completion_payload(model, [], output_len)
-    del payload["prompt"]
-    return {**payload, "messages": messages}
-
-
-async def stream_chat(client: httpx.AsyncClient, payload: dict) -> load_generator.RequestResult:
-    """``load_generator.stream_completion`` for a chat payload: never raises; the prompt's
-    length is the server's count."""
-    result = load_generator.RequestResult()
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {body[:200]}"
-                return result
-            await _read_chat_events(response, start, result)
-    except httpx.HTTPError as error:
-        result.error = f"{type(error).__name__}: {str(error) or 'connection lost'}"
-    except (ValueError, KeyError, TypeError) as error:
-        result.error = f"malformed stream: {error!r}"
-    result.latency = time.perf_counter() - start
-    if not result.error and result.output_tokens != payload["max_tokens"]:
-        result.error = f"{result.output_tokens} output tokens, asked for {payload['max_tokens']}"
-    return result
-
-
-async def _read_chat_events(
-    response: httpx.Response, start: float, result: load_generator.RequestResult
-) -> None:
-    last_text_time: float | None = None
-    async for line in response.aiter_lines():
-        now = time.perf_counter()
-        data = line[len("data:") :].strip() if line.startswith("data:") else None
-        if data == "[DONE]":
-            return
-        chunk = json.loads(data) if data else {}
-        if "error" in chunk:
-            result.error = f"error event: {data[:200]}"
-            return
-        if any(choice["delta"].get("content") for choice in chunk.get("choices") or []):
-            if last_text_time is None:
-                result.time_to_first_token = now - start
-            else:
-                result.inter_token_latencies.append(now - last_text_time)
-            last_text_time = now
-        if chunk.get("usage"):
-            result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-            result.output_tokens = chunk["usage"]["completion_tokens"]
-    result.error = "stream ended without [DONE]"
-
-
-async def run_chat_load(
-    client: httpx.AsyncClient, payloads: list[dict], concurrency: int
-) -> tuple[list[load_generator.RequestResult], float]:
-    """``load_generator.run_load`` at an unbounded request rate, for chat payloads."""
-    semaphore = asyncio.Semaphore(concurrency)
-
-    async def limited(payload: dict) -> load_generator.RequestResult:
-        async with semaphore:
-            return await stream_chat(client, payload)
-
-    start = time.perf_counter()
-    results = await asyncio.gather(*(limited(payload) for payload in payloads))
-    return list(results), time.perf_counter() - start
 
 
 def serve_and_benchmark(

@@ -76,12 +76,22 @@ def completion_payload(model: str, prompt: list[int], output_len: int) -> dict:
     }
 
 
+def chat_payload(model: str, messages: list[dict], output_len: int) -> dict:
+    """``completion_payload`` for /v1/chat/completions: ``messages`` in place of the prompt."""
+    payload = completion_payload(model, [], output_len)
+    del payload["prompt"]
+    return {**payload, "messages": messages}
+
+
 async def stream_completion(client: httpx.AsyncClient, payload: dict) -> RequestResult:
-    """Send one streaming completion; never raises, failures land in ``RequestResult.error``."""
+    """Send one streaming completion (a chat completion when ``payload`` has ``messages``);
+    never raises, failures land in ``RequestResult.error``. A chat prompt's length is the
+    server's count (its template adds tokens); a completion's must equal the ids sent."""
     result = RequestResult()
     start = time.perf_counter()
+    path = "/v1/chat/completions" if "messages" in payload else "/v1/completions"
     try:
-        async with client.stream("POST", "/v1/completions", json=payload) as response:
+        async with client.stream("POST", path, json=payload) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {_error_message(body)}"
@@ -93,7 +103,8 @@ async def stream_completion(client: httpx.AsyncClient, payload: dict) -> Request
         result.error = f"malformed stream: {error!r}"
     result.latency = time.perf_counter() - start
     if not result.error:
-        result.error = _check_lengths(result, len(payload["prompt"]), payload["max_tokens"])
+        input_len = len(payload["prompt"]) if "prompt" in payload else result.prompt_tokens
+        result.error = _check_lengths(result, input_len, payload["max_tokens"])
     return result
 
 
@@ -111,7 +122,7 @@ async def _read_events(response: httpx.Response, start: float, result: RequestRe
         if "error" in chunk:
             result.error = f"error event: {_error_message(data)}"
             return
-        if any(choice.get("text") for choice in chunk.get("choices") or []):
+        if any(_has_text(choice) for choice in chunk.get("choices") or []):
             if last_text_time is None:
                 result.time_to_first_token = now - start
             else:
@@ -121,6 +132,11 @@ async def _read_events(response: httpx.Response, start: float, result: RequestRe
             result.prompt_tokens = chunk["usage"]["prompt_tokens"]
             result.output_tokens = chunk["usage"]["completion_tokens"]
     result.error = "stream ended without [DONE]"
+
+
+def _has_text(choice: dict) -> bool:
+    """Whether a completion's or a chat completion's streamed choice carries text."""
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
 
 
 def _check_lengths(result: RequestResult, input_len: int, output_len: int) -> str:

@@ -88,6 +88,7 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
             settings.scheduler.address,
             transport_from_args(args),
             max_stream_backlog=settings.max_stream_backlog,
+            scheduler_return_timeout_s=settings.scheduler_return_timeout_s,
         ),
         api_key=settings.api_key or None,
         allowed_origins=settings.allowed_origins,

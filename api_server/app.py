@@ -30,6 +30,7 @@ from api_server.serving import ServerState, create_chat_completion, create_compl
 from api_server.stats_tickets import SchedulerStatsCache
 from api_server.tokenizer import HuggingFaceTokenizer
 from api_server.utility_routes import package_version
+from interfaces.scheduler_to_api import WORKER_STALLED, GroupAway, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -132,13 +133,37 @@ async def models(request: Request) -> JSONResponse:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """Liveness: 200 while this process serves and its peers live (the scheduler answers within
-    ``stats_timeout_s`` and has a worker for each model served); 503 otherwise, including while
-    the model loads. Draining for shutdown is still alive."""
-    problem = await _peer_problem(request)
+    """Liveness: 200 while this process serves and requests can progress: the scheduler
+    answers within ``stats_timeout_s``, and a worker group serves the model or one that served
+    is away and its requests wait for it (``SchedulerStats.groups_away``: it died or was fenced
+    as stalled, less than ``--worker-return-timeout`` ago). The body is ``{"status": "ok"}``,
+    or while groups are away ``{"status": "stalled" | "restarting", "groups_away": [{"group":
+    NAME, "reason": R, "seconds": S}]}`` ("stalled" if any was fenced as stalled; the launcher
+    restarts the groups named). 503 otherwise: a lost or silent scheduler, no worker and none
+    expected back (including while the model loads), no embedding worker for a served
+    embedding model. Draining for shutdown is still alive."""
+    stats = await _peer_stats(request)
+    if isinstance(stats, str):
+        return service_unavailable(stats).response()
+    away = stats.groups_away
+    problem = _worker_problem(_state(request).config, stats, groups_may_return=bool(away))
     if problem is not None:
         return service_unavailable(problem).response()
-    return JSONResponse({"status": "ok"})
+    return JSONResponse(_health_body(away))
+
+
+def _health_body(groups_away: list[GroupAway]) -> dict[str, Any]:
+    """/health's body for these groups away (see ``health``)."""
+    if not groups_away:
+        return {"status": "ok"}
+    stalled = any(group.reason == WORKER_STALLED for group in groups_away)
+    return {
+        "status": "stalled" if stalled else "restarting",
+        "groups_away": [
+            {"group": group.name, "reason": group.reason, "seconds": round(group.seconds, 1)}
+            for group in groups_away
+        ],
+    }
 
 
 @router.get("/ready")
@@ -153,18 +178,33 @@ async def ready(request: Request) -> JSONResponse:
 
 
 async def _peer_problem(request: Request) -> str | None:
-    """Why the scheduler or its worker cannot serve, or None (from stats at most
+    """Why the scheduler or its worker cannot serve now, or None."""
+    stats = await _peer_stats(request)
+    if isinstance(stats, str):
+        return stats
+    return _worker_problem(_state(request).config, stats)
+
+
+async def _peer_stats(request: Request) -> SchedulerStats | str:
+    """The scheduler's stats, or why it does not answer (from stats at most
     ``STATS_MAX_AGE_S`` old, so probes cost the scheduler little however many there are)."""
     state = _state(request)
     if state.engine.lost_connection is not None:
         return state.engine.lost_connection
     try:
-        stats = await _scheduler_stats(request).get()
+        return await _scheduler_stats(request).get()
     except SchedulerUnavailable as error:
         return str(error)
-    if state.config.model_dir is not None and not stats.workers_ready:
+
+
+def _worker_problem(
+    config: ApiServerConfig, stats: SchedulerStats, groups_may_return: bool = False
+) -> str | None:
+    """Why no worker serves a model of ``config``, or None; a text model's missing workers are
+    none while ``groups_may_return`` (groups are away and their requests wait)."""
+    if config.model_dir is not None and not stats.workers_ready and not groups_may_return:
         return "the scheduler is up but its workers are not ready"
-    if state.config.embedding_model_dir is not None and not stats.embedding_workers_ready:
+    if config.embedding_model_dir is not None and not stats.embedding_workers_ready:
         return "the scheduler is up but its embedding worker is not ready"
     return None
 

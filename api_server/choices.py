@@ -63,7 +63,8 @@ class ChoiceOutput:
 
 def choice_context(context: TextContext, response_id: str, index: int, sample: int) -> TextContext:
     """``context`` for choice ``index`` (the ``sample``-th of its prompt): its own request id
-    and, when the request has a seed, seed + ``sample``, so seeded choices differ (vLLM's rule).
+    and, when the request has a seed, seed + ``sample``, so seeded choices differ (vLLM's rule;
+    ``new_context`` gives every request a seed, so all choices differ).
     It names the same image segments as ``context`` (and shares their owner).
     """
     params = context.sampling_params

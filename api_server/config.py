@@ -44,11 +44,19 @@ class EngineClientConfig:
     max_stream_backlog: int = 1024
     """Results one request may have waiting for a client that does not read them; beyond it
     the request is aborted and its stream ends with an error (``EngineClient``)."""
+    scheduler_return_timeout_s: float = 60.0
+    """How long text requests in flight wait for a scheduler whose connection dropped to come
+    back (then they are submitted again); 0 fails them at once."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_stream_backlog, bool) or self.max_stream_backlog < 1:
             raise ValueError(
                 f"max_stream_backlog must be a positive integer, got {self.max_stream_backlog!r}"
+            )
+        if not self.scheduler_return_timeout_s >= 0:
+            raise ValueError(
+                "scheduler_return_timeout_s must be at least 0, "
+                f"got {self.scheduler_return_timeout_s!r}"
             )
 
 
@@ -394,5 +402,12 @@ class ApiServerSettings:
         "--max-stream-backlog",
         "results a request may have waiting for a client that does not read them; beyond it "
         "the request is aborted and its stream ends with an error",
+    )
+    scheduler_return_timeout_s: float = setting(
+        EngineClientConfig.scheduler_return_timeout_s,
+        "--scheduler-return-timeout",
+        "how long streams in flight wait for a scheduler that went away to come back (they are "
+        "then submitted again and continue); 0 fails them at once",
+        metavar="SECONDS",
     )
     media: MediaConfig = component(MediaConfig)

@@ -8,7 +8,12 @@ stays silent for ``scheduler_timeout_s`` every in-flight request fails with
 ``SchedulerUnavailable`` instead of hanging.
 
 A scheduler that dies is noticed sooner: the socket's monitor reports the dropped connection,
-every request in flight fails at once, and new ones fail at once until the connection is back.
+and new requests fail at once until the connection is back. Text requests in flight wait for it
+(``scheduler_return_timeout_s``; 0 fails them at once, as embeddings and requests with images
+always are): once a scheduler answers on the same address again and has a worker serving, each
+is submitted again with the tokens it already received (``api_server.resubmission``), and its
+stream continues where it paused. One that the scheduler does not take back within the bound
+fails with ``SchedulerUnavailable``.
 
 ``ApiHello``, the protocol version this server speaks (``interfaces.handshake``), is the first
 frame sent on the first connection, and is sent again each time the monitor reports the
@@ -43,6 +48,7 @@ from zmq.utils.monitor import parse_monitor_message
 from api_server.config import EngineClientConfig
 from api_server.errors import OpenAIError
 from api_server.image_segments import ImageSegments
+from api_server.resubmission import Resubmissions
 from api_server.stats_tickets import StatsTickets, StatsWaiter
 from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
 from interfaces.api_to_scheduler import (
@@ -59,6 +65,10 @@ from interfaces.scheduler_to_api import SchedulerStats, SchedulerToApiMessage
 from interfaces.transport import FRONTEND
 
 logger = logging.getLogger(__name__)
+
+RESUBMIT_POLL_S = 0.25
+"""How often a scheduler that came back is asked whether a worker serves yet, before the
+requests that waited for it are submitted again."""
 
 Result = SchedulerResult[TextGenerationOutput]
 EmbeddingsResult = SchedulerResult[EmbeddingsOutput]
@@ -120,6 +130,11 @@ class EngineClient:
         back; None while connected (and before the first connection, which IMMEDIATE covers)."""
         self._refusal: asyncio.Future[str] | None = None
         """Done, with the reason, once the scheduler refused this server's ``ApiHello``."""
+        self._resubmissions = Resubmissions()
+        self._lost_at = 0.0
+        """When the connection last dropped (``time.monotonic()``)."""
+        self._resubmitter: asyncio.Task[None] | None = None
+        """Submits the requests that waited, once the scheduler is back with a worker."""
 
     @property
     def num_requests_in_flight(self) -> int:
@@ -162,10 +177,11 @@ class EngineClient:
 
     async def close(self) -> None:
         """Stop the tasks, fail whatever is in flight, and close the socket."""
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._resubmitter] if self._resubmitter else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._resubmitter = [], None
         self._fail_all(SchedulerUnavailable("the API server is shutting down"))
         if self._zmq_context is not None:
             self._zmq_context.destroy(linger=0)
@@ -200,8 +216,11 @@ class EngineClient:
         sent: asyncio.Future[Any] | None = None
         finished = False
         try:
-            sent = self._socket_or_raise().send(self._encode_bounded(SubmitRequest(context)))
+            frame = self._encode_bounded(SubmitRequest(context))
+            self._resubmissions.submitting(context)
+            sent = self._socket_or_raise().send(frame)
             await self._wait_until_sent(sent, self.config.submit_timeout_s)
+            self._resubmissions.submitted(request_id)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, StreamBacklogFull):
@@ -212,6 +231,7 @@ class EngineClient:
                 yield item
         finally:
             self._queues.pop(request_id, None)
+            self._resubmissions.forget(request_id)
             if _was_sent(sent):
                 if images is not None:
                     images.hand_over()
@@ -252,8 +272,9 @@ class EngineClient:
         """End every request in flight now, as aborted (finish reason "abort"), and tell the
         scheduler to stop them. Returns how many there were."""
         request_ids = list(self._queues)
-        for queue in self._queues.values():
+        for request_id, queue in self._queues.items():
             queue.put_nowait(SchedulerResult.cancelled())
+            self._resubmissions.forget(request_id)
         self._queues = {}
         self.abort(request_ids)
         return len(request_ids)
@@ -362,6 +383,7 @@ class EngineClient:
             elif queue.qsize() >= self.config.max_stream_backlog:
                 self._abort_unread(request_id, queue)
             else:
+                self._resubmissions.received(request_id, result)
                 queue.put_nowait(result)
 
     def _refuse(self, reason: str) -> None:
@@ -381,6 +403,7 @@ class EngineClient:
             queue.qsize(),
         )
         del self._queues[request_id]
+        self._resubmissions.forget(request_id)
         while not queue.empty():
             queue.get_nowait()
         queue.put_nowait(StreamBacklogFull(self.config.max_stream_backlog))
@@ -393,6 +416,9 @@ class EngineClient:
             now = time.monotonic()
             if not self._queues:
                 self._last_heard = now  # silence only counts while someone is waiting
+                continue
+            if self._lost_connection is not None:
+                self._fail_if_not_back(now)
                 continue
             silence = now - self._last_heard
             if silence > self.config.scheduler_timeout_s:
@@ -413,24 +439,102 @@ class EngineClient:
                     if self._lost_connection is not None:
                         logger.info("connected to the scheduler again")
                         self._send_nowait(ApiHello())  # before any request on this connection
+                        self._start_resubmitting()
                     self._lost_connection = None
                     self._last_heard = time.monotonic()
                 elif self._lost_connection is None:
-                    if self._pending_ping is not None:
-                        self._pending_ping.cancel()  # never sent ahead of the next ApiHello
-                    self._lost_connection = (
-                        f"lost the connection to the scheduler at {self.config.scheduler_addr}"
-                    )
-                    self._fail_all(SchedulerUnavailable(self._lost_connection))
+                    self._on_connection_lost()
         finally:
             monitor.close(linger=0)
 
+    def _on_connection_lost(self) -> None:
+        """Fail what cannot wait for the scheduler's return; text requests wait for it."""
+        if self._pending_ping is not None:
+            self._pending_ping.cancel()  # never sent ahead of the next ApiHello
+        self._resubmissions.lost_connection()
+        self._lost_at = time.monotonic()
+        self._lost_connection = (
+            f"lost the connection to the scheduler at {self.config.scheduler_addr}"
+        )
+        error = SchedulerUnavailable(self._lost_connection)
+        if not self.config.scheduler_return_timeout_s:
+            self._fail_all(error)
+            return
+        waiting = set(self._resubmissions.waiting())
+        self._fail([request_id for request_id in self._queues if request_id not in waiting], error)
+        if self._queues:
+            logger.warning(
+                "%d requests wait up to %g s for the scheduler to come back",
+                len(self._queues),
+                self.config.scheduler_return_timeout_s,
+            )
+
+    def _fail_if_not_back(self, now: float) -> None:
+        """While the connection is lost: fail every request once the scheduler has stayed away
+        for ``scheduler_return_timeout_s``."""
+        if now - self._lost_at > self.config.scheduler_return_timeout_s:
+            self._fail_all(
+                SchedulerUnavailable(
+                    "the scheduler did not come back within "
+                    f"{self.config.scheduler_return_timeout_s:g} s"
+                )
+            )
+
+    def _start_resubmitting(self) -> None:
+        """On a connection that came back: submit again the requests that waited for it, once
+        the scheduler has a worker serving (``_resubmit_when_served``)."""
+        if self._resubmitter is not None:
+            self._resubmitter.cancel()  # it served the connection before this one
+        self._resubmitter = None
+        if self._resubmissions.waiting():
+            self._resubmitter = asyncio.create_task(self._resubmit_when_served())
+
+    async def _resubmit_when_served(self) -> None:
+        """Once the scheduler has a worker serving, submit again every request that waited
+        (``Resubmissions.due``). Ends if the connection drops again (the next one resubmits);
+        fails the requests if no worker serves within ``scheduler_return_timeout_s`` of the
+        drop."""
+        connection = self._resubmissions.connection
+        timeout_s = self.config.scheduler_return_timeout_s
+        while time.monotonic() < self._lost_at + timeout_s:
+            try:
+                stats = await self.stats()
+            except SchedulerUnavailable:
+                stats = None
+            if connection != self._resubmissions.connection:
+                return
+            if stats is not None and stats.workers_ready:
+                contexts = self._resubmissions.due()
+                for context in contexts:
+                    self._resubmit(context)
+                logger.info("submitted %d requests again to the scheduler", len(contexts))
+                return
+            await asyncio.sleep(RESUBMIT_POLL_S)
+        if connection == self._resubmissions.connection:
+            error = f"the scheduler came back, but no worker served within {timeout_s:g} s"
+            self._fail(self._resubmissions.waiting(), SchedulerUnavailable(error))
+
+    def _resubmit(self, context: TextContext) -> None:
+        """Send ``context`` again; one whose tokens made its frame too large fails alone."""
+        try:
+            frame = self._encode_bounded(SubmitRequest(context))
+        except MessageTooLarge as error:
+            self._fail([context.request_id], error)
+            return
+        self._socket_or_raise().send(frame).add_done_callback(_log_send_failure)
+
     def _fail_all(self, error: SchedulerUnavailable) -> None:
-        queues, self._queues = self._queues, {}
-        for queue in queues.values():
-            queue.put_nowait(error)
-        if queues:
-            logger.error("failing %d requests in flight: %s", len(queues), error)
+        self._fail(list(self._queues), error)
+
+    def _fail(self, request_ids: list[RequestID], error: Exception) -> None:
+        """End ``request_ids`` (in flight) with ``error``."""
+        for request_id in request_ids:
+            self._resubmissions.forget(request_id)
+            queue = self._queues.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(error)
+        if request_ids:
+            logger.error("failing %d requests in flight: %s", len(request_ids), error)
 
 
 def _was_sent(sent: asyncio.Future[Any] | None) -> bool:

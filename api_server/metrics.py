@@ -7,7 +7,8 @@ Two sources, each counted once however many API server processes there are:
   launcher points them all at one ``PROMETHEUS_MULTIPROC_DIR`` and every process's /metrics adds
   up all of them (prometheus-client's multiprocess mode), so any process shows the whole server.
 - Scheduler-side metrics (running, waiting, KV cache usage, preemptions, prefix cache,
-  iteration tokens) are the scheduler's own numbers, fetched at scrape time: every API server
+  iteration tokens, KV transfers, request migrations, worker restarts) are the scheduler's own
+  numbers, fetched at scrape time: every API server
   shows the same values, never a sum of them.
 
 HTTP request counts and latencies come from prometheus-fastapi-instrumentator
@@ -43,6 +44,8 @@ from interfaces import RequestTimings, envs
 from interfaces.scheduler_to_api import (
     ITERATION_TOKENS_BUCKETS,
     KV_TRANSFER_SECONDS_BUCKETS,
+    MIGRATION_PAUSE_SECONDS_BUCKETS,
+    MIGRATION_REASONS,
     SchedulerStats,
 )
 
@@ -80,6 +83,9 @@ SCHEDULER_METRIC_NAMES = (
     "switchyard:num_requests_waiting_by_role",
     "switchyard:kv_transfer_bytes_total",
     "switchyard:kv_transfer_seconds",
+    "switchyard:request_migrations_total",
+    "switchyard:worker_restarts_total",
+    "switchyard:migration_pause_seconds",
 )
 """The scheduler's series (histogram series add _bucket, _sum, _count): the same on every API
 server of one scheduler. deploy/prometheus/prometheus.yml scrapes them from one replica only."""
@@ -421,6 +427,35 @@ class SchedulerCollector(Collector):
             KV_TRANSFER_SECONDS_BUCKETS,
             stats.kv_transfer_seconds_counts,
             stats.kv_transfer_seconds_sum,
+        )
+        yield from self._migrations(stats)
+
+    def _migrations(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """Requests moved to another worker group, by reason (every one of
+        ``MIGRATION_REASONS``, 0 included), groups restarted, and the pause of moved requests."""
+        migrations = CounterMetricFamily(
+            "switchyard:request_migrations",
+            "Requests moved to another worker group (or the same one restarted) and recomputed "
+            "there, by why they moved.",
+            labels=["model_name", "reason"],
+        )
+        for reason in MIGRATION_REASONS:
+            value = stats.request_migrations_total.get(reason, 0)
+            migrations.add_metric([self.model_name, reason], value)
+        yield migrations
+        restarts = CounterMetricFamily(
+            "switchyard:worker_restarts",
+            "Worker groups that left and registered again under the same name.",
+            labels=["model_name"],
+        )
+        restarts.add_metric([self.model_name], stats.worker_restarts_total)
+        yield restarts
+        yield self._histogram(
+            "switchyard:migration_pause_seconds",
+            "Seconds from a moved request's worker group leaving to its next token.",
+            MIGRATION_PAUSE_SECONDS_BUCKETS,
+            stats.migration_pause_seconds_counts,
+            stats.migration_pause_seconds_sum,
         )
 
     def _histogram(

@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 from tokenizers import Tokenizer
 
 from api_server.chat_messages import is_about_tools, template_message, template_tool
@@ -34,7 +36,12 @@ from api_server.config import generation_eos_token_ids, read_json
 from api_server.image_segments import ImageSegments
 from api_server.tool_parsers import hermes_messages
 from api_server.vision import UnsupportedVisionModel, VisionModel
-from interfaces import TextContext, TextGenerationRequest, TextGenerationRequestMessage
+from interfaces import (
+    SamplingParams,
+    TextContext,
+    TextGenerationRequest,
+    TextGenerationRequestMessage,
+)
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 NUM_PREPARE_THREADS = 2
@@ -155,7 +162,8 @@ class HuggingFaceTokenizer:
         self, request: TextGenerationRequest, images: ImageSegments | None = None
     ) -> TextContext:
         """Tokenize ``request`` (chat template for messages) and bound its output length; the
-        context carries the request's log probabilities, constraint and images.
+        context carries the request's log probabilities, constraint and images, and its
+        sampling params with a seed: the request's own, else one drawn here (``with_seed``).
 
         ``max_length`` is prompt tokens + max_new_tokens, or max_model_len when max_new_tokens is
         not set. Raises ``ValueError`` for an empty prompt, token ids outside the vocabulary, a
@@ -193,7 +201,7 @@ class HuggingFaceTokenizer:
             prompt_token_ids=prompt_token_ids,
             max_length=max_length,
             eos_token_ids=list(self.eos_token_ids),
-            sampling_params=request.sampling_params,
+            sampling_params=with_seed(request.sampling_params),
             cache_salt=request.cache_salt,
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
@@ -267,6 +275,17 @@ class HuggingFaceTokenizer:
         if not token_ids:
             raise ValueError(f"{self.model_dir} names no end-of-sequence token")
         return token_ids
+
+
+def with_seed(params: SamplingParams) -> SamplingParams:
+    """``params`` with a seed: its own, else 63 fresh bits from the operating system's source
+    (``secrets``). Each request still gets fresh randomness, but the worker draws its tokens
+    from (seed, token index) alone, so a request moved to another worker after a fault (or
+    preempted) continues with the tokens it would have had. The seed stays inside Switchyard:
+    no response carries it."""
+    if params.seed is not None:
+        return params
+    return msgspec.structs.replace(params, seed=secrets.randbits(63))
 
 
 def _load_vision(model_dir: Path) -> tuple[VisionModel | None, str | None]:

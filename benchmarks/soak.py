@@ -5,6 +5,10 @@ streaming; short prompts of varied length; max_tokens 8..64, ignore_eos), reques
 than i x --duration-s / --requests s in (a slow server stretches the run). The client gives up a
 random --abort-fraction: closes a stream after k events, or cancels a plain request after a
 random delay. Every --sample-interval-s it samples each server process's RSS and /metrics.
+With --kill-worker-every S, a random worker process is killed (SIGKILL) about every S seconds
+(uniformly 0.5 S to 1.5 S apart): `serve` restarts it and its requests continue, so no request
+may fail for it; RSS is then tracked per command line, so that a restarted worker continues its
+predecessor's series.
 
 Exit status 1 unless: every request completed with max_tokens tokens or was aborted as planned;
 once idle, nothing runs, waits or holds a KV block; no process's RSS grew over --max-rss-growth
@@ -13,6 +17,8 @@ the end (median of the last 3 samples); and the server stopped cleanly.
 
 Example (the issue's soak, about 10 minutes; the JSON goes to benchmarks/results/):
   .venv/bin/python benchmarks/soak.py --requests 2000 --duration-s 600 --concurrency 8
+and with worker kills (issue 22):
+  .venv/bin/python benchmarks/soak.py --requests 2000 --duration-s 600 --kill-worker-every 60
 """
 
 from __future__ import annotations
@@ -129,16 +135,31 @@ def _check_usage(usage: dict | None, plan: Plan) -> str:
     return "completed"
 
 
-def sample_processes(launcher: psutil.Process) -> dict[str, int]:
-    """RSS bytes of the launcher and each descendant, keyed 'TITLE #PID' (title from cmdline)."""
+def sample_processes(launcher: psutil.Process, by_command: bool = False) -> dict[str, int]:
+    """RSS bytes of the launcher and each descendant, keyed 'TITLE #PID' (title from cmdline),
+    or, ``by_command``, by the whole command line (a restarted process keeps its key)."""
     rss = {}
     for process in [launcher, *launcher.children(recursive=True)]:
         try:
-            title = " ".join(process.cmdline()).strip()[:60]
-            rss[f"{title} #{process.pid}"] = process.memory_info().rss
+            command = " ".join(process.cmdline()).strip()
+            key = command if by_command else f"{command[:60]} #{process.pid}"
+            rss[key] = process.memory_info().rss
         except psutil.Error:  # exited between listing and reading
             continue
     return rss
+
+
+def worker_processes(launcher: psutil.Process) -> list[psutil.Process]:
+    """The launcher's worker processes running now (their title ``switchyard-worker ...``)."""
+    workers = []
+    for process in launcher.children(recursive=True):
+        try:
+            title = " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith("switchyard-worker"):
+            workers.append(process)
+    return workers
 
 
 async def read_gauges(client: httpx.AsyncClient) -> dict[str, float]:
@@ -161,6 +182,8 @@ class Soak:
         self.metrics_client = new_client(base_url, 1, 30.0)
         self.outcomes: list[str] = []
         self.samples: list[dict] = []
+        self.kills: list[dict] = []
+        """Each worker kill: when (seconds into the run) and the process's command line."""
         self.start = time.monotonic()
 
     async def sample(self) -> None:
@@ -170,12 +193,30 @@ class Soak:
         except httpx.HTTPError:
             gauges = None
         entry = {"t_s": round(time.monotonic() - self.start, 2), "finished": len(self.outcomes)}
-        self.samples.append({**entry, "gauges": gauges, "rss": sample_processes(self.launcher)})
+        rss = sample_processes(self.launcher, by_command=bool(self.args.kill_worker_every))
+        self.samples.append({**entry, "gauges": gauges, "rss": rss})
 
     async def sample_forever(self) -> None:
         while True:
             await self.sample()
             await asyncio.sleep(self.args.sample_interval_s)
+
+    async def kill_workers_forever(self) -> None:
+        """SIGKILL a random worker process every 0.5 to 1.5 x --kill-worker-every seconds."""
+        rng = random.Random(self.args.seed + 1)
+        period = self.args.kill_worker_every
+        while True:
+            await asyncio.sleep(rng.uniform(0.5 * period, 1.5 * period))
+            workers = worker_processes(self.launcher)
+            if not workers:
+                continue  # every worker is being restarted
+            victim = rng.choice(workers)
+            with contextlib.suppress(psutil.Error):
+                command = " ".join(victim.cmdline())
+                victim.kill()
+                self.kills.append({"t_s": round(time.monotonic() - self.start, 2),
+                                   "command": command})  # fmt: skip
+                print(f"  killed {command[:60]} #{victim.pid}", file=sys.stderr, flush=True)
 
     async def drive(self, client: httpx.AsyncClient, plans: list[Plan]) -> None:
         """--concurrency clients take the plans in order, each at its paced start time."""
@@ -219,18 +260,23 @@ async def soak(args: argparse.Namespace, server: LaunchedServer) -> dict:
         if key := os.environ.get("SWITCHYARD_API_KEY"):  # the server inherits and requires it
             client.headers["Authorization"] = f"Bearer {key}"
         sampler, cpu_watch = asyncio.create_task(state.sample_forever()), CpuWatch()
+        background = [sampler]
+        if args.kill_worker_every:
+            background.append(asyncio.create_task(state.kill_workers_forever()))
         cpu_watch.start()  # other processes' CPU share tells whether a slow run was disturbed
         await state.drive(client, make_plans(args, server.model))
         cpu, run_s = cpu_watch.stop(), time.monotonic() - state.start
-        sampler.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sampler
+        for task in background:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         idle_gauges = await state.wait_until_idle()
         await state.sample()
     return {
         "run_s": run_s,
         "outcomes": dict(Counter(state.outcomes).most_common()),
         "idle_gauges": idle_gauges,
+        "worker_kills": state.kills,
         "cpu_during_run": cpu,
         "rss": rss_growth(state.samples, args.warmup_requests, run_s),
         "samples": state.samples,
@@ -299,12 +345,13 @@ def report(result: dict) -> tuple[str, bool]:
         f"soak of {result['server']['model']}: {sum(result['outcomes'].values())} requests in "
         f"{result['run_s']:.0f} s; outcomes {result['outcomes']}",
         f"gauges once idle: {result['idle_gauges']}",
+        f"workers killed: {len(result['worker_kills'])}" if result["worker_kills"] else "",
         f"other processes' share of the CPU during the run: {other_cpu:.0%}" if other_cpu else "",
         "RSS (MiB) baseline -> end, growth:",
     ]
     for name, g in result["rss"].items():
         end = "exited" if g["end_mb"] is None else f"{g['end_mb']:.1f} ({g['growth']:+.1%})"
-        lines.append(f"  {name:<40} {g['baseline_mb']:8.1f} -> {end}")
+        lines.append(f"  {name[:60]:<40} {g['baseline_mb']:8.1f} -> {end}")
     for name, failure in result["checks"].items():
         lines.append(f"{'FAIL' if failure else 'ok  '} {name}{': ' + failure if failure else ''}")
     lines.append(f"server log: {result['server']['log']}; JSON: {result['config']['output']}")
@@ -324,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup-requests", type=int, default=100, help="requests before the RSS baseline")
     add("--sample-interval-s", type=float, default=5.0, help="seconds between samples")
     add("--max-rss-growth", type=float, default=0.10, help="largest RSS growth allowed, a fraction")
+    add("--kill-worker-every", type=float, default=0.0, metavar="S",
+        help="SIGKILL a random worker about every S seconds (0: never)")  # fmt: skip
     add("--request-timeout", type=float, default=120.0, help="seconds to wait for any byte")
     add("--output", help="JSON result path (default: benchmarks/results/soak-TIMESTAMP.json)")
     return parser
@@ -335,6 +384,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--requests, --concurrency and --duration-s must be positive")
     if not 0 <= args.abort_fraction <= 1:
         parser.error("--abort-fraction must be between 0 and 1")
+    if args.kill_worker_every < 0:
+        parser.error("--kill-worker-every must be at least 0")
     args.serve_args = split_serve_args(parser, args.serve_args)
     default = Path(__file__).parent / "results" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
     args.output = args.output or str(default)

@@ -133,6 +133,12 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     prompt tokens (completions ``echo`` with ``logprobs``); the first prompt token has none.
     ``structured_output`` constrains what may be generated. ``images`` (for a vision-language
     model) are in prompt order and do not overlap.
+
+    ``generated_token_ids``: tokens this request already generated, when an API server submits
+    it again to a scheduler that restarted (``api_server.resubmission``); they follow the prompt
+    and count as its outputs (budget, penalties, ``min_tokens``, the seeded sampler's token
+    index, the grammar replayed over them), and generation goes on after them. Empty for a new
+    request.
     """
 
     request_id: RequestID
@@ -145,6 +151,7 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
     images: list[ImageMetadata] = []
+    generated_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,9 +22,15 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     temperature below ``GREEDY_TEMPERATURE``).
     ``top_k`` of 0 or -1 means "no top-k limit" (vLLM's convention for OpenAI requests).
     ``max_new_tokens=None`` means "until end of sequence or the context is full".
-    ``seed=None`` draws fresh randomness; an integer makes sampling reproducible for this request,
-    independent of which other requests share the batch. ``logit_bias`` (OpenAI's, keyed by
-    token id) is added to the logits before sampling; it is not one of MAX's fields.
+    ``seed`` (any integer; the worker takes it modulo 2^64) makes sampling reproducible: output
+    token i is drawn from (seed, i) alone, whichever requests share the batch, and however
+    often the request is preempted or moved to another worker and recomputed. The API server
+    and the offline pipeline never send None: ``PipelineTokenizer.new_context`` draws a seed for
+    a request that has none, so each request still gets fresh randomness and yet continues
+    with the same tokens after a fault. ``seed=None`` (a raw client) draws fresh randomness
+    for every token, so such a request, once moved, continues with different ones.
+    ``logit_bias`` (OpenAI's, keyed by token id) is added to the logits before sampling; it is
+    not one of MAX's fields.
     """
 
     top_k: int = 1

@@ -28,6 +28,35 @@ KV_TRANSFER_SECONDS_BUCKETS: tuple[float, ...] = (
 """Upper bounds (inclusive) of the ``kv_transfer_seconds`` histogram's buckets."""
 
 
+MIGRATION_PAUSE_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+"""Upper bounds (inclusive) of the ``migration_pause_seconds`` histogram's buckets."""
+
+WORKER_DIED = "worker_died"
+"""A request moved because a worker of its group went away (and a group left for that)."""
+WORKER_STALLED = "worker_stalled"
+"""A request moved because its group was fenced for a step that ran past its stall bound."""
+SCHEDULER_RESTARTED = "scheduler_restarted"
+"""A request moved because the scheduler restarted and its API server submitted it again."""
+MIGRATION_REASONS: tuple[str, ...] = (WORKER_DIED, WORKER_STALLED, SCHEDULER_RESTARTED)
+"""Why a request moved (the ``reason`` label of ``request_migrations_total``)."""
+MAX_GROUPS_AWAY = 256
+"""The most ``SchedulerStats.groups_away`` entries reported (the newest), and so the most
+``/health`` lists; the launcher's parser (``switchyard.groups_away``) accepts no more."""
+
+
+class GroupAway(msgspec.Struct, array_like=True):
+    """A worker group that served and left (it died, or was fenced as stalled), and has not
+    served again: for ``/health`` and the launcher, which restarts it."""
+
+    name: str
+    reason: str
+    """One of ``MIGRATION_REASONS``' worker reasons: ``WORKER_DIED`` or ``WORKER_STALLED``."""
+    seconds: float
+    """How long ago it left."""
+
+
 class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     """A snapshot of the scheduler's state, in reply to ``StatsRequest``.
 
@@ -65,6 +94,20 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     kv_transfer_seconds_sum: float = 0.0
     embedding_workers_ready: bool = False
     """An embedding worker group serves /v1/embeddings."""
+    request_migrations_total: dict[str, int] = {}
+    """Moves of a request to another group (or the same group back), by reason
+    (``MIGRATION_REASONS``)."""
+    worker_restarts_total: int = 0
+    """Groups that served, left, and registered again under the same name."""
+    migration_pause_seconds_counts: list[int] = msgspec.field(
+        default_factory=lambda: [0] * (len(MIGRATION_PAUSE_SECONDS_BUCKETS) + 1)
+    )
+    """From a moved request's departure from its group to its next token, over
+    ``MIGRATION_PAUSE_SECONDS_BUCKETS``."""
+    migration_pause_seconds_sum: float = 0.0
+    groups_away: list[GroupAway] = []
+    """Groups that left less than ``--worker-return-timeout`` ago and have not served again,
+    the newest first, at most ``MAX_GROUPS_AWAY``."""
 
     @property
     def kv_cache_usage(self) -> float:

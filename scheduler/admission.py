@@ -55,12 +55,13 @@ def context_problem(context: TextContext, vocab_size: int) -> str | None:
     params = context.sampling_params
     token_lists = (
         ("prompt token ids", context.prompt_token_ids, 0),
+        ("generated token ids", context.generated_token_ids, 0),
         ("eos_token_ids", context.eos_token_ids, -1),
         ("stop_token_ids", params.stop_token_ids or [], 0),
         ("logit_bias keys", list(params.logit_bias or {}), 0),
     )
     for name, token_ids, lowest in token_lists:
-        if name != "prompt token ids" and len(token_ids) > limit:
+        if not name.endswith(" token ids") and len(token_ids) > limit:
             return f"{len(token_ids)} {name}, more than the vocabulary's {limit} tokens"
         if token_ids and not (lowest <= min(token_ids) and max(token_ids) < limit):
             return f"{name} must be in [{lowest}, {limit})"
@@ -100,6 +101,12 @@ def admission_problem(
             f"{max_model_len}; no room is left to generate"
         )
     max_tokens = min(context.max_length, max_model_len)
+    num_generated = len(context.generated_token_ids)
+    if num_generated and num_prompt + num_generated >= max_tokens:
+        return (
+            f"the prompt and the {num_generated} tokens generated already "
+            f"leave no room to generate within {max_tokens} tokens"
+        )
     if block_manager.num_blocks_for(max_tokens) > block_manager.num_blocks:
         return (
             f"the request may need {max_tokens} tokens of KV cache, more than the "
@@ -108,14 +115,24 @@ def admission_problem(
     return None
 
 
+def num_context_tokens(context: TextContext) -> int:
+    """The tokens ``context`` holds when it is queued: its prompt plus the tokens it generated
+    already (``Request.num_tokens``), as the queue's token bound counts them."""
+    return len(context.prompt_token_ids) + len(context.generated_token_ids)
+
+
 def queue_overload(
-    config: SchedulerConfig, num_queued: int, num_waiting_tokens: int, num_prompt_tokens: int
+    config: SchedulerConfig, num_queued: int, num_waiting_tokens: int, context: TextContext
 ) -> str | None:
     """Why a queue holding ``num_queued`` requests and ``num_waiting_tokens`` tokens cannot
-    take a prompt of ``num_prompt_tokens`` now, or None."""
+    take ``context`` now, or None. Never for a context that brings tokens it generated already:
+    an API server submits a request so again after a scheduler restart, and it was accepted
+    once (as a request that moves between groups, it is not refused for a full queue)."""
+    if context.generated_token_ids:
+        return None
     if num_queued >= config.max_queued_requests:
         return f"{num_queued} requests are already waiting; try again later"
-    if num_waiting_tokens + num_prompt_tokens > config.max_queued_tokens:
+    if num_waiting_tokens + num_context_tokens(context) > config.max_queued_tokens:
         return (
             f"{num_waiting_tokens} tokens are already waiting, and the queue holds at most "
             f"{config.max_queued_tokens}; try again later"

@@ -67,6 +67,24 @@ class SchedulerConfig:
     )
     """With hybrid groups: how often one request may be moved to a surviving group (and
     recomputed there) when the group running it dies; past it, it fails with 503."""
+    worker_return_timeout_s: float = setting(
+        60.0,
+        "--worker-return-timeout",
+        "when the last worker group dies or stalls, how long its requests (and new ones) wait "
+        "for a group to serve again before they fail with 503",
+        metavar="SECONDS",
+    )
+    """How long a request whose group left, with no other group to move to, waits for a group
+    to (re)register; also how long a departed group counts as restarting in /health."""
+    stall_timeout_s: float = setting(
+        30.0,
+        "--stall-timeout",
+        "the least time a step may take before its worker group counts as stalled (the bound "
+        "grows with the group's slowest recent steps)",
+        metavar="SECONDS",
+    )
+    """The floor of the stall bound: a group whose step has run longer than the larger of this
+    and ``STALL_FACTOR`` times its slowest recent step is fenced and its requests move."""
 
     def __post_init__(self) -> None:
         if not self.kv_transfer_timeout_s > 0:
@@ -87,6 +105,12 @@ class SchedulerConfig:
             raise ValueError(f"max_queued_tokens must be at least 1, got {self.max_queued_tokens}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be at least 0, got {self.migration_limit}")
+        if not self.worker_return_timeout_s >= 0:
+            raise ValueError(
+                f"worker_return_timeout_s must be at least 0, got {self.worker_return_timeout_s}"
+            )
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from interfaces.scheduler_to_api import ITERATION_TOKENS_BUCKETS, KV_TRANSFER_SECONDS_BUCKETS
+from interfaces.scheduler_to_api import (
+    ITERATION_TOKENS_BUCKETS,
+    KV_TRANSFER_SECONDS_BUCKETS,
+    MIGRATION_PAUSE_SECONDS_BUCKETS,
+    MIGRATION_REASONS,
+)
 
 
 @dataclass
@@ -30,6 +35,18 @@ class SchedulerCounters:
         default_factory=lambda: [0] * (len(KV_TRANSFER_SECONDS_BUCKETS) + 1)
     )
     kv_transfer_seconds_sum: float = 0.0
+    request_migrations: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(MIGRATION_REASONS, 0)
+    )
+    """Moves of a request to another group (or the same one back), by why its group left."""
+    worker_restarts: int = 0
+    """Groups that served, left, and served again under the same name."""
+    migration_pause_seconds_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(MIGRATION_PAUSE_SECONDS_BUCKETS) + 1)
+    )
+    """Moved requests per bucket of ``MIGRATION_PAUSE_SECONDS_BUCKETS`` of the time from their
+    group leaving to their next token (not cumulative; the last: above all)."""
+    migration_pause_seconds_sum: float = 0.0
 
     def observe_kv_transfer(self, num_bytes: int, seconds: float) -> None:
         """Count one finished transfer of a request's blocks."""
@@ -37,6 +54,18 @@ class SchedulerCounters:
         index = bisect.bisect_left(KV_TRANSFER_SECONDS_BUCKETS, seconds)
         self.kv_transfer_seconds_counts[index] += 1
         self.kv_transfer_seconds_sum += seconds
+
+    def count_migration(self, cause: str) -> None:
+        """Count one request moved because its group left with ``cause`` (a
+        ``MIGRATION_REASONS`` label)."""
+        self.request_migrations[cause] += 1
+
+    def observe_migration_pause(self, seconds: float) -> None:
+        """Count a moved request's first token after the move, ``seconds`` after its group
+        left."""
+        index = bisect.bisect_left(MIGRATION_PAUSE_SECONDS_BUCKETS, seconds)
+        self.migration_pause_seconds_counts[index] += 1
+        self.migration_pause_seconds_sum += seconds
 
     def observe_step(self, num_tokens: int) -> None:
         """Count one step that computed ``num_tokens`` tokens."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from interfaces import ErrorKind, RequestID, SchedulerResult, SchedulerStatus, TextContext
+from interfaces.scheduler_to_api import WORKER_DIED
 from interfaces.scheduler_to_worker import KVReceive, KVSend, KVTransfers, ScheduledStep
 from interfaces.worker_to_scheduler import (
     GrammarsReady,
@@ -40,7 +41,7 @@ from interfaces.worker_to_scheduler import (
     WorkerReady,
     WorkerRole,
 )
-from scheduler.admission import queue_overload
+from scheduler.admission import num_context_tokens, queue_overload
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.placement import Placement, ServedGroup, WorkerMessage, merge
@@ -118,12 +119,13 @@ class DisaggregatedPlacement(Placement):
             )
         return None
 
-    def remove_group(self, name: str, reason: str) -> ResultsByClient:
+    def remove_group(self, name: str, reason: str, cause: str = WORKER_DIED) -> ResultsByClient:
         """Group ``name`` is gone: drop what it held on every side. A decode group's requests
         all go; a prefill group's only until they decode (a transfer it had not finished
         sending is lost with it); its pending transfer news too. With no group of its role
-        left, the queued requests fail as well."""
-        results = super().remove_group(name, reason)
+        left, the queued requests fail as well. Each fails with the error text ``reason``;
+        ``cause`` is the label of why the group left (``Placement.remove_group``)."""
+        results = super().remove_group(name, reason, cause)
         self.messages = [(group, news) for group, news in self.messages if group != name]
 
         def survives(split: SplitRequest) -> bool:
@@ -149,22 +151,23 @@ class DisaggregatedPlacement(Placement):
         decode = min(
             self._of_role(WorkerRole.DECODE), key=lambda g: g.scheduler.block_manager.num_blocks
         )
-        refusal = decode.scheduler.refusal(context, self._overload(len(context.prompt_token_ids)))
+        refusal = decode.scheduler.refusal(context, self._overload(context))
         if refusal is None:
             split = SplitRequest(context, client_id)
             self.requests[context.request_id] = split
             self.queue.append(split)
         return refusal
 
-    def _overload(self, num_prompt_tokens: int) -> str | None:
-        """The queue bounds over the queue here and the prefill groups' queues."""
+    def _overload(self, context: TextContext) -> str | None:
+        """The queue bounds (``queue_overload``) over the queue here and the prefill groups'
+        queues, each request counting its prompt and the tokens it generated already."""
         prefill = [group.scheduler for group in self._of_role(WorkerRole.PREFILL)]
         num_queued = len(self.queue) + sum(len(s.waiting) for s in prefill)
         if not num_queued:
             return None
-        num_tokens = sum(len(split.context.prompt_token_ids) for split in self.queue)
+        num_tokens = sum(num_context_tokens(split.context) for split in self.queue)
         num_tokens += sum(s.num_waiting_tokens for s in prefill)
-        return queue_overload(self.config, num_queued, num_tokens, num_prompt_tokens)
+        return queue_overload(self.config, num_queued, num_tokens, context)
 
     def owner(self, request_id: RequestID) -> bytes | None:
         split = self.requests.get(request_id)

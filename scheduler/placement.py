@@ -20,11 +20,18 @@ from __future__ import annotations
 import abc
 import gc
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from interfaces import ErrorKind, RequestID, SchedulerResult, TextContext
-from interfaces.scheduler_to_api import SchedulerStats
+from interfaces.scheduler_to_api import (
+    MAX_GROUPS_AWAY,
+    MIGRATION_REASONS,
+    WORKER_DIED,
+    GroupAway,
+    SchedulerStats,
+)
 from interfaces.scheduler_to_worker import KVTransfers, ScheduledStep
 from interfaces.worker_to_scheduler import (
     GrammarsReady,
@@ -45,6 +52,10 @@ SHARED_FIELDS = ("model_name", "block_size", "max_model_len")
 """What every group served together must report alike."""
 WorkerMessage = ScheduledStep | KVTransfers
 """What a placement asks the server to send to every rank of a group."""
+MAX_DEPARTURES = 1024
+"""Departed groups remembered (the oldest is forgotten first), to count their restarts: enough
+for every group of a unit, however many group names come and go. ``groups_away`` reports the
+newest ``MAX_GROUPS_AWAY`` of them."""
 
 
 def new_scheduler(
@@ -92,6 +103,9 @@ class Placement(abc.ABC):
         self.counters = counters
         self.groups: dict[str, ServedGroup] = {}
         """The serving groups, by name: read them, never change them from outside."""
+        self.departures: dict[str, tuple[str, float]] = {}
+        """Groups that served and left, by name: why (a ``MIGRATION_REASONS`` label) and when
+        (``time.monotonic()``), until they serve again; oldest first."""
 
     @property
     @abc.abstractmethod
@@ -115,6 +129,8 @@ class Placement(abc.ABC):
         kv_cache = KVCacheConfig(ready.num_kv_blocks, ready.block_size, ready.max_model_len)
         prefill_only = ready.role is WorkerRole.PREFILL
         scheduler = new_scheduler(self.config, kv_cache, self.counters, prefill_only)
+        if self.departures.pop(group.name, None) is not None:
+            self.counters.worker_restarts += 1
         destinations = group.destinations if ready.role is WorkerRole.DECODE else []
         self.groups[group.name] = ServedGroup(
             group.name, ready.role, ready, group.size, destinations, scheduler
@@ -154,11 +170,29 @@ class Placement(abc.ABC):
         no group serves yet), beyond ``SHARED_FIELDS``; None if it can."""
         return None
 
-    def remove_group(self, name: str, reason: str) -> ResultsByClient:
-        """Group ``name`` is gone: fail every request it held with ``reason`` (a hybrid
-        placement may move them instead); requests running elsewhere go on."""
-        group = self.groups.pop(name, None)
+    def remove_group(self, name: str, reason: str, cause: str = WORKER_DIED) -> ResultsByClient:
+        """Group ``name`` is gone: fail every request it held (a hybrid placement may move them
+        instead); requests running elsewhere go on.
+
+        ``reason`` is the error text a failed request is told (the client sees it in its 503);
+        ``cause`` is the label of why the group left, for metrics and ``groups_away``:
+        ``WORKER_DIED``, or ``WORKER_STALLED`` when it was fenced for a step that took too long
+        (``ValueError`` for a label outside ``MIGRATION_REASONS``)."""
+        group = self._depart(name, cause)
         return {} if group is None else group.scheduler.fail_all(reason)
+
+    def _depart(self, name: str, cause: str) -> ServedGroup | None:
+        """Stop serving group ``name`` (None if it does not serve) and remember that it left
+        with ``cause``, for ``groups_away`` and ``worker_restarts_total``."""
+        if cause not in MIGRATION_REASONS:
+            raise ValueError(f"unknown cause {cause!r}; expected one of {MIGRATION_REASONS}")
+        group = self.groups.pop(name, None)
+        if group is not None:
+            self.departures.pop(name, None)  # the newest departure goes last
+            self.departures[name] = (cause, time.monotonic())
+            if len(self.departures) > MAX_DEPARTURES:
+                del self.departures[next(iter(self.departures))]
+        return group
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -254,7 +288,24 @@ class Placement(abc.ABC):
             workers_ready=self.is_serving,
             num_requests_running_by_role=running,
             num_requests_waiting_by_role=waiting,
+            groups_away=self.groups_away(),
         )
+
+    def groups_away(self, now: float | None = None) -> list[GroupAway]:
+        """The groups that left less than ``worker_return_timeout_s`` before ``now`` (default:
+        ``time.monotonic()``) and have not served since, the newest first, at most
+        ``MAX_GROUPS_AWAY`` (what ``/health`` may list); none with a ``migration_limit`` of 0
+        (nothing waits for a group then: /health fails as before)."""
+        now = time.monotonic() if now is None else now
+        if not self.config.migration_limit:
+            return []
+        timeout = self.config.worker_return_timeout_s
+        away = [
+            GroupAway(name, cause, now - left)
+            for name, (cause, left) in reversed(self.departures.items())
+            if now - left < timeout
+        ]
+        return away[:MAX_GROUPS_AWAY]
 
     def _requests_by_role(self) -> tuple[dict[str, int], dict[str, int], set[RequestID]]:
         """How many requests run and wait, by the role of the group holding them (every served

@@ -49,7 +49,10 @@ class Request:
     worker_has_state: bool = False
     num_preemptions: int = 0
     num_migrations: int = 0
-    """How often it moved to another group after the group running it died."""
+    """How often it moved to another group (or the same one back) after its group left."""
+    left_group_time: float | None = None
+    """When the group it ran on left (``time.monotonic()``), until its first token after the
+    move (``migration_pause_seconds``); None otherwise."""
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     """When the request was first admitted to the batch (``time.monotonic()``)."""
@@ -61,8 +64,8 @@ class Request:
         params = self.context.sampling_params
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
         self.eos_token_ids = frozenset(() if params.ignore_eos else self.context.eos_token_ids)
-        self.all_token_ids = list(self.context.prompt_token_ids)
-        self.num_prompt_tokens = len(self.all_token_ids)
+        self.all_token_ids = [*self.context.prompt_token_ids, *self.context.generated_token_ids]
+        self.num_prompt_tokens = len(self.context.prompt_token_ids)
         max_length = min(self.context.max_length, self.max_model_len)
         self.max_new_tokens = max_length - self.num_prompt_tokens
 

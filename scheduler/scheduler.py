@@ -34,7 +34,7 @@ from interfaces import (
     TextContext,
     TextGenerationOutput,
 )
-from interfaces.scheduler_to_api import SchedulerStats
+from interfaces.scheduler_to_api import SCHEDULER_RESTARTED, GroupAway, SchedulerStats
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, ScheduledStep
 from interfaces.worker_to_scheduler import GrammarsReady, RequestFailure, WorkerOutput
 from scheduler.admission import admission_problem, queue_overload, refusal
@@ -89,8 +89,9 @@ class Scheduler:
 
     def add_request(self, context: TextContext, client_id: bytes) -> TextResult | None:
         """Queue a request. Returns a CANCELLED result with an error if it can never run
-        (INVALID_REQUEST) or the queue is full (OVERLOADED)."""
-        refusal = self.refusal(context, self._overload(len(context.prompt_token_ids)))
+        (INVALID_REQUEST) or the queue is full (OVERLOADED; never for one an API server
+        submitted again after a scheduler restart: ``queue_overload``)."""
+        refusal = self.refusal(context, self._overload(context))
         if refusal is not None:
             return refusal
         self.accept(context, client_id)
@@ -107,35 +108,50 @@ class Scheduler:
         return refusal(context, problem, overload)
 
     def accept(self, context: TextContext, client_id: bytes) -> None:
-        """Queue a request that ``refusal`` accepted."""
-        request = Request(context, client_id, self.kv_cache.max_model_len)
+        """Queue a request that ``refusal`` accepted. One that brings tokens it generated
+        already was submitted again after a scheduler restarted: a move, counted as such."""
+        if context.generated_token_ids:
+            self.counters.count_migration(SCHEDULER_RESTARTED)
+        self.queue(Request(context, client_id, self.kv_cache.max_model_len))
+
+    def queue(self, request: Request) -> None:
+        """Queue ``request``, accepted already (by ``accept``, or while it waited for a group
+        to serve: ``scheduler.stranded``), behind the others."""
         self.requests[request.request_id] = request
         self._enqueue(request)
 
     def take_requests(self) -> list[Request]:
         """Remove and return every request held here, running ones first (oldest first), then
-        the queue in order, their blocks freed: the group died, and they move to another
-        (``adopt``). Nothing is released on the worker: it is gone."""
+        the queue in order, as preempted ones: their blocks freed, each to be recomputed from
+        its prompt plus the tokens it generated so far. The group left, and they move to
+        another (``adopt``). Nothing is released on the worker: it is gone.
+
+        Their block hashes are dropped too: they were computed at this pool's block size, and
+        the group that adopts them may have another (``StrandedRequests.hand_over``); its
+        ``BlockManager`` hashes them again as their blocks fill."""
         requests = [*self.running, *self.waiting, *self.reserved.values()]
         for request in requests:
             self.block_manager.free(request)
-        self.running, self.waiting, self.reserved, self.requests = [], deque(), {}, {}
-        self.num_waiting_tokens = 0
-        return requests
-
-    def adopt(self, requests: list[Request]) -> None:
-        """Queue ``requests``, taken from a group that died (``take_requests``), at the front
-        in this order, as preempted ones: their KV blocks died with that group, so each is
-        recomputed from its prompt plus the tokens it generated so far, which this group's
-        worker receives as its outputs (``NewRequestData.output_token_ids``). The queue's
-        bounds do not apply: they were accepted once. The caller checked each with
-        ``can_adopt``."""
-        for request in reversed(requests):
+            request.block_hashes = []
             request.num_computed_tokens = 0
             request.waiting_for_grammar = False
             request.worker_has_state = False
             request.status = RequestStatus.WAITING
+        self.running, self.waiting, self.reserved, self.requests = [], deque(), {}, {}
+        self.num_waiting_tokens = 0
+        return requests
+
+    def adopt(self, requests: list[Request], cause: str) -> None:
+        """Queue ``requests``, taken from a group that left with ``cause`` (a
+        ``MIGRATION_REASONS`` label; ``take_requests``), at the front in this order: their KV
+        blocks died with that group, so each is recomputed from its prompt plus the tokens it
+        generated so far, which this group's worker receives as its outputs
+        (``NewRequestData.output_token_ids``). Each counts one move, against its
+        ``migration_limit`` and in ``request_migrations_total``. The queue's bounds do not
+        apply: they were accepted once. The caller checked each with ``can_adopt``."""
+        for request in reversed(requests):
             request.num_migrations += 1
+            self.counters.count_migration(cause)
             self.requests[request.request_id] = request
             self._enqueue(request, at_front=True)
 
@@ -282,6 +298,7 @@ class Scheduler:
                 continue
             # The worker's output goes on to the API server, completed with the request's fate.
             produced.final_status = status = request.append_token(produced.tokens[0])
+            self._observe_pause(request, now)
             timings = _first_token_timings(request, now) if request.num_output_tokens == 1 else None
             if status.is_done:
                 self._finish(request)
@@ -351,14 +368,14 @@ class Scheduler:
             results[request.client_id][request_id] = SchedulerResult.cancelled(error, kind)
         return results
 
-    def _overload(self, num_prompt_tokens: int) -> str | None:
-        """Why the queue cannot take a request of ``num_prompt_tokens`` now, or None."""
+    def _overload(self, context: TextContext) -> str | None:
+        """Why the queue cannot take ``context`` now (``queue_overload``), or None."""
         if not self.waiting:
             return None
         # Requests that will start at the next step, into free sequence slots, are not queued.
         free_slots = self.config.max_num_seqs - len(self.running) - len(self.reserved)
         num_queued = len(self.waiting) - max(free_slots, 0)
-        return queue_overload(self.config, num_queued, self.num_waiting_tokens, num_prompt_tokens)
+        return queue_overload(self.config, num_queued, self.num_waiting_tokens, context)
 
     def _enqueue(self, request: Request, at_front: bool = False) -> None:
         if at_front:
@@ -473,6 +490,12 @@ class Scheduler:
         request.num_computed_tokens += num_new
         self.block_manager.cache_full_blocks(request)
 
+    def _observe_pause(self, request: Request, now: float) -> None:
+        """``request`` produced a token: its first after a move ends its pause."""
+        if request.left_group_time is not None:
+            self.counters.observe_migration_pause(max(now - request.left_group_time, 0.0))
+            request.left_group_time = None
+
     def _finish(self, request: Request) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
@@ -488,7 +511,7 @@ class Scheduler:
 
 
 def counter_stats(
-    counters: SchedulerCounters, **state: int | bool | dict[str, int]
+    counters: SchedulerCounters, **state: int | bool | dict[str, int] | list[GroupAway]
 ) -> SchedulerStats:
     """``SchedulerStats`` of ``counters`` and the scheduler's ``state`` (its gauges)."""
     return SchedulerStats(
@@ -501,6 +524,10 @@ def counter_stats(
         kv_transfer_bytes_total=counters.kv_transfer_bytes,
         kv_transfer_seconds_counts=list(counters.kv_transfer_seconds_counts),
         kv_transfer_seconds_sum=counters.kv_transfer_seconds_sum,
+        request_migrations_total=dict(counters.request_migrations),
+        worker_restarts_total=counters.worker_restarts,
+        migration_pause_seconds_counts=list(counters.migration_pause_seconds_counts),
+        migration_pause_seconds_sum=counters.migration_pause_seconds_sum,
     )
 
 

@@ -11,6 +11,10 @@ Peers that go away are noticed at once (``scheduler.peers.PeerTracker``). A work
 that disconnects fails every request its group held with an UNAVAILABLE error (or, with hybrid
 groups, moves them to another group: ``HybridPlacement.remove_group``), and the rest of the
 group is told to shut down; while no group can serve, new requests are refused the same way.
+A group that hangs instead is fenced once its step has run past its stall bound
+(``scheduler.stalls``): it stops serving at once (its late answers are dropped), its ranks are
+told to shut down and may not register again on the same connections, and its requests move
+or fail as a dead group's (``Placement.remove_group`` with the cause ``WORKER_STALLED``).
 An API server that disconnects has its requests aborted and their blocks freed. Nothing is
 dropped for being queued: the high-water marks are off, so results wait for a busy API server
 instead of vanishing; a peer that dies takes its queue with it.
@@ -21,7 +25,10 @@ alone; a worker's handshake is checked (``scheduler.worker_group.ready_problem``
 a group belongs to the connection that took it; an API server may abort only the requests it
 submitted. A worker or an API server of another protocol version is refused at its handshake,
 and a frame that does not decode is dropped or refused (``scheduler.handshakes``). A message
-whose handling raises is logged and refused, and the loop serves on.
+whose handling raises is logged and refused, and the loop serves on; so does a departure or a
+piece of the loop's own work that raises (``_guarded``): logged with its traceback each time,
+and tried again where it recurs, so a broken state shows in the logs rather than ending the
+process that serves every request.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -50,8 +59,13 @@ from interfaces.api_to_scheduler import (
     SubmitRequest,
 )
 from interfaces.handshake import ApiHello
-from interfaces.scheduler_to_api import SchedulerEmbeddingsResults, SchedulerResults, SchedulerStats
-from interfaces.scheduler_to_worker import ScheduledStep, Shutdown
+from interfaces.scheduler_to_api import (
+    WORKER_STALLED,
+    SchedulerEmbeddingsResults,
+    SchedulerResults,
+    SchedulerStats,
+)
+from interfaces.scheduler_to_worker import EmbeddingsStep, ScheduledStep, Shutdown
 from interfaces.transport import BACKEND, FRONTEND, Link, TransportSecurity
 from interfaces.worker_to_scheduler import (
     GrammarsReady,
@@ -73,14 +87,17 @@ from scheduler.handshakes import Handshakes
 from scheduler.hybrid import HybridPlacement
 from scheduler.images import ImageSegments
 from scheduler.peers import PeerTracker
-from scheduler.placement import Placement
+from scheduler.placement import NO_WORKER, Placement
 from scheduler.scheduler import STEP_FAILED, ResultsByClient, TextResult
+from scheduler.stalls import Stall, StepTimes
 from scheduler.worker_group import Registration, WorkerGroup, WorkerGroups, ready_problem
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100
 MAX_WORKER_MESSAGE_BYTES = 256 << 20
+STALLED = "the worker serving this request stalled"
+"""Why a request fails when its group was fenced and it could not move."""
 
 
 class SchedulerServer:
@@ -120,6 +137,9 @@ class SchedulerServer:
         """Who is refused at the handshake, and what they are told."""
         self._in_flight: dict[str, ScheduledStep] = {}
         """The step each group is running, by group name."""
+        self._step_times = StepTimes(config.stall_timeout_s)
+        """When each group's step in flight (text or embeddings) was sent, and how long its
+        recent steps took: who is stalled."""
         self._stopping = threading.Event()
 
     def _bind(self, address: str, link: Link, max_message_bytes: int) -> zmq.Socket:
@@ -145,19 +165,34 @@ class SchedulerServer:
                 events = dict(poller.poll(POLL_INTERVAL_MS))
                 # Departures first (see scheduler.peers), then messages.
                 for worker_id in self._worker_peers.disconnected():
-                    self._on_worker_disconnect(worker_id)
+                    self._guarded(self._on_worker_disconnect, worker_id)
                 for client_id in self._api_peers.disconnected():
-                    self._on_api_disconnect(client_id)
+                    self._guarded(self._on_api_disconnect, client_id)
                 if self._frontend in events:
                     self._drain(self._frontend, self._api_peers, self._on_api_message)
                 if self._backend in events:
                     self._drain(self._backend, self._worker_peers, self._on_worker_message)
-                self._send_results(self.placement.check_timeouts())
-                self._send_worker_messages()
+                self._guarded(self._fence_stalled)
+                self._guarded(self._check_timeouts)
+                self._guarded(self._send_worker_messages)
                 if self.images:
-                    self.images.release_departed(self._holds)
+                    self._guarded(self.images.release_departed, self._holds)
         finally:
             self._shutdown()
+
+    def _guarded(self, work: Callable[..., object], *args: object) -> None:
+        """Run ``work(*args)``, one piece of the loop's work; if it raises, log the error with
+        its traceback and return, so the pieces after it still run and the loop serves on (as
+        ``_drain`` does for one message). Nothing is undone: a piece that fails again fails
+        again in the logs, each iteration, where a state it broke shows."""
+        try:
+            work(*args)
+        except Exception:  # one failure must not end the loop that serves everyone
+            logger.exception("%s raised; serving on", work.__name__)
+
+    def _check_timeouts(self) -> None:
+        """Send the failures of requests that outlived a deadline (``check_timeouts``)."""
+        self._send_results(self.placement.check_timeouts())
 
     def _monitors(self) -> tuple[zmq.Socket, zmq.Socket]:
         return self._api_peers.monitor, self._worker_peers.monitor
@@ -287,6 +322,10 @@ class SchedulerServer:
         if isinstance(message, WorkerReady):
             self._on_worker_ready(worker_id, message)
             return
+        fenced = self._workers.fenced_group(worker_id)
+        if fenced is not None:
+            logger.warning("dropped a late %s from fenced group %r", type(message).__name__, fenced)
+            return
         group = self._workers.group_of(worker_id)
         if group is not None and group.name in self.embeddings.groups:
             self._on_embedding_worker_message(group.name, worker_id == group.driver, message)
@@ -308,10 +347,12 @@ class SchedulerServer:
             logger.warning("dropped output of step %d, expected %d", message.step_id, step.step_id)
         elif isinstance(message, WorkerOutput):
             del self._in_flight[group.name]
+            self._step_times.answered(group.name, time.monotonic())
             self._send_results(self.placement.update_from_output(group.name, message))
         elif isinstance(message, WorkerFailure):
             logger.error("group %r failed step %d: %s", group.name, message.step_id, message.error)
             del self._in_flight[group.name]  # the detail may name any request: logs only
+            self._step_times.answered(group.name, time.monotonic())
             self._send_results(self.placement.fail_step(group.name, step, STEP_FAILED))
 
     def _on_grammars(
@@ -333,10 +374,12 @@ class SchedulerServer:
         elif message.step_id != step_and_owners[0].step_id:
             logger.warning("dropped embeddings of step %d", message.step_id)
         elif isinstance(message, WorkerEmbeddingsOutput):
+            self._step_times.answered(name, time.monotonic())
             self._send_embeddings(self.embeddings.on_output(name, message))
         elif isinstance(message, WorkerFailure):
             logger.error("group %r failed embedding step %d: %s", name, message.step_id,
                          message.error)  # fmt: skip
+            self._step_times.answered(name, time.monotonic())
             self._send_embeddings(self.embeddings.fail_step(name, STEP_FAILED))
 
     def _on_worker_disconnect(self, worker_id: bytes) -> None:
@@ -395,12 +438,16 @@ class SchedulerServer:
         """``Placement.add_group``; the first group to serve picks how requests are placed."""
         if not self.placement.groups and group.role not in self.placement.roles:
             kind = HybridPlacement if group.role is WorkerRole.HYBRID else DisaggregatedPlacement
+            # Requests that waited for a group of the old kind (HybridPlacement.stranded) fail.
+            self._send_results(self.placement.fail_all(NO_WORKER))
             self.placement = kind(self.config, self.counters)
         return self.placement.add_group(group)
 
     def _retire(self, registration: Registration, reason: str) -> None:
         """Fail the requests of a group that stopped serving, and shut down its survivors (a
         refused registration is told why)."""
+        if registration.was_serving:
+            self._step_times.forget(registration.group)
         if registration.was_serving and registration.group in self.embeddings.groups:
             self._send_embeddings(self.embeddings.remove_group(registration.group, reason))
         elif registration.was_serving:
@@ -409,6 +456,30 @@ class SchedulerServer:
         shutdown = Shutdown(registration.error) if registration.error else Shutdown()
         for identity in registration.retired:
             self._backend.send_multipart([identity, self._encode(shutdown)])
+
+    def _fence_stalled(self) -> None:
+        """Fence every group whose step has run past its stall bound (``scheduler.stalls``);
+        one whose fencing raises does not keep the others from being fenced."""
+        for stall in self._step_times.stalled(time.monotonic()):
+            self._guarded(self._fence, stall)
+
+    def _fence(self, stall: Stall) -> None:
+        """Group ``stall.group`` stops serving at once: it is no longer registered, so its late
+        answers are dropped; its requests move or fail as a dead group's (an embedding group's
+        inputs run again elsewhere, once); each rank is told why in a ``Shutdown``, and its
+        connection may not register again (a new connection under the group's name may)."""
+        name, why = stall.group, stall.describe()
+        logger.error("%s; fenced it: its requests move to another group or fail", why)
+        self._step_times.forget(name)
+        members = self._workers.fence(name)
+        if name in self.embeddings.groups:
+            self._send_embeddings(self.embeddings.remove_group(name, STALLED))
+        else:
+            self._in_flight.pop(name, None)
+            self._send_results(self.placement.remove_group(name, STALLED, cause=WORKER_STALLED))
+        shutdown = self._encode(Shutdown(why))
+        for identity in members:
+            self._backend.send_multipart([identity, shutdown])
 
     def _send_worker_messages(self) -> None:
         """Send the placement's news and the next step of every idle group."""
@@ -420,6 +491,8 @@ class SchedulerServer:
                 continue  # it left while the message waited
             if isinstance(message, ScheduledStep):
                 self._in_flight[name] = message
+            if isinstance(message, ScheduledStep | EmbeddingsStep):
+                self._step_times.sent(name, message.step_id, time.monotonic())
             payload = self._encode(message)
             for identity in group.members:
                 self._backend.send_multipart([identity, payload])

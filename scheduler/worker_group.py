@@ -13,6 +13,10 @@ process that can reach the backend socket cannot retire the real workers and tak
 traffic. A restarted worker takes its place once the scheduler saw its predecessor's
 connection close (at once for a process that died on the same host; within the 3 s heartbeat
 timeout for a host that vanished).
+
+A group that stalls is fenced (``WorkerGroups.fence``): it is forgotten at once, and its
+connections may not register again until they close, so a hung process that wakes up cannot
+take back the place its restarted successor (a new connection) takes.
 """
 
 from __future__ import annotations
@@ -152,6 +156,8 @@ class WorkerGroups:
     def __init__(self) -> None:
         self.groups: dict[str, WorkerGroup] = {}
         self._group_of: dict[bytes, str] = {}
+        self._fenced: dict[bytes, str] = {}
+        """The connections of fenced groups, until they close, with their group's name."""
 
     def serving(self) -> list[WorkerGroup]:
         """The complete groups."""
@@ -166,11 +172,18 @@ class WorkerGroups:
         forming one it matches).
 
         Anything else is refused and changes nothing (``error`` says why; the newcomer is
-        ``retired``, unless it is a connection registered already): a rank out of range, a
-        group that serves, a rank the forming group has, a rank that does not match the
-        forming group, a group beyond ``MAX_GROUPS``. See the module docstring.
+        ``retired``, unless it is a connection registered already): a connection of a fenced
+        group, a rank out of range, a group that serves, a rank the forming group has, a rank
+        that does not match the forming group, a group beyond ``MAX_GROUPS``. See the module
+        docstring.
         """
         name = ready.group
+        if identity in self._fenced:
+            error = (
+                f"this connection served group {self._fenced[identity]!r}, which was fenced as "
+                "stalled; a worker may register again on a new connection"
+            )
+            return Registration(name, [identity], False, False, error)
         if identity in self._group_of:
             registered = self.group_of(identity)
             error = f"this connection already registered with group {registered.name!r}"
@@ -208,7 +221,9 @@ class WorkerGroups:
 
     def leave(self, identity: bytes) -> Registration | None:
         """``identity`` disconnected. If it belonged to a group, the group is over: returns
-        the members left to retire (and whether it was serving); else None."""
+        the members left to retire (and whether it was serving); else None (a fenced
+        connection is forgotten: its group was over already)."""
+        self._fenced.pop(identity, None)
         group = self.group_of(identity)
         if group is None:
             return None
@@ -223,3 +238,15 @@ class WorkerGroups:
         for member in group.members:
             self._group_of.pop(member, None)
         return group.members
+
+    def fence(self, name: str) -> list[bytes]:
+        """Forget group ``name`` (it stalled) and refuse its members any registration until
+        each disconnects (``leave``); returns its members."""
+        members = self.remove(name)
+        for member in members:
+            self._fenced[member] = name
+        return members
+
+    def fenced_group(self, identity: bytes) -> str | None:
+        """The name of the fenced group connection ``identity`` served, or None."""
+        return self._fenced.get(identity)

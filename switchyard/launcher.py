@@ -12,10 +12,19 @@ When a child dies: an API server is started again on the same socket, after a ba
 doubles with each exit in a row (``switchyard.restart_backoff``), while the scheduler, the
 workers and the other API servers serve on (the scheduler has already aborted the dead one's
 requests); only when no API server has stayed up for ``API_SERVER_OUTAGE_LIMIT_S`` does the
-launcher stop the unit and exit 1. The scheduler or the worker cannot be replaced without
-losing every request's state, so the launcher gives the survivors ``FAILURE_GRACE_S`` to fail
-their requests with clear errors and report 503 on /health, then stops everything and exits
-non-zero for the orchestrator to restart the unit.
+launcher stop the unit and exit 1. A worker group whose process dies, or that the scheduler
+reports away (``/health``'s ``groups_away``: it died or stalled) while its processes run, is
+stopped and started again whole under the same name, up to ``--restart-limit`` times a
+minute (``switchyard.worker_restarts``); the scheduler keeps its requests for its return. A
+scheduler that dies is started again at once within the same limit, every worker group with it
+as part of that one restart (their KV cache was the dead scheduler's), and the API servers,
+which kept their streams open, submit each again with the tokens it already streamed
+(``api_server.resubmission``). Nothing is started
+again past the restart limit, with restarts off (``--restart-limit 0`` or
+``--migration-limit 0``), or for a child that dies before the unit was first ready: then the
+launcher gives the survivors ``FAILURE_GRACE_S`` to fail their requests with clear errors and
+report 503 on /health, stops everything and exits non-zero for the orchestrator to restart the
+unit.
 
 SIGTERM stops the API servers first (each drains for up to ``shutdown_timeout_s``), then the
 scheduler and the worker, and exits 0. Once every child has exited, the shared-memory segments
@@ -46,8 +55,10 @@ from interfaces.shared_memory import segment_paths
 from interfaces.shared_settings import ModelSettings, SchedulerAddress
 from interfaces.worker_to_scheduler import WorkerRole
 from scheduler.config import SchedulerSettings
+from switchyard.groups_away import HealthPoller
 from switchyard.restart_backoff import API_SERVER_OUTAGE_LIMIT_S, RestartBackoff
 from switchyard.serve_config import ServeConfig
+from switchyard.worker_restarts import WorkerGroupRestarts
 from worker.settings import WorkerSettings
 
 logger = logging.getLogger("switchyard")
@@ -58,6 +69,9 @@ STOP_TIMEOUT_S = 10.0
 drain, before they are killed."""
 FAILURE_GRACE_S = 2.0
 POLL_INTERVAL_S = 0.25
+SCHEDULER = "scheduler"
+EMBEDDING_GROUP = "embedding"
+"""The embedding worker's group name (a group of its own, of one process)."""
 
 
 def _die_with_parent() -> None:
@@ -107,6 +121,11 @@ class Launcher:
         """Kept open for the launcher's life, so a dead API server can be replaced."""
         self._api_server_restarts: dict[str, RestartBackoff] = {}
         """Each API server's restart schedule, by name."""
+        self.worker_groups = WorkerGroupRestarts(
+            self.children, self._spawn_worker_group, config.restart_limit_in_effect
+        )
+        self._health_poller: HealthPoller | None = None
+        """Reads /health's groups away once the unit is ready, when worker groups restart."""
         self._ready = False
         self._owns_shm_namespace = not envs.shm_namespace_set()
         self.shm_namespace = token_hex(4) if self._owns_shm_namespace else envs.shm_namespace()
@@ -160,26 +179,53 @@ class Launcher:
     def start_engine(self) -> str:
         """Start the scheduler and the worker groups (no API server); returns the scheduler's
         frontend address, where clients connect (the offline API, ``switchyard.offline``, does)."""
-        for name, argv in self.engine_argv(self._ipc("backend.sock")).items():
-            self._spawn(name, argv)
+        self._spawn_scheduler()
+        for group in self._group_roles():
+            self.worker_groups.start(group, time.monotonic())
         return self._ipc("frontend.sock")
 
     def engine_argv(self, backend: str) -> dict[str, list[str]]:
         """Each engine process's ``python -m`` command line, by name: the scheduler, every
         rank of every text generation worker group, and the embedding worker."""
-        argv = {"scheduler": self._scheduler_argv(self._ipc("frontend.sock"), backend)}
-        size = self.config.tensor_parallel_size
-        groups = self.config.worker_groups
-        for group, role in groups:
-            master_port = _free_port() if size > 1 else WorkerSettings.master_port
-            for rank in range(size):
-                name = "worker" if len(groups) == 1 else group
-                name += "" if size == 1 else f"-{rank}"
-                settings = self._worker_settings(backend, group, role, rank, master_port)
-                argv[name] = self._worker_argv(settings)
-        if self.config.embedding_model_dir is not None:
-            argv["embedding-worker"] = self._embedding_worker_argv(backend)
+        argv = {SCHEDULER: self._scheduler_argv(self._ipc("frontend.sock"), backend)}
+        for group in self._group_roles():
+            argv.update(self._worker_group_argv(backend, group))
         return argv
+
+    def _group_roles(self) -> dict[str, WorkerRole]:
+        """Every worker group to start, by name: the text generation groups, then the
+        embedding worker's."""
+        roles = dict(self.config.worker_groups)
+        if self.config.embedding_model_dir is not None:
+            roles[EMBEDDING_GROUP] = WorkerRole.EMBEDDING
+        return roles
+
+    def _worker_group_argv(self, backend: str, group: str) -> dict[str, list[str]]:
+        """The command line of each process of worker group ``group``, by name; a
+        tensor-parallel group's ranks meet on a fresh port each time."""
+        role = self._group_roles()[group]
+        if role is WorkerRole.EMBEDDING:
+            return {"embedding-worker": self._embedding_worker_argv(backend)}
+        size = self.config.tensor_parallel_size
+        master_port = _free_port() if size > 1 else WorkerSettings.master_port
+        argv = {}
+        for rank in range(size):
+            name = "worker" if len(self.config.worker_groups) == 1 else group
+            name += "" if size == 1 else f"-{rank}"
+            settings = self._worker_settings(backend, group, role, rank, master_port)
+            argv[name] = self._worker_argv(settings)
+        return argv
+
+    def _spawn_scheduler(self) -> None:
+        argv = self._scheduler_argv(self._ipc("frontend.sock"), self._ipc("backend.sock"))
+        self._spawn(SCHEDULER, argv)
+
+    def _spawn_worker_group(self, group: str) -> list[str]:
+        """Start every process of worker group ``group``; returns their names."""
+        argv = self._worker_group_argv(self._ipc("backend.sock"), group)
+        for name, command in argv.items():
+            self._spawn(name, command)
+        return list(argv)
 
     def _num_threads(self) -> int | None:
         """Torch's CPU threads for a worker when several share the cores (evenly)."""
@@ -191,12 +237,13 @@ class Launcher:
     def _worker_settings(
         self, backend: str, group: str, role: WorkerRole, rank: int, master_port: int
     ) -> WorkerSettings:
-        """A text generation worker's settings: ``serve``'s, and its place among the others."""
+        """A text generation worker's settings: ``serve``'s, and its place among the others
+        (its group named as the launcher names it, so that a restarted group keeps its name)."""
         config = self.config
-        placement = {}
+        placement = {"group": group}
         if role is not WorkerRole.HYBRID:
             transfer_addr = self._ipc(f"kv-{group}-{rank}.sock")
-            placement = {"role": role, "group": group, "kv_transfer_addr": transfer_addr}
+            placement |= {"role": role, "kv_transfer_addr": transfer_addr}
         return replace(
             config.worker,
             model=config.model,
@@ -218,7 +265,7 @@ class Launcher:
             device=config.worker.device,
             num_threads=self._num_threads(),
             role=WorkerRole.EMBEDDING,
-            group="embedding",
+            group=EMBEDDING_GROUP,
         )
         return ["worker", *to_argv(settings)]
 
@@ -234,7 +281,9 @@ class Launcher:
         return ["scheduler", *to_argv(settings)]
 
     def _api_server_argv(self, frontend: str, fd: int) -> list[str]:
-        """An API server's command line; its API key goes by environment (``_spawn``)."""
+        """An API server's command line; its API key goes by environment (``_spawn``). Its
+        streams wait for a scheduler that went away only while ``serve`` starts one again
+        (restarts on); else they fail at once."""
         config = self.config
         settings = replace(
             config.api_server,
@@ -242,6 +291,9 @@ class Launcher:
             scheduler=SchedulerAddress(frontend),
             fd=fd,
             embedding=config.embedding,
+            scheduler_return_timeout_s=(
+                config.api_server.scheduler_return_timeout_s if self.worker_groups.enabled else 0.0
+            ),
         )
         return ["api_server", *to_argv(settings)]
 
@@ -254,13 +306,22 @@ class Launcher:
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
-                        self._ready = True
+                        self._become_ready()
                         return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.25)
         if not self._stopping.is_set():
             raise TimeoutError(f"Switchyard was not ready within {READY_TIMEOUT_S:.0f} s")
+
+    def _become_ready(self) -> None:
+        """The unit served: from now on dead children are restarted (worker groups while the
+        restart limit allows), and /health is read for groups that left but still run."""
+        self._ready = True
+        if self.worker_groups.enabled:
+            url = f"http://{_url_host(self.config.bind.host)}:{self.port}/health"
+            self._health_poller = HealthPoller(url, self._stopping)
+            self._health_poller.start()
 
     def dead_child(self) -> str | None:
         """The name of a child that has exited, or None while all run."""
@@ -271,9 +332,10 @@ class Launcher:
 
     def wait(self) -> int:
         """Block until ``stop()`` is called (returns 0) or the unit cannot serve (returns 1):
-        the scheduler or a worker exited, a child exited before the unit was ready, or no API
-        server has stayed up for ``API_SERVER_OUTAGE_LIMIT_S``. A dead API server is started
-        again after its back-off meanwhile."""
+        the scheduler or a worker group died past the restart limit, a child exited before the
+        unit was ready, or no API server has stayed up for ``API_SERVER_OUTAGE_LIMIT_S``. A dead
+        API server is started again after its back-off meanwhile; a dead or departed worker
+        group, or a dead scheduler with every worker group, at once."""
         while not self._stopping.wait(POLL_INTERVAL_S):
             failure = self._failure(time.monotonic())
             if failure is not None:
@@ -283,11 +345,24 @@ class Launcher:
         return 0
 
     def _failure(self, now: float) -> str | None:
-        """Why the unit must stop at ``now``, or None; restarts the API servers that are due."""
+        """Why the unit must stop at ``now``, or None; restarts the API servers that are due
+        and the worker groups that died or left."""
         for name, process in self.children.items():
+            restarted = name in self._api_server_restarts or self.worker_groups.owns(name)
+            if self._ready and restarted:
+                continue
             code = process.poll()
-            if code is not None and (name not in self._api_server_restarts or not self._ready):
+            if code is not None and name == SCHEDULER and self._ready:
+                why = f"{SCHEDULER} exited with code {code}"
+                failure = self.worker_groups.restart_with_scheduler(why, now, self._spawn_scheduler)
+                if failure is not None:
+                    return failure
+            elif code is not None:
                 return f"{name} exited with code {code}"
+        if self._ready:
+            failure = self._worker_group_failure(now)
+            if failure is not None:
+                return failure
         for name, backoff in self._api_server_restarts.items():
             code = self.children[name].poll()
             if code is None:
@@ -305,6 +380,15 @@ class Launcher:
             return f"no API server has stayed up for {API_SERVER_OUTAGE_LIMIT_S:g} s"
         return None
 
+    def _worker_group_failure(self, now: float) -> str | None:
+        """Restart the worker groups that died or that /health reports away while they run;
+        why the unit must stop instead, or None."""
+        failure = self.worker_groups.check(now)
+        report = self._health_poller.take() if self._health_poller is not None else None
+        if failure is None and report is not None:
+            failure = self.worker_groups.replace_away(report, now)
+        return failure
+
     def stop(self) -> None:
         """Signal-safe request to end ``wait()``."""
         self._stopping.set()
@@ -312,6 +396,7 @@ class Launcher:
     def shutdown(self) -> None:
         """Stop the API servers (they drain), then the scheduler and the worker; SIGKILL any
         child that overstays; clean up."""
+        self._stopping.set()  # the /health poller too
         api_servers = {n: p for n, p in self.children.items() if n.startswith("api-server")}
         backends = {n: p for n, p in self.children.items() if n not in api_servers}
         _terminate(api_servers, self.config.api_server.shutdown_timeout_s + STOP_TIMEOUT_S)

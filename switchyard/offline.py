@@ -95,7 +95,9 @@ class Pipeline:
                     _serve_config(model_dir, self.model_name, config, log_level)
                 )
                 self.scheduler_addr = self._launcher.start_engine()
-            self._engine = EngineClient(EngineClientConfig(self.scheduler_addr))
+            # Nothing restarts this pipeline's scheduler: its requests fail when it dies.
+            engine = EngineClientConfig(self.scheduler_addr, scheduler_return_timeout_s=0.0)
+            self._engine = EngineClient(engine)
             self._run(self._engine.start())
             self._wait_until_ready()
         except BaseException:

@@ -29,7 +29,7 @@ SERVE_WORKER_SETTINGS = (
 """The ``WorkerSettings`` fields ``serve`` takes flags for."""
 SERVE_API_SERVER_SETTINGS = (
     *("api_key", "allowed_origins", "shutdown_timeout_s", "limits", "request_limits"),
-    *("max_stream_backlog", "media"),
+    *("max_stream_backlog", "scheduler_return_timeout_s", "media"),
 )
 """The ``ApiServerSettings`` fields ``serve`` takes flags for."""
 
@@ -58,6 +58,16 @@ class ServeConfig:
         "--decode-workers",
         "disaggregate: this many decode worker groups (with --prefill-workers)",
     )
+    restart_limit: int = setting(
+        5,
+        "--restart-limit",
+        "restarts of worker groups and the scheduler allowed a minute (one whose process dies "
+        "or hangs is started again); one more stops serve with exit 1; 0 stops it at the first "
+        "death",
+        metavar="N",
+    )
+    """Restarts of worker groups and of the scheduler in any 60 s
+    (``switchyard.worker_restarts``)."""
     embedding_model_dir: Path | None = None
     """Also serve /v1/embeddings with this encoder, on a worker of its own."""
     embedding_model_name: str | None = None
@@ -74,6 +84,12 @@ class ServeConfig:
     def tensor_parallel_size(self) -> int:
         """Ranks in each text generation worker group."""
         return self.worker.tensor_parallel_size
+
+    @property
+    def restart_limit_in_effect(self) -> int:
+        """``restart_limit``, but 0 with ``--migration-limit 0``: fail-fast as before,
+        a worker's death stops the unit."""
+        return self.restart_limit if self.scheduler.migration_limit > 0 else 0
 
     @property
     def api_key(self) -> str | None:
@@ -145,6 +161,8 @@ class ServeConfig:
             raise ValueError(
                 f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}"
             )
+        if self.restart_limit < 0:
+            raise ValueError(f"--restart-limit must be at least 0, got {self.restart_limit}")
         if self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("--prefill-workers and --decode-workers cannot be negative")
         if (self.prefill_workers == 0) != (self.decode_workers == 0):

@@ -191,7 +191,7 @@ class RequestSampler:
         )
         return SamplingBatch.from_params(
             [state.sampling_params for state in states],
-            [state.next_token_generator() for state in states],
+            [state.next_noise_key() for state in states],
             vocab_size,
             self.device,
             processors,

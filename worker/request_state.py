@@ -12,7 +12,7 @@ from worker.grammar_compiler import PendingGrammar
 from worker.images import RequestImage
 from worker.logits_processors import RequestEdits, SamplingRow
 from worker.logprobs import as_log_probabilities
-from worker.sampler import token_seed
+from worker.sampler import noise_key
 from worker.structured_output import RequestGrammar
 
 
@@ -55,7 +55,6 @@ class RequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     logprobs: int | None = None
     prompt_logprobs: PromptLogprobs | None = None
     grammar: RequestGrammar | None = None
@@ -83,7 +82,6 @@ class RequestState:
         context = new.context
         prompt_logprobs = _prompt_logprobs_due(new)
         params = context.sampling_params
-        seeded = params.seed is not None
         return cls(
             request_id=context.request_id,
             token_ids=[*context.prompt_token_ids, *new.output_token_ids],
@@ -92,7 +90,6 @@ class RequestState:
             num_computed_tokens=new.num_computed_tokens,
             sampling_params=context.sampling_params,
             eos_token_ids=list(context.eos_token_ids),
-            generator=torch.Generator(device) if seeded else None,
             logprobs=context.logprobs,
             prompt_logprobs=prompt_logprobs,
             pending_grammar=grammar,
@@ -108,12 +105,12 @@ class RequestState:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def next_token_generator(self) -> torch.Generator | None:
-        """The generator for the next output token, seeded by its index; None when unseeded."""
+    def next_noise_key(self) -> int | None:
+        """The sampler's noise key for the next output token: ``noise_key`` of the seed and
+        the token's index among the outputs, so the same wherever and whenever it is sampled;
+        None when unseeded."""
         seed = self.sampling_params.seed
-        if self.generator is None or seed is None:
-            return None
-        return self.generator.manual_seed(token_seed(seed, self.num_output_tokens))
+        return None if seed is None else noise_key(seed, self.num_output_tokens)
 
     def sampling_row(self) -> SamplingRow:
         """This request as one row of the next sampling batch."""

@@ -4,9 +4,17 @@ The logits processors (grammar mask, min-new-tokens, logit bias, penalties; see
 ``worker.logits_processors``) run first, on a copy of the logits.
 
 Random choices use the exponential race: ``argmax(probs / noise)`` with ``noise ~ Exp(1)`` picks
-token i with probability ``probs[i]``. A request with a seed draws its noise from its own
-generator, re-seeded from (seed, index of the token being generated), so its tokens do not depend
-on which other requests share the batch, nor on whether it was preempted and resumed.
+token i with probability ``probs[i]``. The noise is counter-based: row r's noise for vocab id v
+is a pure function of (the row's noise key, v), computed for the whole batch in a few int64
+tensor ops (``exponential_noise``). A seeded request's key is ``noise_key(seed, index of the token
+being generated)``, so its tokens do not depend on which other requests share the batch, on its
+row, nor on whether it was preempted and resumed or moved to another worker. A row without a seed
+gets a fresh key from the sampler's own random source at every step. (This replaced one
+``torch.Generator`` per seeded row, re-seeded per token: about 5 times the cost of this draw on
+a CPU, and one small call per row, worse still on a GPU; docs/performance.md.)
+
+Only the rows that ask for top-k, top-p or min-p are sorted; every row's probabilities depend on
+that row alone.
 
 Non-finite logits never reach a probability: NaN counts as -inf (never sampled), +inf as the
 largest float32 (a tie among the infinite tokens), so softmax and argmax stay defined. A row
@@ -17,6 +25,7 @@ token its grammar forbids. Temperatures below 1e-5 are greedy (``SamplingParams.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,9 +34,17 @@ import torch
 from interfaces import SamplingParams
 from worker.logits_processors import LogitsProcessors
 
-_SEED_MIX = 0x9E3779B97F4A7C15
 NO_TOKEN = -1
 """The token id of a row that had nothing to sample (every logit -inf or NaN)."""
+
+_MASK_64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
+_MIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64's finaliser
+_NUM_UNIFORM_BITS = 52  # (2 k + 1) / 2^53 for k < 2^52 is exact in float64
+CPU_NOISE_CHUNK_ELEMENTS = 1 << 17
+"""On a CPU the noise is made this many entries at a time (whole rows, at least one), so that
+its passes over int64 values stay in cache: 2-3 times faster at 32-64 rows of 49152 than one
+pass over the batch (docs/performance.md). A GPU makes it in one pass."""
 
 
 def check_supported(params: SamplingParams, vocab_size: int) -> None:
@@ -39,17 +56,80 @@ def check_supported(params: SamplingParams, vocab_size: int) -> None:
         )
 
 
-def token_seed(seed: int, token_index: int) -> int:
-    """The generator seed for output token ``token_index`` of a request seeded with ``seed``."""
-    return (seed * _SEED_MIX + token_index) % (1 << 63)
+def noise_key(seed: int, token_index: int) -> int:
+    """The noise key (a signed int64) of output token ``token_index`` of a request seeded with
+    ``seed`` (any integer; taken modulo 2^64): output ``token_index`` of a splitmix64 stream
+    whose state starts at mix64(seed)."""
+    state = _mix64_int(seed & _MASK_64) + (token_index + 1) * _GOLDEN_GAMMA
+    return _as_int64(_mix64_int(state & _MASK_64))
+
+
+def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise (num_rows, vocab_size) float32 for int64 ``keys`` (num_rows,).
+
+    Entry (r, v) is ``-log(u)`` for u uniform in (0, 1), made of the top 52 bits of
+    mix64(keys[r] + (v + 1) * gamma): output v of a splitmix64 stream whose state starts at
+    the row's key. It depends on nothing else, and every entry is finite and positive.
+    """
+    counters = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=keys.device)
+    counters *= _as_int64(_GOLDEN_GAMMA)  # wraps modulo 2^64, as splitmix64 does
+    noise = torch.empty(len(keys), vocab_size, device=keys.device)
+    rows_per_chunk = max(1, len(keys))
+    if keys.device.type == "cpu":
+        rows_per_chunk = max(1, CPU_NOISE_CHUNK_ELEMENTS // vocab_size)
+    for start in range(0, len(keys), rows_per_chunk):
+        chunk = slice(start, start + rows_per_chunk)
+        noise[chunk] = _rows_noise(keys[chunk], counters)
+    return noise
+
+
+def _rows_noise(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """``exponential_noise`` of ``keys``, given the vocabulary's splitmix64 counters."""
+    bits = keys[:, None] + counters  # (num_rows, vocab_size)
+    scratch = torch.empty_like(bits)
+    _mix64_tensor(bits, scratch)
+    _logical_right_shift(bits, 64 - _NUM_UNIFORM_BITS, out=bits)
+    uniform = bits.double().mul_(2.0**-_NUM_UNIFORM_BITS).add_(2.0 ** -(_NUM_UNIFORM_BITS + 1))
+    return uniform.log_().neg_().float()  # in [1e-16, 37]: never 0, so probs / noise is defined
+
+
+def _mix64_int(value: int) -> int:
+    """splitmix64's finaliser on an unsigned 64-bit Python int."""
+    for shift, multiplier in zip((30, 27), _MIX_MULTIPLIERS, strict=True):
+        value = ((value ^ (value >> shift)) * multiplier) & _MASK_64
+    return value ^ (value >> 31)
+
+
+def _mix64_tensor(values: torch.Tensor, scratch: torch.Tensor) -> None:
+    """``_mix64_int`` on an int64 tensor, in place (``scratch``: a buffer of its shape): its
+    multiplications wrap modulo 2^64 as unsigned ones do, and a logical shift is an
+    arithmetic shift and a mask. In place, since the noise is a few passes over num_rows x
+    vocab_size int64 values: fewer buffers, less memory traffic."""
+    for shift, multiplier in zip((30, 27), _MIX_MULTIPLIERS, strict=True):
+        values ^= _logical_right_shift(values, shift, out=scratch)
+        values *= _as_int64(multiplier)
+    values ^= _logical_right_shift(values, 31, out=scratch)
+
+
+def _logical_right_shift(values: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
+    """``values >>> shift`` (as unsigned 64-bit) into ``out``, which may be ``values``."""
+    torch.bitwise_right_shift(values, shift, out=out)
+    return out.bitwise_and_((1 << (64 - shift)) - 1)
+
+
+def _as_int64(value: int) -> int:
+    """An unsigned 64-bit value as the signed int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling settings as device tensors (one row per request being sampled).
 
-    ``generators[i]`` is None for rows without a seed; those share the sampler's generator.
+    ``noise_keys[i]`` is row i's ``noise_key`` (of its seed and the index of the token it
+    samples), or None for a row without a seed: the sampler draws it a fresh key.
     ``top_ks`` holds vocab_size where top-k is off, ``top_ps`` infinity where top-p is off.
+    ``filtered_rows`` are the sampled (not greedy) rows that ask for top-k, top-p or min-p.
     ``processors`` edit the logits before any of that (None: no row needs them).
     """
 
@@ -59,29 +139,37 @@ class SamplingBatch:
     min_ps: torch.Tensor
     is_greedy: torch.Tensor
     all_greedy: bool
-    generators: Sequence[torch.Generator | None]
+    filtered_rows: torch.Tensor
+    noise_keys: Sequence[int | None]
     processors: LogitsProcessors | None = None
 
     @classmethod
     def from_params(
         cls,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        noise_keys: Sequence[int | None],
         vocab_size: int,
         device: torch.device,
         processors: LogitsProcessors | None = None,
     ) -> SamplingBatch:
         greedy = [p.is_greedy for p in params]  # temperatures below 1e-5 too
+        top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        filtered = [
+            row
+            for row, (p, g) in enumerate(zip(params, greedy, strict=True))
+            if not g and (top_ks[row] < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
+        ]
         return cls(
             temperatures=_tensor(
                 [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device
             ),
-            top_ks=_tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device),
+            top_ks=_tensor(top_ks, device),
             top_ps=_tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device),
             min_ps=_tensor([p.min_p for p in params], device),
             is_greedy=_tensor(greedy, device),
             all_greedy=all(greedy),
-            generators=generators,
+            filtered_rows=torch.tensor(filtered, dtype=torch.int64, device=device),
+            noise_keys=noise_keys,
             processors=processors,
         )
 
@@ -93,16 +181,13 @@ def _tensor(values: list, device: torch.device) -> torch.Tensor:
 class Sampler:
     """Picks one token per row of a logits batch.
 
-    ``seed`` seeds the generator shared by rows without a seed of their own; None seeds it
-    randomly.
+    ``seed`` seeds the random source of the noise keys of rows without a seed of their own;
+    None seeds it randomly.
     """
 
     def __init__(self, device: torch.device, seed: int | None = None) -> None:
-        self.generator = torch.Generator(device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.device = device
+        self.random = random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Token ids (num_rows,) int64 for float32 ``logits`` (num_rows, vocab_size): each in
@@ -118,16 +203,20 @@ class Sampler:
         if not batch.all_greedy:
             scaled = finite_logits(logits / batch.temperatures[:, None])
             probs = filtered_probabilities(scaled, batch)
-            sampled = (probs / self._noise(probs, batch.generators)).argmax(dim=-1)
+            sampled = (probs / self.noise(batch, logits.shape[-1])).argmax(dim=-1)
             tokens = torch.where(batch.is_greedy, tokens, sampled)
         return tokens.masked_fill(nothing_allowed, NO_TOKEN)
 
-    def _noise(self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]):
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                noise[row].exponential_(generator=generator)
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # 0 / 0 would be NaN
+    def noise(self, batch: SamplingBatch, vocab_size: int) -> torch.Tensor:
+        """``exponential_noise`` (num_rows, vocab_size) of the batch's noise keys, with a fresh
+        key from this sampler's random source for each row that has none."""
+        keys = [
+            _as_int64(self.random.getrandbits(64)) if key is None else key
+            for key in batch.noise_keys
+        ]
+        return exponential_noise(
+            torch.tensor(keys, dtype=torch.int64, device=self.device), vocab_size
+        )
 
 
 def finite_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -137,17 +226,32 @@ def finite_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def filtered_probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Softmax of ``logits`` (num_rows, vocab_size) restricted by top-k, top-p and min-p.
+    """Softmax of ``logits`` (num_rows, vocab_size), each of ``batch.filtered_rows``
+    restricted by its top-k, top-p and min-p; only those rows are sorted."""
+    rows = batch.filtered_rows
+    if rows.numel():
+        kept = _drop_filtered(
+            logits[rows], batch.top_ks[rows], batch.top_ps[rows], batch.min_ps[rows]
+        )
+        logits = logits.index_copy(0, rows, kept)
+    return logits.softmax(dim=-1)
 
-    Top-p keeps the smallest prefix of the sorted distribution whose mass reaches top_p (always
-    at least the most likely token); min-p drops tokens below min_p times the top probability.
+
+def _drop_filtered(
+    logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
+    """``logits`` (num_rows, vocab_size) with -inf for the tokens top-k, top-p or min-p drop.
+
+    Top-k keeps the ``top_k`` largest (ties broken by the sort); top-p keeps the smallest prefix
+    of the sorted distribution whose mass reaches top_p (always at least the most likely token);
+    min-p drops tokens below min_p times the top probability, after top-k.
     """
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(ranks >= batch.top_ks[:, None], float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
+    beyond_top_k = ranks >= top_ks[:, None]
+    sorted_probs = sorted_logits.masked_fill(beyond_top_k, float("-inf")).softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    too_unlikely = sorted_probs < batch.min_ps[:, None] * sorted_probs[:, :1]
-    outside = (mass_before > batch.top_ps[:, None]) | too_unlikely
-    sorted_probs = sorted_logits.masked_fill(outside, float("-inf")).softmax(dim=-1)
-    return torch.zeros_like(sorted_probs).scatter_(-1, sorted_ids, sorted_probs)
+    too_unlikely = sorted_probs < min_ps[:, None] * sorted_probs[:, :1]
+    dropped_sorted = beyond_top_k | (mass_before > top_ps[:, None]) | too_unlikely
+    dropped = torch.zeros_like(dropped_sorted).scatter_(-1, sorted_ids, dropped_sorted)
+    return logits.masked_fill(dropped, float("-inf"))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -73,11 +74,25 @@ async def message_types_within(router: zmq.asyncio.Socket, seconds: float) -> se
     return messages
 
 
+async def streaming(
+    client: EngineClient, router: zmq.asyncio.Socket, context: TextContext = CONTEXT
+) -> tuple[AsyncIterator, bytes]:
+    """Start ``context``'s stream and answer its submission with token 5, which it yields."""
+    stream = client.generate(context)
+    first = asyncio.ensure_future(anext(stream))
+    identity, _ = await receive(router)
+    result = SchedulerResult.active(output([5]))
+    await router.send_multipart([identity, results(context.request_id, result)])
+    assert (await first).result.tokens == [5]
+    return stream, identity
+
+
 def run_with_router(
     tmp_path: Path,
     test: Callable[..., Awaitable[None]],
     bind: bool = True,
     max_stream_backlog: int = 1024,
+    scheduler_return_timeout_s: float = 0.0,
 ):
     """Run ``test(client, router)`` with an EngineClient connected to a ROUTER (bound or not)."""
     address = f"ipc://{tmp_path}/scheduler.ipc"
@@ -88,6 +103,7 @@ def run_with_router(
         scheduler_timeout_s=0.6,
         heartbeat_interval_s=0.1,
         max_stream_backlog=max_stream_backlog,
+        scheduler_return_timeout_s=scheduler_return_timeout_s,
     )
 
     async def main() -> None:
@@ -132,11 +148,7 @@ def test_results_stream_until_complete_and_bad_frames_are_dropped(tmp_path: Path
 
 def test_leaving_a_stream_early_aborts_the_request(tmp_path: Path) -> None:
     async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
-        stream = client.generate(CONTEXT)
-        first = asyncio.ensure_future(anext(stream))
-        identity, _ = await receive(router)
-        await router.send_multipart([identity, results("r1", SchedulerResult.active(output([5])))])
-        await first
+        stream, identity = await streaming(client, router)
         await stream.aclose()
         assert await receive(router) == (identity, AbortRequests(["r1"]))
         assert client.num_requests_in_flight == 0
@@ -339,3 +351,114 @@ def test_an_api_server_the_scheduler_refuses_exits_1_saying_why(
     assert result.returncode == 1, result.stderr
     assert f"the scheduler refused this API server: {REFUSAL}" in result.stderr
     assert scheduler.hellos == [ApiHello(PROTOCOL_VERSION)]
+
+
+async def next_request(router: zmq.asyncio.Socket, ready: bool) -> tuple[bytes, object]:
+    """The next message but stats requests, which are answered with ``workers_ready=ready``."""
+    while True:
+        identity, message = await receive(router)
+        if not isinstance(message, StatsRequest):
+            return identity, message
+        await router.send_multipart([identity, encode(SchedulerStats(0, 0, 10, 0, ready))])
+
+
+async def restart(router: zmq.asyncio.Socket, address: str) -> zmq.asyncio.Socket:
+    """Close ``router`` (the scheduler dies) and bind a new one at ``address``."""
+    context = router.context
+    router.close(linger=0)
+    await asyncio.sleep(0.3)  # the client sees the connection drop
+    restarted = context.socket(zmq.ROUTER)
+    restarted.bind(address)
+    return restarted
+
+
+def test_a_stream_waits_for_a_restarted_scheduler_and_goes_on_after_its_tokens(tmp_path: Path):
+    """The request is submitted again only once the new scheduler has a worker, with the
+    tokens already received (and no prompt log probabilities: they came first); the stream
+    pauses and continues, nothing repeated or lost."""
+    context = msgspec.structs.replace(CONTEXT, prompt_logprobs=1)
+
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream, identity = await streaming(client, router, context)
+        await router.send_multipart([identity, results("r1", SchedulerResult.active(output([6])))])
+        tokens = [[5], (await anext(stream)).result.tokens]
+        router = await restart(router, f"ipc://{tmp_path}/scheduler.ipc")
+        try:
+            assert (await receive(router))[1] == ApiHello(PROTOCOL_VERSION)
+            waiting = asyncio.ensure_future(next_request(router, ready=False))
+            with pytest.raises(asyncio.TimeoutError):  # no worker yet: nothing is submitted
+                await asyncio.wait_for(asyncio.shield(waiting), 0.6)
+            waiting.cancel()
+            identity, message = await next_request(router, ready=True)
+            resumed = msgspec.structs.replace(
+                context, generated_token_ids=[5, 6], prompt_logprobs=None
+            )
+            assert message == SubmitRequest(resumed)
+            done = SchedulerResult.complete(output([7], GenerationStatus.END_OF_SEQUENCE))
+            await router.send_multipart([identity, results("r1", done)])
+            rest = [item async for item in stream]
+            assert tokens + [item.result.tokens for item in rest] == [[5], [6], [7]]
+            assert rest[-1].stop_stream and client.num_requests_in_flight == 0
+        finally:
+            router.close(linger=0)
+
+    run_with_router(tmp_path, test, scheduler_return_timeout_s=10.0)
+
+
+def test_what_cannot_wait_fails_at_once_and_the_rest_after_the_return_timeout(tmp_path: Path):
+    """Embeddings fail when the connection drops; a text request waits, and fails naming the
+    bound when no scheduler comes back within it; new requests get 503 meanwhile."""
+    from interfaces.embeddings import EmbeddingsContext
+
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream, _ = await streaming(client, router)
+        embedding = asyncio.ensure_future(client.embed([EmbeddingsContext("e1", [1, 2])]))
+        await next_request(router, ready=True)
+        router.close(linger=0)
+        with pytest.raises(SchedulerUnavailable, match="lost the connection"):
+            await embedding
+        with pytest.raises(SchedulerUnavailable, match="lost the connection"):
+            await anext(client.generate(msgspec.structs.replace(CONTEXT, request_id="r2")))
+        with pytest.raises(SchedulerUnavailable, match=r"did not come back within 1\.5 s"):
+            await anext(stream)
+        assert client.num_requests_in_flight == 0
+
+    run_with_router(tmp_path, test, scheduler_return_timeout_s=1.5)
+
+
+def test_only_requests_submitted_before_the_connection_dropped_are_submitted_again() -> None:
+    from api_server.resubmission import Resubmissions
+
+    kept = Resubmissions()
+    for request_id in ("r1", "r2", "r3", "ended"):
+        kept.submitting(msgspec.structs.replace(CONTEXT, request_id=request_id))
+        if request_id != "r3":  # r3's frame has not left
+            kept.submitted(request_id)
+    kept.received("r1", SchedulerResult.active(output([5, 6])))
+    kept.received("ended", SchedulerResult.complete(output([7], GenerationStatus.END_OF_SEQUENCE)))
+    kept.lost_connection()
+    kept.submitted("r2")  # it left on the connection that came back
+    assert kept.waiting() == ["r1"]
+    assert kept.due() == [msgspec.structs.replace(CONTEXT, generated_token_ids=[5, 6])]
+    assert kept.due() == []  # once per connection
+    kept.forget("r1")
+    assert len(kept) == 2 and "r1" not in kept and "ended" not in kept
+
+
+def test_a_scheduler_back_without_a_worker_fails_the_waiting_streams_at_the_bound(tmp_path):
+    """The connection is back, but no worker serves: the streams do not wait forever."""
+
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream, _ = await streaming(client, router)
+        router = await restart(router, f"ipc://{tmp_path}/scheduler.ipc")
+        try:
+            assert (await receive(router))[1] == ApiHello(PROTOCOL_VERSION)
+            answering = asyncio.ensure_future(next_request(router, ready=False))
+            with pytest.raises(SchedulerUnavailable, match=r"no worker served within 1\.5 s"):
+                await anext(stream)
+            assert client.num_requests_in_flight == 0
+            answering.cancel()
+        finally:
+            router.close(linger=0)
+
+    run_with_router(tmp_path, test, scheduler_return_timeout_s=1.5)

@@ -12,7 +12,7 @@ import pytest
 
 from api_server.engine_client import SchedulerUnavailable
 from api_server.stats_tickets import SchedulerStatsCache
-from interfaces.scheduler_to_api import SchedulerStats
+from interfaces.scheduler_to_api import GroupAway, SchedulerStats
 from tests.support.fake_scheduler import ApiHarness, sse_events
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -136,6 +136,81 @@ def test_health_and_ready(api: ApiHarness, client: httpx.Client) -> None:
     finally:
         api.scheduler.workers_ready = True
         assert api.scheduler.wait_for(lambda: client.get("/ready").status_code == 200, 2.0)
+
+
+def stats_with(api: ApiHarness, workers_ready: bool, groups_away: list[GroupAway]):
+    """What the fake scheduler answers StatsRequest with from now on (set with monkeypatch)."""
+    real_stats = api.scheduler.stats
+
+    def stats() -> SchedulerStats:
+        answer = real_stats()
+        answer.workers_ready, answer.groups_away = workers_ready, groups_away
+        return answer
+
+    return stats
+
+
+AWAY_CASES = [
+    # A group died while another serves: requests moved; ready, and the launcher restarts it.
+    (True, [GroupAway("b", "worker_died", 3.24)], 200, "restarting", 200),
+    # The only group died: none serves, its requests wait for it to come back.
+    (False, [GroupAway("a", "worker_died", 0.04)], 200, "restarting", 503),
+    # One group fenced as stalled and one dead: "stalled" wins.
+    (
+        False,
+        [GroupAway("a", "worker_stalled", 31.06), GroupAway("b", "worker_died", 12.0)],
+        200,
+        "stalled",
+        503,
+    ),
+]
+
+
+@pytest.mark.parametrize(("workers_ready", "away", "health", "status", "ready"), AWAY_CASES)
+def test_health_names_the_groups_away_and_stays_200_while_their_requests_wait(
+    api: ApiHarness,
+    client: httpx.Client,
+    monkeypatch: pytest.MonkeyPatch,
+    workers_ready: bool,
+    away: list[GroupAway],
+    health: int,
+    status: str,
+    ready: int,
+) -> None:
+    monkeypatch.setattr(api.scheduler, "stats", stats_with(api, workers_ready, away))
+    # Probes share one stats reply for up to STATS_MAX_AGE_S (0.5 s).
+    assert api.scheduler.wait_for(lambda: client.get("/health").json() != {"status": "ok"}, 2.0)
+    response = client.get("/health")
+    assert response.status_code == health
+    assert response.json() == {
+        "status": status,
+        "groups_away": [
+            {"group": group.name, "reason": group.reason, "seconds": round(group.seconds, 1)}
+            for group in away
+        ],
+    }
+    readiness = client.get("/ready")
+    assert readiness.status_code == ready
+    if ready == 503:
+        message = readiness.json()["error"]["message"]
+        assert message == "the scheduler is up but its workers are not ready"
+    monkeypatch.undo()
+    assert api.scheduler.wait_for(lambda: client.get("/health").json() == {"status": "ok"}, 2.0)
+
+
+def test_health_is_503_when_no_group_serves_and_none_is_expected_back(
+    api: ApiHarness, client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``--worker-return-timeout`` the scheduler forgets the group: nothing can progress."""
+    monkeypatch.setattr(api.scheduler, "stats", stats_with(api, False, []))
+    assert api.scheduler.wait_for(lambda: client.get("/health").status_code == 503, 2.0)
+    response = client.get("/health")
+    assert response.headers["Retry-After"] == "1"
+    assert response.json()["error"]["message"] == (
+        "the scheduler is up but its workers are not ready"
+    )
+    monkeypatch.undo()
+    assert api.scheduler.wait_for(lambda: client.get("/health").status_code == 200, 2.0)
 
 
 def test_a_draining_server_is_alive_but_not_ready(api: ApiHarness, client: httpx.Client) -> None:

@@ -173,6 +173,22 @@ def test_n_chat_choices(api: ApiHarness, client: httpx.Client, reply: list[int])
     }
 
 
+def test_unseeded_choices_get_a_drawn_seed_each_that_no_response_shows(
+    api: ApiHarness, client: httpx.Client
+) -> None:
+    before = len(api.scheduler.submitted)
+    response = client.post(CHAT, json={"messages": MESSAGES, "n": 3, "temperature": 0.8})
+    again = client.post(CHAT, json={"messages": MESSAGES, "temperature": 0.8})
+    assert (response.status_code, again.status_code) == (200, 200)
+    *choices, other = submitted_since(api, before)
+    first, second, third = sorted(choices, key=lambda context: context.request_id)
+    seed = first.sampling_params.seed
+    assert 0 <= seed < 2**63 and other.sampling_params.seed not in (None, seed)
+    assert [context.sampling_params.seed for context in (second, third)] == [seed + 1, seed + 2]
+    for sent, body in ((first, response.text), (other, again.text)):
+        assert str(sent.sampling_params.seed) not in body
+
+
 def test_several_prompts_times_n(api: ApiHarness, client: httpx.Client, reply: list[int]) -> None:
     before = len(api.scheduler.submitted)
     request = {"prompt": ["Say hello", "A longer second prompt"], "n": 2, "best_of": 2}

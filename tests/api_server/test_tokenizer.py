@@ -6,11 +6,12 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from api_server.chat_template import ChatTemplateError
 from api_server.tokenizer import HuggingFaceTokenizer
-from interfaces import TextGenerationRequest
+from interfaces import SamplingParams, TextGenerationRequest
 from tests.support.tokenizer_dirs import chat_request, make_model_dir
 
 SMOLLM_DEFAULT_SYSTEM = (
@@ -61,6 +62,25 @@ def test_new_context_encodes_the_template_without_extra_special_tokens(
     assert context.max_length == 64  # max_new_tokens None: the whole context
     assert context.eos_token_ids == [2]
     assert context.request_id == "r1"
+
+
+def test_new_context_draws_a_seed_only_for_a_request_without_one(
+    tokenizer: HuggingFaceTokenizer,
+) -> None:
+    params = SamplingParams(top_k=0, temperature=0.8, max_new_tokens=4)
+    unseeded = TextGenerationRequest("r", 0, prompt="Hello", sampling_params=params)
+    drawn = [asyncio.run(tokenizer.new_context(unseeded)).sampling_params for _ in range(2)]
+    seeds = [sent.seed for sent in drawn]
+    assert seeds[0] != seeds[1]  # 63 fresh bits each: two requests sample differently
+    assert all(isinstance(seed, int) and 0 <= seed < 2**63 for seed in seeds)
+    assert drawn == [msgspec.structs.replace(params, seed=seed) for seed in seeds]
+    for seed in (-(2**63), 0, 7):
+        seeded = TextGenerationRequest(
+            "r", 0, prompt="Hello", sampling_params=SamplingParams(seed=seed)
+        )
+        assert asyncio.run(tokenizer.new_context(seeded)).sampling_params == SamplingParams(
+            seed=seed
+        )
 
 
 def test_max_length_is_prompt_plus_max_new_tokens_within_the_context(

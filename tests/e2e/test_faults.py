@@ -38,7 +38,7 @@ def serve_factory(default_model_dir):
 
 @pytest.mark.parametrize("role", ["switchyard-worker", "switchyard-scheduler"])
 def test_killing_the_worker_or_scheduler_fails_requests_and_exits_non_zero(serve_factory, role):
-    serve = serve_factory()
+    serve = serve_factory("--migration-limit", "0")  # fail-fast: no move, no worker restart
     children = [pid for pid, _ in serve.children()]
     stream, stream_thread = in_background(serve.base_url, long_chat())
     whole, whole_thread = in_background(serve.base_url, long_chat(stream=False))

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,6 +28,8 @@ from api_server.metrics import (
     ServerMetrics,
     method_label,
 )
+from api_server.stats_tickets import STATS_MAX_AGE_S
+from interfaces.scheduler_to_api import MIGRATION_PAUSE_SECONDS_BUCKETS, SchedulerStats
 from tests.support.metrics import Samples, parse_samples, scrape
 from tests.support.serve_process import DEFAULT_MODEL_NAME, ServeProcess, chat_messages, long_chat
 
@@ -112,6 +115,9 @@ def test_ten_requests_are_counted_exactly_once_on_every_api_server(server):
         usages = list(pool.map(lambda item: send(server.base_url, *item), requests))
     prompt_tokens = sum(usage["prompt_tokens"] for usage in usages)
     completion_tokens = sum(usage["completion_tokens"] for usage in usages)
+    # The scheduler's series are a snapshot up to STATS_MAX_AGE_S old: let those taken before the
+    # last steps expire on both API servers.
+    time.sleep(STATS_MAX_AGE_S + 0.1)
 
     for _ in range(6):  # the shared port hands each scrape to either process
         after = scrape(server.base_url)
@@ -340,3 +346,67 @@ def test_each_request_taken_started_and_finished_is_a_change_for_the_stats_cache
     request.finished("stop")
     request.finished("stop")  # only the first counts
     assert metrics.num_request_changes == 3
+
+
+def test_the_migration_series_render_every_reason_and_leave_the_other_series_as_they_were():
+    """Every reason is a series from the start (0 included); the pause is a histogram over
+    ``MIGRATION_PAUSE_SECONDS_BUCKETS``; no other series changes when requests move."""
+    quiet = SchedulerStats(
+        3,
+        1,
+        64,
+        16,
+        workers_ready=True,
+        num_preemptions_total=2,
+        num_requests_running_by_role={"hybrid": 3},
+        num_requests_waiting_by_role={"hybrid": 1},
+    )
+    counts = [0] * (len(MIGRATION_PAUSE_SECONDS_BUCKETS) + 1)
+    counts[2], counts[-1] = 2, 1  # two pauses of (0.25, 0.5] s, one above every bound
+    moved = msgspec.structs.replace(
+        quiet,
+        request_migrations_total={"worker_died": 3, "worker_stalled": 1},
+        worker_restarts_total=2,
+        migration_pause_seconds_counts=counts,
+        migration_pause_seconds_sum=300.75,
+    )
+    rendered = {}
+    for name, stats in (("quiet", quiet), ("moved", moved)):
+        metrics = ServerMetrics("m")
+        metrics.update_scheduler(stats)
+        rendered[name] = parse_samples(metrics.render().decode())
+
+    def sample(name: str, which: str = "moved", **labels: str) -> float:
+        return rendered[which][
+            (f"switchyard:{name}", frozenset({"model_name": "m", **labels}.items()))
+        ]
+
+    for reason, count in (("worker_died", 3), ("worker_stalled", 1), ("scheduler_restarted", 0)):
+        assert sample("request_migrations_total", reason=reason) == count
+        assert sample("request_migrations_total", "quiet", reason=reason) == 0
+    assert (sample("worker_restarts_total"), sample("worker_restarts_total", "quiet")) == (2, 0)
+    buckets = [sample("migration_pause_seconds_bucket", le=str(b)) for b in (0.1, 0.5, 120.0)]
+    assert buckets == [0, 2, 2]
+    assert sample("migration_pause_seconds_bucket", le="+Inf") == 3
+    assert sample("migration_pause_seconds_count") == 3
+    assert sample("migration_pause_seconds_sum") == 300.75
+    assert sample("migration_pause_seconds_count", "quiet") == 0
+
+    new = {f"switchyard:{name}" for name in ("request_migrations_total", "worker_restarts_total")}
+    new.add("switchyard:migration_pause_seconds")
+
+    def others(samples: Samples) -> Samples:
+        return {key: v for key, v in samples.items() if family_of(key[0]) not in new}
+
+    assert others(rendered["moved"]) == others(rendered["quiet"])
+    scheduler_families = {
+        family_of(name)
+        for name, _ in rendered["quiet"]
+        if family_of(name) in SCHEDULER_METRIC_NAMES
+    }
+    assert scheduler_families == set(SCHEDULER_METRIC_NAMES)
+    assert sample("num_preemptions_total", "quiet") == 2
+
+
+def family_of(sample_name: str) -> str:
+    return sample_name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")

@@ -42,6 +42,14 @@ from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
 from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.requests import PreparedImage
 from interfaces.scheduler_to_api import (
+    ITERATION_TOKENS_BUCKETS,
+    KV_TRANSFER_SECONDS_BUCKETS,
+    MIGRATION_PAUSE_SECONDS_BUCKETS,
+    MIGRATION_REASONS,
+    SCHEDULER_RESTARTED,
+    WORKER_DIED,
+    WORKER_STALLED,
+    GroupAway,
     SchedulerEmbeddingsResults,
     SchedulerResults,
     SchedulerStats,
@@ -189,6 +197,50 @@ def test_wire_messages_round_trip(union, message):
     decoded = msgpack_numpy_decoder(union)(encode(message))
     assert decoded == message
     assert type(decoded) is type(message)
+
+
+def default_of(field: msgspec.structs.FieldInfo) -> object:
+    """A struct field's default value (``msgspec.NODEFAULT`` for a required field)."""
+    if field.default_factory is not msgspec.NODEFAULT:
+        return field.default_factory()
+    return field.default
+
+
+def test_group_away_round_trips():
+    away = GroupAway("hybrid-1", WORKER_STALLED, 2.5)
+    assert msgpack_numpy_decoder(GroupAway)(encode(away)) == away
+
+
+def test_scheduler_stats_round_trip_with_every_field_set():
+    stats = SchedulerStats(
+        num_requests_running=3,
+        num_requests_waiting=1,
+        num_kv_blocks_total=100,
+        num_kv_blocks_used=40,
+        workers_ready=True,
+        num_preemptions_total=2,
+        prefix_cache_queries_total=500,
+        prefix_cache_hits_total=128,
+        iteration_tokens_counts=list(range(len(ITERATION_TOKENS_BUCKETS) + 1)),
+        iteration_tokens_sum=4096,
+        num_requests_running_by_role={"prefill": 1, "decode": 2},
+        num_requests_waiting_by_role={"prefill": 1, "decode": 0},
+        kv_transfer_bytes_total=1 << 20,
+        kv_transfer_seconds_counts=[1] * (len(KV_TRANSFER_SECONDS_BUCKETS) + 1),
+        kv_transfer_seconds_sum=0.75,
+        embedding_workers_ready=True,
+        request_migrations_total={WORKER_DIED: 4, WORKER_STALLED: 1, SCHEDULER_RESTARTED: 7},
+        worker_restarts_total=2,
+        migration_pause_seconds_counts=[2] * (len(MIGRATION_PAUSE_SECONDS_BUCKETS) + 1),
+        migration_pause_seconds_sum=3.5,
+        groups_away=[GroupAway("b", WORKER_DIED, 0.5), GroupAway("a", WORKER_STALLED, 12.0)],
+    )
+    fields = msgspec.structs.fields(SchedulerStats)
+    assert [f.name for f in fields if getattr(stats, f.name) == default_of(f)] == []
+    assert set(stats.request_migrations_total) == set(MIGRATION_REASONS)
+    decoded = msgpack_numpy_decoder(SchedulerToApiMessage)(encode(stats))
+    assert decoded == stats
+    assert type(decoded) is SchedulerStats
 
 
 def test_embeddings_travel_as_float32_arrays():

@@ -307,6 +307,7 @@ READY |= {"block_size": 4, "max_model_len": 256}
 """The fake worker's handshake (``tests.support.scheduler_sockets.FakeWorkerThread``)."""
 
 
+@pytest.mark.parametrize("system", [{"worker_return_timeout_s": 0}], indirect=True)
 def test_a_second_handshake_cannot_take_a_serving_group(system):
     """It used to retire the real workers and take their traffic. A restarted worker still
     takes the group's place once the old connection has closed."""

@@ -1,19 +1,30 @@
 """A request moved to a fresh worker after its group died gives the tokens it would have had:
 the real placement and schedulers over two real ModelRunners (the default model) in one
 process. Greedy, seeded sampling at temperature 0.8 with penalties, min_new_tokens and a
-json_schema, each moved after its first tokens, against the same requests undisturbed."""
+json_schema, and unseeded sampling at temperature 0.8 (with the seed the API server draws), each
+moved after its first tokens, against the same requests undisturbed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
 import pytest
 from transformers import AutoTokenizer
 
-from interfaces import SchedulerStatus, StructuredOutput
+from api_server.tokenizer import HuggingFaceTokenizer
+from interfaces import (
+    SamplingParams,
+    SchedulerStatus,
+    StructuredOutput,
+    TextContext,
+    TextGenerationRequest,
+    TextGenerationRequestMessage,
+)
 from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.worker_to_scheduler import WorkerOutput, WorkerReady
 from scheduler.config import SchedulerConfig
@@ -55,7 +66,21 @@ def prompts(default_model_dir: Path) -> dict[str, list[int]]:
     }
 
 
-def contexts(prompts: dict[str, list[int]], suffix: str):
+@pytest.fixture(scope="module")
+def unseeded(default_model_dir: Path) -> TextContext:
+    """A request without a seed at temperature 0.8, its context built as the API server builds
+    it: ``new_context`` draws its seed (each API server submits the context it built)."""
+    params = SamplingParams(top_k=0, temperature=0.8, max_new_tokens=16, ignore_eos=True)
+    message = TextGenerationRequestMessage("user", "Tell me about rivers.")
+    request = TextGenerationRequest("unseeded", 0, messages=[message], sampling_params=params)
+    tokenizer = HuggingFaceTokenizer(default_model_dir, max_model_len=256)
+    built = asyncio.run(tokenizer.new_context(request))
+    seed = built.sampling_params.seed
+    assert seed is not None and built.sampling_params == msgspec.structs.replace(params, seed=seed)
+    return built
+
+
+def contexts(prompts: dict[str, list[int]], unseeded: TextContext, suffix: str):
     person = StructuredOutput("json_schema", json.dumps(SCHEMA))
     return [
         context("greedy" + suffix, prompts["greedy"], 16, ignore_eos=True),
@@ -71,6 +96,7 @@ def contexts(prompts: dict[str, list[int]], suffix: str):
             min_new_tokens=12,
         ),
         context("json" + suffix, prompts["json"], 40, structured_output=person),
+        msgspec.structs.replace(unseeded, request_id="unseeded" + suffix),
     ]
 
 
@@ -138,22 +164,25 @@ class Groups:
         return dict(self.tokens)
 
 
-def test_a_moved_request_gives_the_same_tokens_as_undisturbed(runners, prompts, default_model_dir):
+def test_a_moved_request_gives_the_same_tokens_as_undisturbed(
+    runners, prompts, unseeded, default_model_dir
+):
     # Undisturbed on a first, so that a's grammar is compiled when the moved run starts there
-    # (all three then sample from the same step on), and b must compile it after the move.
+    # (all of them then sample from the same step on), and b must compile it after the move.
+    request_ids = [*prompts, "unseeded"]
     undisturbed = Groups(runners, ["a"])
-    for request in contexts(prompts, ""):
+    for request in contexts(prompts, unseeded, ""):
         assert undisturbed.placement.add_request(request, CLIENT) is None
-    expected = undisturbed.run(list(prompts))
+    expected = undisturbed.run(request_ids)
 
     moved = Groups(runners, ["a"])  # every request starts on a
-    for request in contexts(prompts, "-moved"):
+    for request in contexts(prompts, unseeded, "-moved"):
         assert moved.placement.add_request(request, CLIENT) is None
-    ids = [f"{rid}-moved" for rid in prompts]
+    ids = [f"{rid}-moved" for rid in request_ids]
     tokens = moved.run(ids, kill_after=MOVE_AFTER_TOKENS)
 
     assert {rid.removesuffix("-moved"): tokens[rid] for rid in ids} == expected
-    assert len(expected["greedy"]) == len(expected["seeded"]) == 16
+    assert len(expected["greedy"]) == len(expected["seeded"]) == len(expected["unseeded"]) == 16
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     document = tokenizer.decode(expected["json"], skip_special_tokens=True)
     assert set(json.loads(document)) == {"name", "age"}

@@ -300,6 +300,33 @@ def test_a_full_queue_refuses_requests_as_overloaded():
     assert (scheduler.stats().num_requests_waiting, scheduler.num_waiting_tokens) == (2, 4)
 
 
+def test_a_full_queue_takes_a_request_submitted_again_but_refuses_a_new_one():
+    """A request an API server submits again after a scheduler restart (it brings the tokens it
+    generated, ``generated_token_ids``) was accepted once: the queue's bounds do not refuse it,
+    and it counts its prompt and those tokens among the waiting ones. A new request is refused
+    as overloaded (429)."""
+    scheduler = make_scheduler(max_num_seqs=1, max_queued_requests=1, max_queued_tokens=10)
+    assert scheduler.add_request(context("a", [1] * 6), CLIENT) is None  # takes the free slot
+    assert scheduler.add_request(context("b", [2] * 4), CLIENT) is None  # the queue is full
+    new = scheduler.add_request(context("c", [3]), CLIENT)
+    assert (new.error_kind, new.error) == (
+        ErrorKind.OVERLOADED,
+        "1 requests are already waiting; try again later",
+    )
+    prompt = [4] * 5
+    resubmitted = msgspec.structs.replace(
+        context("d", prompt, max_new_tokens=6), generated_token_ids=expected_tokens(prompt, 3)
+    )
+    assert scheduler.add_request(resubmitted, CLIENT) is None
+    scheduler.check_integrity()
+    assert (len(scheduler.waiting), scheduler.num_waiting_tokens) == (3, 6 + 4 + 5 + 3)
+    too_many_tokens = scheduler.add_request(context("e", [5]), CLIENT)
+    assert too_many_tokens.error_kind is ErrorKind.OVERLOADED
+    finals, _ = run_to_completion(scheduler, FakeTokenGenerator(4))
+    assert finals["d"] == (expected_tokens(prompt, 6)[3:], GenerationStatus.MAXIMUM_LENGTH)
+    assert sorted(finals) == ["a", "b", "d"]
+
+
 def test_an_empty_queue_takes_a_prompt_bigger_than_the_token_bound():
     scheduler = make_scheduler(max_queued_tokens=4)
     assert scheduler.add_request(context("big", [1] * 20), CLIENT) is None
@@ -463,3 +490,38 @@ def test_stop_token_ids_are_a_set_checked_per_token():
     assert scheduler.requests["a"].stop_token_ids == frozenset(many)
     finals, _ = run_to_completion(scheduler, worker)
     assert finals["a"] == (expected_tokens(prompt, 2), GenerationStatus.END_OF_SEQUENCE)
+
+
+def test_a_request_submitted_again_with_its_tokens_continues_after_them():
+    """After a scheduler restart an API server submits a request again with the tokens it
+    received (``generated_token_ids``): they reach the worker as outputs, count against the
+    budget, and the move is counted; the rest is the undisturbed stream."""
+    prompt = [5, 6, 7, 8, 9]
+    undisturbed = expected_tokens(prompt, 6)
+    scheduler, worker = make_scheduler(block_size=4), FakeTokenGenerator(4)
+    resumed = msgspec.structs.replace(
+        context("a", prompt, max_new_tokens=6), generated_token_ids=undisturbed[:2]
+    )
+    assert scheduler.add_request(resumed, CLIENT) is None
+    step, results = run_step(scheduler, worker)
+    assert step.new_requests[0].output_token_ids == undisturbed[:2]
+    assert step.num_scheduled_tokens == {"a": 7}
+    finals, _ = run_to_completion(scheduler, worker)
+    rest = [*results["a"].result.tokens, *finals["a"][0]]
+    assert [*undisturbed[:2], *rest] == undisturbed
+    assert finals["a"][1] is GenerationStatus.MAXIMUM_LENGTH
+    assert scheduler.stats().request_migrations_total["scheduler_restarted"] == 1
+
+
+def test_generated_tokens_are_checked_like_the_prompt():
+    from scheduler.admission import context_problem
+
+    scheduler = make_scheduler(block_size=4)
+    outside = msgspec.structs.replace(context("a", [5, 6]), generated_token_ids=[1 << 40])
+    assert context_problem(outside, 1000) == "generated token ids must be in [0, 1000)"
+    full = msgspec.structs.replace(
+        context("b", [5, 6], max_new_tokens=3), generated_token_ids=[11, 12, 13]
+    )
+    refused = scheduler.add_request(full, CLIENT)
+    assert refused.error_kind is ErrorKind.INVALID_REQUEST
+    assert "leave no room to generate" in refused.error

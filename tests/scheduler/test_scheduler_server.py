@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import msgspec
 import numpy as np
+import pytest
 
 from interfaces import (
     ErrorKind,
@@ -18,7 +20,7 @@ from interfaces import (
     SharedMemoryArray,
 )
 from interfaces.api_to_scheduler import AbortRequests, StatsRequest, SubmitRequest
-from interfaces.scheduler_to_api import SchedulerStats
+from interfaces.scheduler_to_api import MIGRATION_REASONS, SchedulerStats
 from tests.support.hostile import hostile_frames
 from tests.support.scheduler_sockets import (
     FakeWorkerThread,
@@ -31,6 +33,10 @@ from tests.support.scheduler_sockets import (
     start_worker,
     stats,
 )
+
+NO_MIGRATIONS = dict.fromkeys(MIGRATION_REASONS, 0)
+FAIL_FAST = {"worker_return_timeout_s": 0}
+"""Requests of the last group that dies fail at once instead of waiting for it to return."""
 
 
 def test_requests_from_two_api_servers_are_routed_back_to_their_owner(system):
@@ -68,6 +74,7 @@ def test_requests_from_two_api_servers_are_routed_back_to_their_owner(system):
         prefix_cache_hits_total=0,
         num_requests_running_by_role={"hybrid": 0},
         num_requests_waiting_by_role={"hybrid": 0},
+        request_migrations_total=NO_MIGRATIONS,
     )
     server.stop()
     assert worker.got_shutdown.wait(5)
@@ -83,7 +90,9 @@ def test_without_a_worker_requests_are_refused_as_unavailable(system):
         ErrorKind.UNAVAILABLE,
     )
     assert refusal.error == "no worker is ready to serve requests"
-    assert stats(client) == SchedulerStats(0, 0, 0, 0, workers_ready=False)
+    assert stats(client) == SchedulerStats(
+        0, 0, 0, 0, workers_ready=False, request_migrations_total=NO_MIGRATIONS
+    )
 
 
 def test_abort_cancels_and_frees(system):
@@ -126,6 +135,35 @@ def test_too_long_request_is_rejected_with_an_error(system):
     assert finals["huge"].error_kind is ErrorKind.INVALID_REQUEST
 
 
+def test_periodic_work_that_raises_is_logged_and_the_loop_serves_on(system, monkeypatch, caplog):
+    """``check_timeouts``, run by the loop itself each iteration, raises once: the error is
+    logged with its traceback, the loop goes on, and a request submitted after is served."""
+    server, context, frontend, backend = system
+    client = api_client(context, frontend)
+    start_worker(context, backend, client)
+    placement, raised = server.placement, threading.Event()
+    check_timeouts = placement.check_timeouts
+
+    def check_timeouts_raising_once(now=None):
+        if not raised.is_set():
+            raised.set()
+            raise RuntimeError("a broken deadline")
+        return check_timeouts(now)
+
+    monkeypatch.setattr(placement, "check_timeouts", check_timeouts_raising_once)
+    assert raised.wait(5)
+    client.send(encode(SubmitRequest(ctx("after", [1, 2, 3]))))
+    tokens, finals = collect(client, ["after"])
+    assert tokens == {"after": expected([1, 2, 3], 5)}
+    assert finals["after"].status is SchedulerStatus.COMPLETE
+    assert server.placement is placement  # the same placement served it
+    [record] = [r for r in caplog.records if r.exc_info is not None]
+    assert (record.getMessage(), str(record.exc_info[1])) == (
+        "_check_timeouts raised; serving on",
+        "a broken deadline",
+    )
+
+
 def test_the_scheduler_process_never_imports_torch():
     code = (
         "import sys, scheduler.__main__, scheduler.server\n"
@@ -155,6 +193,7 @@ def test_hostile_frames_on_both_sockets_are_dropped_and_nothing_runs(system, tmp
     assert len(drops) == 2 * len(hostile_frames(marker)) + 1
 
 
+@pytest.mark.parametrize("system", [FAIL_FAST], indirect=True)
 def test_a_worker_that_dies_fails_every_request_and_new_ones_until_another_registers(system):
     _, context, frontend, backend = system
     client = api_client(context, frontend)
@@ -179,7 +218,7 @@ def test_a_worker_that_dies_fails_every_request_and_new_ones_until_another_regis
         iteration_tokens_counts=[0] * 14,
         iteration_tokens_sum=0,
         prefix_cache_queries_total=0,
-    ) == SchedulerStats(0, 0, 0, 0, workers_ready=False)
+    ) == SchedulerStats(0, 0, 0, 0, workers_ready=False, request_migrations_total=NO_MIGRATIONS)
     client.send(encode(SubmitRequest(ctx("c", [4]))))
     assert receive(client).results["c"].error_kind is ErrorKind.UNAVAILABLE
 
@@ -211,6 +250,7 @@ def test_an_api_server_that_goes_away_has_its_requests_aborted_and_freed(system)
     assert tokens == {"mine": expected([9], 5)}
 
 
+@pytest.mark.parametrize("system", [FAIL_FAST], indirect=True)
 def test_a_tensor_parallel_group_gets_every_step_and_ends_when_any_rank_dies(system):
     _, context, frontend, backend = system
     client = api_client(context, frontend)

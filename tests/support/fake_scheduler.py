@@ -290,7 +290,9 @@ class ApiHarness:
     the defaults) and ``embedding_model_dir`` go into the server's config;
     ``scheduler_timeout_s`` is how long the engine waits on a silent scheduler. ``bind_host``
     is the address the app is told it listens on (its ``Host`` check; None: no check);
-    ``heartbeat_interval_s`` how often the engine pings while requests are in flight.
+    ``heartbeat_interval_s`` how often the engine pings while requests are in flight;
+    ``scheduler_return_timeout_s`` how long requests wait for a scheduler that went away (0:
+    they fail at once).
     """
 
     MODEL_NAME = "smollm2-test"
@@ -308,6 +310,7 @@ class ApiHarness:
         embedding_model_dir=None,
         bind_host: str | None = None,
         heartbeat_interval_s: float = 0.1,
+        scheduler_return_timeout_s: float = 0.0,
     ) -> None:
         from api_server.app import create_app
         from api_server.config import ApiServerConfig, EngineClientConfig, HttpLimits
@@ -320,6 +323,7 @@ class ApiHarness:
             stats_timeout_s=1.0,
             scheduler_timeout_s=scheduler_timeout_s,
             heartbeat_interval_s=heartbeat_interval_s,
+            scheduler_return_timeout_s=scheduler_return_timeout_s,
         )
         config = ApiServerConfig(
             model_dir,

@@ -8,7 +8,6 @@ import pytest
 
 from switchyard.launcher import Launcher
 from switchyard.restart_backoff import API_SERVER_OUTAGE_LIMIT_S, RestartBackoff
-from switchyard.serve_config import ServeConfig
 
 
 def test_exits_in_a_row_wait_twice_as_long_each_time_up_to_30_s():
@@ -51,37 +50,11 @@ def test_failing_for_counts_from_the_first_exit_until_a_run_of_a_minute():
     assert backoff.failing_for(201.0) == 1.0
 
 
-class Process:
-    """A stand-in for a child's ``subprocess.Popen``: ``poll()`` gives ``returncode``."""
-
-    def __init__(self, returncode: int | None = None) -> None:
-        self.returncode = returncode
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-
 @pytest.fixture
-def launcher(tmp_path, monkeypatch):
-    """A ready launcher of a scheduler, a worker and two API servers, all stand-ins; starting
-    an API server records the clock's time and a running stand-in."""
-    launcher = Launcher(ServeConfig(tmp_path, "model", api_servers=2))
-    launcher.clock = 0.0
-    launcher.starts, launcher.crashes = [], []
-
-    def spawn_api_server(name: str) -> None:
-        launcher.children[name] = Process()
-        launcher.starts.append((name, launcher.clock))
-        launcher._api_server_restarts.setdefault(name, RestartBackoff()).started(launcher.clock)
-
-    monkeypatch.setattr(launcher, "_spawn_api_server", spawn_api_server)
-    launcher.children.update(scheduler=Process(), worker=Process())
-    for name in ("api-server-0", "api-server-1"):
-        spawn_api_server(name)
-    launcher._ready = True
-    launcher.starts.clear()
-    yield launcher
-    launcher._run_dir.cleanup()
+def launcher(make_launcher):
+    """A ready launcher of a scheduler, a worker and two API servers, all stand-ins
+    (``conftest.make_launcher``)."""
+    return make_launcher()
 
 
 def run_until(launcher: Launcher, end: float, crashing: tuple[str, ...] = ()) -> str | None:
@@ -102,12 +75,12 @@ def run_until(launcher: Launcher, end: float, crashing: tuple[str, ...] = ()) ->
 
 def test_an_api_server_that_keeps_crashing_is_restarted_ever_later_and_stops_nothing(launcher):
     assert run_until(launcher, 200.0, crashing=("api-server-1",)) is None
-    starts = [time for name, time in launcher.starts if name == "api-server-1"]
+    starts = [time for name, _, time in launcher.starts if name == "api-server-1"]
     crashes = [time for name, time in launcher.crashes if name == "api-server-1"]
     assert len(crashes) == len(starts) + 1 == 12  # the last restart is due after 200 s
     waits = [start - crash for crash, start in zip(crashes, starts, strict=False)]
     assert waits == [0.5, 1, 2, 4, 8, 16, 30, 30, 30, 30, 30]
-    assert {name for name, _ in launcher.starts} == {"api-server-1"}
+    assert {name for name, _, _ in launcher.starts} == {"api-server-1"}
     assert launcher.children["api-server-0"].poll() is None  # never touched
 
 
@@ -120,9 +93,10 @@ def test_the_unit_stops_only_when_no_api_server_has_stayed_up_for_five_minutes(l
     assert launcher.clock == 100.0 + API_SERVER_OUTAGE_LIMIT_S
 
 
-def test_a_dead_scheduler_or_worker_stops_the_unit_at_once(launcher):
-    launcher.children["worker"].returncode = 1
-    assert launcher._failure(0.0) == "worker exited with code 1"
+def test_a_dead_scheduler_stops_the_unit_at_once_with_restarts_off(make_launcher):
+    launcher = make_launcher(restart_limit=0)
+    launcher.children["scheduler"].returncode = 1
+    assert launcher._failure(0.0) == "scheduler exited with code 1"
 
 
 def test_an_api_server_that_dies_before_the_unit_is_ready_stops_it(launcher):

@@ -96,6 +96,7 @@ def serve_argv(tmp_path: Path) -> list[str]:
         *("--prefill-workers", "1", "--decode-workers", "2"),
         *("--max-num-seqs", "7", "--max-num-batched-tokens", "99", "--no-prefix-caching"),
         *("--max-queued-requests", "5", "--max-queued-tokens", "500", "--migration-limit", "1"),
+        *("--restart-limit", "2", "--worker-return-timeout", "9", "--stall-timeout", "8"),
         *("--kv-transfer-timeout", "2.5", "--device", "cpu", "--kv-cache-memory", "64MiB"),
         *("--dtype", "float16", "--block-size", "32", "--max-model-len", "100"),
         *("--tensor-parallel-size", "2", "--grammar-compile-timeout", "3.5"),
@@ -105,6 +106,7 @@ def serve_argv(tmp_path: Path) -> list[str]:
         *("--max-header-count", "10", "--max-header-bytes", "2000", "--max-prompt-bytes", "300"),
         *("--max-structured-output-bytes", "400", "--max-choices-per-request", "5"),
         *("--max-request-output-tokens", "600", "--max-stream-backlog", "7"),
+        *("--scheduler-return-timeout", "6"),
         *("--allowed-local-media-path", str(tmp_path), "--allowed-media-domains", "x.com"),
         *("--max-images-per-prompt", "2", "--log-level", "DEBUG", "--log-format", "json"),
     ]
@@ -187,7 +189,7 @@ def test_the_values_given_to_serve_reach_the_roles(served):
     args, config, commands = served
     scheduler = scheduler_parser().parse_args(commands["scheduler"][1:])
     assert from_args(SchedulerSettings, scheduler).scheduling == config.scheduler
-    assert config.scheduler == SchedulerConfig(7, 99, False, 5, 500, 2.5, 1)
+    assert config.scheduler == SchedulerConfig(7, 99, False, 5, 500, 2.5, 1, 9, 8)
     assert from_args(WorkerSettings, args, SERVE_WORKER_SETTINGS) == config.worker
     for name in ("prefill-0-0", "prefill-0-1", "decode-1-1"):
         worker = from_args(WorkerSettings, worker_parser().parse_args(commands[name][1:]))
@@ -248,7 +250,7 @@ def role_samples(media_dir: Path) -> dict[str, object]:
         "scheduler": SchedulerSettings(
             "ipc://frontend",
             "tcp://127.0.0.1:5556",
-            SchedulerConfig(7, 99, False, 5, 500, 2.5, 1),
+            SchedulerConfig(7, 99, False, 5, 500, 2.5, 1, 9, 8),
             WorkerLimits(64),
         ),
         "worker": WorkerSettings(
@@ -267,6 +269,7 @@ def role_samples(media_dir: Path) -> dict[str, object]:
             *("key", ("https://a.example", "*"), 0.5, HttpLimits(1, 2, 3)),
             RequestLimits(4, 5, 6, 7),
             8,
+            6,
             MediaConfig(media_dir, ("x.com", "y"), max_images_per_prompt=2),
         ),
     }

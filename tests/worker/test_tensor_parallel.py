@@ -314,7 +314,9 @@ def test_two_hosts_on_loopback_serve_through_an_explicit_rendezvous(
 
 
 def test_killing_one_rank_fails_the_group_within_seconds(default_model_dir, tmp_path):
-    serve = ServeProcess("--tensor-parallel-size", "3", log_path=tmp_path / "serve.log")
+    serve = ServeProcess(  # fail-fast: no move, no worker restart
+        *("--tensor-parallel-size", "3", "--migration-limit", "0"), log_path=tmp_path / "serve.log"
+    )
     try:
         children = [pid for pid, _ in serve.children()]
         assert len(serve.pids_of("switchyard-worker tp")) == 3

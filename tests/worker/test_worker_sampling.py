@@ -24,7 +24,7 @@ from worker.logits_processors import (
 )
 from worker.model_runner import ModelRunner
 from worker.request_state import RequestState
-from worker.sampler import NO_TOKEN, Sampler, SamplingBatch, check_supported
+from worker.sampler import NO_TOKEN, Sampler, SamplingBatch, check_supported, noise_key
 
 CPU = torch.device("cpu")
 
@@ -100,10 +100,8 @@ def test_logit_bias_forces_a_token_greedy_and_sampled():
         SamplingParams(top_k=0, temperature=1.0, top_p=0.9, seed=3, logit_bias={11: 100.0}),
     ]
     rows = [SamplingRow(p, [1], 1) for p in params]
-    generators = [None, None, torch.Generator().manual_seed(5)]
-    batch = SamplingBatch.from_params(
-        params, generators, 50, CPU, build_logits_processors(rows, 50, CPU)
-    )
+    keys = [None, None, noise_key(5, 0)]
+    batch = SamplingBatch.from_params(params, keys, 50, CPU, build_logits_processors(rows, 50, CPU))
     assert Sampler(CPU, seed=0)(logits, batch).tolist() == [7, 9, 11]
 
 

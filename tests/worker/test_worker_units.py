@@ -27,7 +27,7 @@ from worker.model_runner import ModelRunner
 from worker.models import panel_gemm
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear, prepacking
-from worker.sampler import Sampler, SamplingBatch, check_supported
+from worker.sampler import Sampler, SamplingBatch, check_supported, noise_key
 from worker.settings import parse_memory
 
 VOCAB = 50
@@ -103,11 +103,9 @@ def test_model_config_reads_old_style_rope_settings():
 
 
 def _batch(params: list[SamplingParams], seeds: list[int | None] | None = None) -> SamplingBatch:
-    generators = [
-        None if seed is None else torch.Generator().manual_seed(seed)
-        for seed in (seeds or [None] * len(params))
-    ]
-    return SamplingBatch.from_params(params, generators, VOCAB, CPU)
+    """A batch whose rows sample their first token, with the noise of ``seeds`` (None: none)."""
+    keys = [None if seed is None else noise_key(seed, 0) for seed in seeds or [None] * len(params)]
+    return SamplingBatch.from_params(params, keys, VOCAB, CPU)
 
 
 def _logits(num_rows: int, seed: int = 0) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""When a worker group counts as stalled: a step in flight far longer than its recent steps.
+
+A worker that dies closes its connection and is noticed at once (``scheduler.peers``); one that
+hangs (stopped, deadlocked, a collective waiting for a rank that will never come) stays
+connected and answers nothing. ``StepTimes`` tells the two apart from healthy slowness by time
+alone: it knows, per group, when the step in flight was sent and how long its last
+``RECENT_STEPS`` steps took (from sending to answer, as the scheduler sees them), and a group
+is stalled once its step has run longer than its bound,
+
+    max(stall_timeout_s, STALL_FACTOR x the slowest of its recent steps).
+
+Why these two terms:
+
+- ``STALL_FACTOR`` (10) times the *slowest* recent step, not a typical one: steps differ by
+  orders of magnitude in a healthy group (a chunk of a long prefill on two busy CPU cores takes
+  seconds where a decode step takes milliseconds), and one of them must never look like a
+  stall. A group whose chunked prefills take 4 s may take 40 s before it is fenced.
+- The floor, ``--stall-timeout`` (30 s): a group's first steps have no history and include its
+  warm-up (kernel compilation, first allocations), and a group that only decoded short
+  requests has a small slowest step; neither may be fenced for taking a few seconds. A step
+  holds at most ``--max-num-batched-tokens`` tokens (512 by default; requests prefilled in one
+  1920-token step of the default model had their first token after 3.5-5.7 s on two CPU
+  cores, docs/performance.md), so with the defaults the floor is far above a healthy step;
+  raise it with a much larger budget on slow hardware.
+
+Pure bookkeeping: the caller passes the time (``time.monotonic()`` in the scheduler, a fake
+clock in tests) and decides what a stall costs (``scheduler.server`` fences the group).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+STALL_FACTOR = 10.0
+"""A step may take this many times the group's slowest recent step (see the module)."""
+RECENT_STEPS = 32
+"""How many of a group's last step times its bound looks at."""
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Group ``group`` has run step ``step_id`` for ``seconds``, past its bound ``bound_s``."""
+
+    group: str
+    step_id: int
+    seconds: float
+    bound_s: float
+
+    def describe(self) -> str:
+        """One line for the logs and the group's ``Shutdown``."""
+        return (
+            f"group {self.group!r} stalled: step {self.step_id} has run {self.seconds:.1f} s, "
+            f"past its bound of {self.bound_s:.1f} s (the larger of --stall-timeout and "
+            f"{STALL_FACTOR:g} x its slowest recent step)"
+        )
+
+
+@dataclass
+class _GroupSteps:
+    recent_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    step_id: int | None = None
+    """The step in flight, if any."""
+    sent_at: float = 0.0
+
+
+class StepTimes:
+    """Per group: the step in flight and the durations of recent ones (see the module)."""
+
+    def __init__(self, stall_timeout_s: float) -> None:
+        """``stall_timeout_s`` is the floor of every group's bound
+        (``SchedulerConfig.stall_timeout_s``)."""
+        self.stall_timeout_s = stall_timeout_s
+        self._groups: dict[str, _GroupSteps] = {}
+
+    def sent(self, group: str, step_id: int, now: float) -> None:
+        """Group ``group`` was sent step ``step_id`` at ``now`` (it has at most one in flight)."""
+        steps = self._groups.setdefault(group, _GroupSteps())
+        steps.step_id, steps.sent_at = step_id, now
+
+    def answered(self, group: str, now: float) -> None:
+        """Group ``group`` answered its step in flight at ``now`` (output or failure); its
+        duration joins the recent ones. Ignored when no step is in flight."""
+        steps = self._groups.get(group)
+        if steps is None or steps.step_id is None:
+            return
+        steps.recent_seconds.append(max(0.0, now - steps.sent_at))
+        steps.step_id = None
+
+    def forget(self, group: str) -> None:
+        """Group ``group`` left: a group that registers again under its name starts afresh
+        (its first steps have the floor alone, for its warm-up)."""
+        self._groups.pop(group, None)
+
+    def bound_s(self, group: str) -> float:
+        """How long group ``group``'s step may run before the group counts as stalled."""
+        steps = self._groups.get(group)
+        slowest = max(steps.recent_seconds, default=0.0) if steps is not None else 0.0
+        return max(self.stall_timeout_s, STALL_FACTOR * slowest)
+
+    def stalled(self, now: float) -> list[Stall]:
+        """The groups whose step in flight has run past its bound at ``now``."""
+        stalls = []
+        for name, steps in self._groups.items():
+            if steps.step_id is None:
+                continue
+            seconds = now - steps.sent_at
+            bound_s = self.bound_s(name)
+            if seconds > bound_s:
+                stalls.append(Stall(name, steps.step_id, seconds, bound_s))
+        return stalls

@@ -1,0 +1,192 @@
+"""The sampler's counter-based draw (``worker.sampler``): noise that is a pure function of
+(seed, token index, vocab id), its quality, and sampling that follows it whatever the batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from interfaces import SamplingParams
+from interfaces.scheduler_to_worker import NewRequestData
+from tests.support.step_driver import context
+from worker import sampler
+from worker.request_state import RequestState
+from worker.sampler import (
+    Sampler,
+    SamplingBatch,
+    exponential_noise,
+    filtered_probabilities,
+    noise_key,
+)
+
+CPU = torch.device("cpu")
+SPLITMIX64_SEEDED_WITH_0 = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+"""The first outputs of splitmix64 from state 0 (Steele, Lea and Flood; Vigna's reference C)."""
+
+
+def _noise_of(bits: int) -> float:
+    """-log(u) for u made of the top 52 of 64 random bits, as the sampler makes it."""
+    return -math.log((2 * (bits >> 12) + 1) / 2**53)
+
+
+def _splitmix64(state: int, count: int) -> list[int]:
+    """``count`` outputs of splitmix64 from ``state``, written out on Python integers."""
+    outputs = []
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) % 2**64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        outputs.append(z ^ (z >> 31))
+    return outputs
+
+
+def test_each_rows_noise_is_splitmix64_from_its_key():
+    assert _splitmix64(0, 3) == SPLITMIX64_SEEDED_WITH_0
+    keys = [0, -1, -(2**63), 2**63 - 1, noise_key(1234, 5), noise_key(-7, 0)]
+    noise = exponential_noise(torch.tensor(keys), 300)
+    assert noise.shape == (6, 300) and noise.dtype == torch.float32
+    for row, key in enumerate(keys):
+        expected = [_noise_of(bits) for bits in _splitmix64(key % 2**64, 300)]
+        assert noise[row].tolist() == pytest.approx(expected, rel=1e-6)
+    assert noise[0, :3].tolist() == pytest.approx(
+        [_noise_of(bits) for bits in SPLITMIX64_SEEDED_WITH_0], rel=1e-6
+    )
+
+
+def test_the_noise_does_not_depend_on_how_the_rows_are_chunked(monkeypatch):
+    keys = torch.tensor([noise_key(seed, 0) for seed in range(9)])
+    two_rows_at_a_time = exponential_noise(keys, 50_000)  # CPU_NOISE_CHUNK_ELEMENTS = 2^17
+    monkeypatch.setattr(sampler, "CPU_NOISE_CHUNK_ELEMENTS", 1 << 30)
+    assert torch.equal(exponential_noise(keys, 50_000), two_rows_at_a_time)
+
+
+def test_noise_keys_are_a_function_of_seed_and_token_index_only():
+    keys = {noise_key(seed, index) for seed in range(-500, 500) for index in range(100)}
+    assert len(keys) == 100_000
+    assert all(-(2**63) <= key < 2**63 for key in keys)
+    assert noise_key(2**64 - 1, 3) == noise_key(-1, 3)  # seeds count modulo 2^64
+    assert noise_key(42, 7) == noise_key(42, 7) != noise_key(42, 8)
+    first = _splitmix64(_splitmix64(42 - 0x9E3779B97F4A7C15, 1)[0], 8)  # mix64(42), then on
+    assert [noise_key(42, index) % 2**64 for index in range(8)] == first
+
+
+def _uniforms(keys: list[int], vocab_size: int) -> torch.Tensor:
+    return torch.exp(-exponential_noise(torch.tensor(keys), vocab_size).double())
+
+
+def test_the_noise_is_uniform_and_uncorrelated_across_seeds_indices_and_vocab_ids():
+    """1M draws: 64 seeds x 65 token indices x 256 vocab ids (the result is fixed, so these
+    bounds, six standard deviations wide, cannot flake)."""
+    seeds, indices, vocab_size = range(64), range(65), 256
+    u = _uniforms([noise_key(s, i) for s in seeds for i in indices], vocab_size)
+    u = u.view(len(seeds), len(indices), vocab_size)  # (seed, token index, vocab id)
+    assert u.min().item() > 0.0 and u.max().item() < 1.0
+    counts = torch.histc(u.flatten(), bins=100, min=0.0, max=1.0)
+    expected = u.numel() / 100
+    chi_square = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi_square < 99 + 6 * math.sqrt(2 * 99)  # 99 degrees of freedom
+    noise = -u.log()
+    assert noise.mean().item() == pytest.approx(1.0, abs=0.006)  # Exp(1): mean 1, variance 1
+    assert noise.var().item() == pytest.approx(1.0, abs=0.02)
+    pairs = {
+        "next token index": (u[:, :-1], u[:, 1:]),
+        "next seed": (u[:-1], u[1:]),
+        "next vocab id": (u[..., :-1], u[..., 1:]),
+    }
+    for name, (a, b) in pairs.items():
+        correlation = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+        assert abs(correlation) < 0.006, name
+
+
+def test_sampled_frequencies_match_the_probabilities():
+    """40,000 successive tokens of one seed over a vocabulary of 8, without and with top-p."""
+    probs = torch.tensor([0.4, 0.2, 0.15, 0.1, 0.08, 0.05, 0.02, 0.0])
+    num_draws = 40_000
+    keys = [noise_key(7, index) for index in range(num_draws)]
+    plain = SamplingParams(top_k=0, temperature=1.0, seed=7)
+    top_p = SamplingParams(top_k=0, temperature=1.0, top_p=0.7, seed=7)
+    kept = torch.tensor([0.4, 0.2, 0.15, 0, 0, 0, 0, 0]) / 0.75  # mass before token 3 is 0.75
+    logits = probs.log().expand(num_draws, 8)
+    for params, expected in ((plain, probs), (top_p, kept)):
+        batch = SamplingBatch.from_params([params] * num_draws, keys, 8, CPU)
+        tokens = Sampler(CPU, seed=0)(logits, batch)
+        frequencies = torch.bincount(tokens, minlength=8) / num_draws
+        bounds = 5 * (expected * (1 - expected) / num_draws).sqrt() + 1e-9
+        assert ((frequencies - expected).abs() <= bounds).all(), (frequencies, expected)
+        assert frequencies[expected == 0].sum().item() == 0.0
+
+
+def test_seeded_tokens_ignore_the_batch_and_the_row_order():
+    logits = 3 * torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    params = [
+        SamplingParams(top_k=0, temperature=0.8, seed=11),
+        SamplingParams(top_k=0, temperature=0.8),  # unseeded
+        SamplingParams(top_k=40, temperature=1.2, seed=12),
+        SamplingParams(),  # greedy
+        SamplingParams(top_k=0, top_p=0.9, min_p=0.05, temperature=0.8, seed=13),
+        SamplingParams(top_k=0, temperature=0.8, seed=11),  # the same seed, other logits
+    ]
+    seeded = [0, 2, 4, 5]
+    order = [5, 3, 0, 4, 1, 2]
+    for index in range(20):
+        keys = [None if p.seed is None else noise_key(p.seed, index) for p in params]
+        batch = SamplingBatch.from_params(params, keys, 1000, CPU)
+        together = Sampler(CPU, seed=index)(logits, batch).tolist()
+        shuffled = SamplingBatch.from_params(
+            [params[row] for row in order], [keys[row] for row in order], 1000, CPU
+        )
+        reordered = Sampler(CPU, seed=99)(logits[order], shuffled).tolist()
+        for row in seeded:
+            alone = SamplingBatch.from_params([params[row]], [keys[row]], 1000, CPU)
+            token = Sampler(CPU, seed=5)(logits[row : row + 1], alone).item()
+            assert together[row] == reordered[order.index(row)] == token
+        assert together[3] == logits[3].argmax().item()
+
+
+def test_rows_without_a_seed_draw_fresh_noise_from_the_samplers_source():
+    batch = SamplingBatch.from_params(
+        [SamplingParams(top_k=0), SamplingParams()], [None, 1], 50, CPU
+    )
+    sampler, again = Sampler(CPU, seed=3), Sampler(CPU, seed=3)
+    first, second = sampler.noise(batch, 50), sampler.noise(batch, 50)
+    assert not torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert torch.equal(again.noise(batch, 50), first)  # a worker's --seed makes them repeat
+
+
+def test_only_filtered_rows_are_restricted_and_each_row_stands_alone():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(5, 4)
+    params = [
+        SamplingParams(top_k=0, top_p=0.7),
+        SamplingParams(top_k=3),
+        SamplingParams(top_k=0, min_p=0.5),
+        SamplingParams(top_k=0),
+        SamplingParams(top_k=2, temperature=0.0),  # greedy: its probabilities are not used
+    ]
+    batch = SamplingBatch.from_params(params, [0] * 5, 4, CPU)
+    assert batch.filtered_rows.tolist() == [0, 1, 2]
+    probs = filtered_probabilities(logits, batch)
+    assert probs[:4].tolist() == [
+        pytest.approx([0.625, 0.375, 0.0, 0.0]),
+        pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+        pytest.approx([0.625, 0.375, 0.0, 0.0]),
+        pytest.approx([0.5, 0.3, 0.15, 0.05]),
+    ]
+    alone = SamplingBatch.from_params(params[3:4], [0], 4, CPU)
+    assert torch.equal(filtered_probabilities(logits[3:4], alone)[0], probs[3])
+
+
+def test_a_request_state_keys_its_next_token_by_its_index():
+    prompt = [5, 6, 7]
+    seeded = context("s", prompt, 8, top_k=0, seed=2**63 + 5)
+    resumed = RequestState.from_new_request(
+        NewRequestData(seeded, [0], 0, output_token_ids=[9, 9]), CPU, 50
+    )
+    assert resumed.next_noise_key() == noise_key(2**63 + 5, 2)
+    resumed.append_output(4)
+    assert resumed.next_noise_key() == noise_key(2**63 + 5, 3)
+    unseeded = RequestState.from_new_request(
+        NewRequestData(context("u", prompt, 8, top_k=0), [0], 0), CPU, 50
+    )
+    assert unseeded.next_noise_key() is None

@@ -135,6 +135,8 @@ class EngineClient:
         """When the connection last dropped (``time.monotonic()``)."""
         self._resubmitter: asyncio.Task[None] | None = None
         """Submits the requests that waited, once the scheduler is back with a worker."""
+        self._waits_for_scheduler = config.scheduler_return_timeout_s > 0
+        """Whether requests wait for a scheduler that went away (``stop_waiting``)."""
 
     @property
     def num_requests_in_flight(self) -> int:
@@ -267,6 +269,13 @@ class EngineClient:
             unfinished = [request_id for request_id in request_ids if request_id not in results]
             if unfinished and self._socket is not None:
                 self.abort(unfinished)
+
+    def stop_waiting(self) -> None:
+        """The server is shutting down: requests no longer wait for a scheduler that goes away
+        (nothing will start it again for them), and those waiting now fail."""
+        self._waits_for_scheduler = False
+        if self._lost_connection is not None:
+            self._fail_all(SchedulerUnavailable(self._lost_connection))
 
     def abort_all(self) -> int:
         """End every request in flight now, as aborted (finish reason "abort"), and tell the
@@ -457,7 +466,7 @@ class EngineClient:
             f"lost the connection to the scheduler at {self.config.scheduler_addr}"
         )
         error = SchedulerUnavailable(self._lost_connection)
-        if not self.config.scheduler_return_timeout_s:
+        if not self._waits_for_scheduler:
             self._fail_all(error)
             return
         waiting = set(self._resubmissions.waiting())

@@ -32,6 +32,7 @@ async def drain(state: ServerState, timeout_s: float) -> int:
     returns how many were aborted."""
     state.draining = True
     engine = state.engine
+    engine.stop_waiting()  # the scheduler may be stopping too: its requests cannot wait for it
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     if engine.num_requests_in_flight:

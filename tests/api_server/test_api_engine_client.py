@@ -462,3 +462,20 @@ def test_a_scheduler_back_without_a_worker_fails_the_waiting_streams_at_the_boun
             router.close(linger=0)
 
     run_with_router(tmp_path, test, scheduler_return_timeout_s=1.5)
+
+
+def test_a_server_shutting_down_does_not_wait_for_the_scheduler(tmp_path: Path) -> None:
+    """While draining, nothing will start the scheduler again for this server: a stream that
+    waits for it fails at once, and so does one whose connection drops afterwards."""
+
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        waiting, _ = await streaming(client, router)
+        router.close(linger=0)
+        await asyncio.sleep(0.3)  # the client sees the connection drop; the stream waits
+        assert client.num_requests_in_flight == 1
+        client.stop_waiting()
+        with pytest.raises(SchedulerUnavailable, match="lost the connection"):
+            await anext(waiting)
+        assert client.num_requests_in_flight == 0
+
+    run_with_router(tmp_path, test, scheduler_return_timeout_s=10.0)

@@ -132,6 +132,15 @@ HOSTILE_CONTEXTS = {
         TextContext("x", [5, 6, 7, 8], 10, images=[image(0, 3), image(2, 4)]),
         "images must cover prompt positions in order, without overlapping",
     ),
+    "generated id beyond int64": (
+        TextContext("x", [5], 10, generated_token_ids=[6, 2**64 - 1]),
+        "generated token ids must be in [0, 2147483648)",
+    ),
+    "more generated tokens than the request may have": (
+        TextContext("x", [5], 10, generated_token_ids=[6] * 100_000),
+        "the prompt and the 100000 tokens generated already leave no room to generate within "
+        "10 tokens",
+    ),
     "a request id of 10,000 characters": (
         TextContext("x" * 10_000, [5], 10),
         "the request id must be 1 to 256 characters",

@@ -200,9 +200,11 @@ async def _peer_stats(request: Request) -> SchedulerStats | str:
 def _worker_problem(
     config: ApiServerConfig, stats: SchedulerStats, groups_may_return: bool = False
 ) -> str | None:
-    """Why no worker serves a model of ``config``, or None; a text model's missing workers are
-    none while ``groups_may_return`` (groups are away and their requests wait)."""
-    if config.model_dir is not None and not stats.workers_ready and not groups_may_return:
+    """Why no worker serves a model of ``config``, or None; missing workers are none while
+    ``groups_may_return`` (groups are away, to be restarted, and text requests wait)."""
+    if groups_may_return:
+        return None
+    if config.model_dir is not None and not stats.workers_ready:
         return "the scheduler is up but its workers are not ready"
     if config.embedding_model_dir is not None and not stats.embedding_workers_ready:
         return "the scheduler is up but its embedding worker is not ready"

@@ -8,12 +8,9 @@ stays silent for ``scheduler_timeout_s`` every in-flight request fails with
 ``SchedulerUnavailable`` instead of hanging.
 
 A scheduler that dies is noticed sooner: the socket's monitor reports the dropped connection,
-and new requests fail at once until the connection is back. Text requests in flight wait for it
-(``scheduler_return_timeout_s``; 0 fails them at once, as embeddings and requests with images
-always are): once a scheduler answers on the same address again and has a worker serving, each
-is submitted again with the tokens it already received (``api_server.resubmission``), and its
-stream continues where it paused. One that the scheduler does not take back within the bound
-fails with ``SchedulerUnavailable``.
+and new requests fail at once until the connection is back. What is in flight then is
+``SchedulerReturn``'s (``api_server.resubmission``): text requests wait for the scheduler and are
+submitted again with the tokens they already received; the rest fail with ``SchedulerUnavailable``.
 
 ``ApiHello``, the protocol version this server speaks (``interfaces.handshake``), is the first
 frame sent on the first connection, and is sent again each time the monitor reports the
@@ -48,7 +45,7 @@ from zmq.utils.monitor import parse_monitor_message
 from api_server.config import EngineClientConfig
 from api_server.errors import OpenAIError
 from api_server.image_segments import ImageSegments
-from api_server.resubmission import Resubmissions
+from api_server.resubmission import Resubmissions, SchedulerReturn
 from api_server.stats_tickets import StatsTickets, StatsWaiter
 from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
 from interfaces.api_to_scheduler import (
@@ -65,10 +62,6 @@ from interfaces.scheduler_to_api import SchedulerStats, SchedulerToApiMessage
 from interfaces.transport import FRONTEND
 
 logger = logging.getLogger(__name__)
-
-RESUBMIT_POLL_S = 0.25
-"""How often a scheduler that came back is asked whether a worker serves yet, before the
-requests that waited for it are submitted again."""
 
 Result = SchedulerResult[TextGenerationOutput]
 EmbeddingsResult = SchedulerResult[EmbeddingsOutput]
@@ -131,12 +124,13 @@ class EngineClient:
         self._refusal: asyncio.Future[str] | None = None
         """Done, with the reason, once the scheduler refused this server's ``ApiHello``."""
         self._resubmissions = Resubmissions()
-        self._lost_at = 0.0
-        """When the connection last dropped (``time.monotonic()``)."""
-        self._resubmitter: asyncio.Task[None] | None = None
-        """Submits the requests that waited, once the scheduler is back with a worker."""
-        self._waits_for_scheduler = config.scheduler_return_timeout_s > 0
-        """Whether requests wait for a scheduler that went away (``stop_waiting``)."""
+        self._scheduler_return = SchedulerReturn(
+            self._resubmissions,
+            config.scheduler_return_timeout_s,
+            has_worker_serving=self._has_worker_serving,
+            submit_again=self._resubmit,
+            fail=lambda request_ids, reason: self._fail(request_ids, SchedulerUnavailable(reason)),
+        )
 
     @property
     def num_requests_in_flight(self) -> int:
@@ -179,11 +173,11 @@ class EngineClient:
 
     async def close(self) -> None:
         """Stop the tasks, fail whatever is in flight, and close the socket."""
-        tasks = [*self._tasks, *([self._resubmitter] if self._resubmitter else [])]
-        for task in tasks:
+        for task in self._tasks:
             task.cancel()
+        tasks = [*self._tasks, *self._scheduler_return.cancel()]
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks, self._resubmitter = [], None
+        self._tasks = []
         self._fail_all(SchedulerUnavailable("the API server is shutting down"))
         if self._zmq_context is not None:
             self._zmq_context.destroy(linger=0)
@@ -273,9 +267,7 @@ class EngineClient:
     def stop_waiting(self) -> None:
         """The server is shutting down: requests no longer wait for a scheduler that goes away
         (nothing will start it again for them), and those waiting now fail."""
-        self._waits_for_scheduler = False
-        if self._lost_connection is not None:
-            self._fail_all(SchedulerUnavailable(self._lost_connection))
+        self._scheduler_return.stop_waiting(list(self._queues), self._lost_connection)
 
     def abort_all(self) -> int:
         """End every request in flight now, as aborted (finish reason "abort"), and tell the
@@ -427,7 +419,7 @@ class EngineClient:
                 self._last_heard = now  # silence only counts while someone is waiting
                 continue
             if self._lost_connection is not None:
-                self._fail_if_not_back(now)
+                self._scheduler_return.fail_if_not_back(now, list(self._queues))
                 continue
             silence = now - self._last_heard
             if silence > self.config.scheduler_timeout_s:
@@ -448,7 +440,7 @@ class EngineClient:
                     if self._lost_connection is not None:
                         logger.info("connected to the scheduler again")
                         self._send_nowait(ApiHello())  # before any request on this connection
-                        self._start_resubmitting()
+                        self._scheduler_return.back()
                     self._lost_connection = None
                     self._last_heard = time.monotonic()
                 elif self._lost_connection is None:
@@ -460,68 +452,17 @@ class EngineClient:
         """Fail what cannot wait for the scheduler's return; text requests wait for it."""
         if self._pending_ping is not None:
             self._pending_ping.cancel()  # never sent ahead of the next ApiHello
-        self._resubmissions.lost_connection()
-        self._lost_at = time.monotonic()
         self._lost_connection = (
             f"lost the connection to the scheduler at {self.config.scheduler_addr}"
         )
-        error = SchedulerUnavailable(self._lost_connection)
-        if not self._waits_for_scheduler:
-            self._fail_all(error)
-            return
-        waiting = set(self._resubmissions.waiting())
-        self._fail([request_id for request_id in self._queues if request_id not in waiting], error)
-        if self._queues:
-            logger.warning(
-                "%d requests wait up to %g s for the scheduler to come back",
-                len(self._queues),
-                self.config.scheduler_return_timeout_s,
-            )
+        self._scheduler_return.lost(list(self._queues), self._lost_connection)
 
-    def _fail_if_not_back(self, now: float) -> None:
-        """While the connection is lost: fail every request once the scheduler has stayed away
-        for ``scheduler_return_timeout_s``."""
-        if now - self._lost_at > self.config.scheduler_return_timeout_s:
-            self._fail_all(
-                SchedulerUnavailable(
-                    "the scheduler did not come back within "
-                    f"{self.config.scheduler_return_timeout_s:g} s"
-                )
-            )
-
-    def _start_resubmitting(self) -> None:
-        """On a connection that came back: submit again the requests that waited for it, once
-        the scheduler has a worker serving (``_resubmit_when_served``)."""
-        if self._resubmitter is not None:
-            self._resubmitter.cancel()  # it served the connection before this one
-        self._resubmitter = None
-        if self._resubmissions.waiting():
-            self._resubmitter = asyncio.create_task(self._resubmit_when_served())
-
-    async def _resubmit_when_served(self) -> None:
-        """Once the scheduler has a worker serving, submit again every request that waited
-        (``Resubmissions.due``). Ends if the connection drops again (the next one resubmits);
-        fails the requests if no worker serves within ``scheduler_return_timeout_s`` of the
-        drop."""
-        connection = self._resubmissions.connection
-        timeout_s = self.config.scheduler_return_timeout_s
-        while time.monotonic() < self._lost_at + timeout_s:
-            try:
-                stats = await self.stats()
-            except SchedulerUnavailable:
-                stats = None
-            if connection != self._resubmissions.connection:
-                return
-            if stats is not None and stats.workers_ready:
-                contexts = self._resubmissions.due()
-                for context in contexts:
-                    self._resubmit(context)
-                logger.info("submitted %d requests again to the scheduler", len(contexts))
-                return
-            await asyncio.sleep(RESUBMIT_POLL_S)
-        if connection == self._resubmissions.connection:
-            error = f"the scheduler came back, but no worker served within {timeout_s:g} s"
-            self._fail(self._resubmissions.waiting(), SchedulerUnavailable(error))
+    async def _has_worker_serving(self) -> bool:
+        """Whether the scheduler answers a stats request with a worker ready."""
+        try:
+            return (await self.stats()).workers_ready
+        except SchedulerUnavailable:
+            return False
 
     def _resubmit(self, context: TextContext) -> None:
         """Send ``context`` again; one whose tokens made its frame too large fails alone."""

@@ -1,12 +1,19 @@
-"""What an API server keeps to submit its requests again to a scheduler that restarted.
+"""What an API server does for its text requests when the scheduler goes away and comes back.
 
-For each text request in flight it holds the context as first submitted and the tokens it has
-received for it since, in order. When the connection to the scheduler drops and comes back,
-``EngineClient`` submits each again with ``TextContext.generated_token_ids`` set to those tokens:
-the scheduler and the worker take them as the request's outputs (they count against its
-budget, feed its penalties and ``min_tokens``, set the seeded sampler's token index, and its
-grammar is replayed over them), so generation goes on right after them and the client's
-stream pauses and continues with the tokens it would have had.
+``SchedulerReturn`` owns the wait: when the connection to the scheduler drops, text requests in
+flight wait for it (``scheduler_return_timeout_s``; 0 fails them at once, as embeddings and
+requests with images always are). Once a scheduler answers on the same address again and has a
+worker serving, each is submitted again with the tokens it already received, and its stream
+continues where it paused. One that the scheduler does not take back within the bound fails with
+``SchedulerUnavailable``; so do all of them once the server stops waiting (``stop_waiting``).
+
+``Resubmissions`` is what is kept for that. For each text request in flight it holds the context
+as first submitted and the tokens it has received for it since, in order. It is submitted again
+with ``TextContext.generated_token_ids`` set to those tokens: the scheduler and the worker take
+them as the request's outputs (they count against its budget, feed its penalties and
+``min_tokens``, set the seeded sampler's token index, and its grammar is replayed over them), so
+generation goes on right after them and the client's stream pauses and continues with the tokens
+it would have had.
 
 A request is kept from before its submission is handed to the socket, so that no result can
 arrive unrecorded, and is submitted again only if that submission left on an earlier connection
@@ -19,11 +26,21 @@ to the scheduler that died.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOutput
+
+logger = logging.getLogger(__name__)
+
+RESUBMIT_POLL_S = 0.25
+"""How often a scheduler that came back is asked whether a worker serves yet, before the
+requests that waited for it are submitted again."""
 
 
 @dataclass
@@ -102,3 +119,103 @@ class Resubmissions:
                 )
             contexts.append(context)
         return contexts
+
+
+class SchedulerReturn:
+    """Keeps text requests in flight waiting for a scheduler that went away, and submits them
+    again (``Resubmissions.due``) once one is back with a worker serving (see the module).
+
+    ``EngineClient`` owns it and calls it on its event loop: ``lost`` when the connection drops,
+    ``back`` when it is up again, ``fail_if_not_back`` from its heartbeat while it is down. It
+    acts through the client: ``has_worker_serving`` asks the scheduler (False when it does not
+    answer), ``submit_again`` sends a context, and ``fail`` ends requests in flight with
+    ``SchedulerUnavailable`` and the reason given.
+    """
+
+    def __init__(
+        self,
+        resubmissions: Resubmissions,
+        timeout_s: float,
+        *,
+        has_worker_serving: Callable[[], Awaitable[bool]],
+        submit_again: Callable[[TextContext], None],
+        fail: Callable[[list[RequestID], str], None],
+    ) -> None:
+        self.resubmissions = resubmissions
+        self.timeout_s = timeout_s
+        """``scheduler_return_timeout_s``: how long requests wait from the drop."""
+        self.waits = timeout_s > 0
+        """Whether requests wait for a scheduler that went away (``stop_waiting``)."""
+        self._has_worker_serving = has_worker_serving
+        self._submit_again = submit_again
+        self._fail = fail
+        self._lost_at = 0.0
+        """When the connection last dropped (``time.monotonic()``)."""
+        self._resubmitter: asyncio.Task[None] | None = None
+        """Submits the requests that waited, once the scheduler is back with a worker."""
+
+    def stop_waiting(self, in_flight: list[RequestID], lost_connection: str | None) -> None:
+        """The server is shutting down: requests no longer wait for a scheduler that goes away
+        (nothing will start it again for them), and those waiting now, ``in_flight`` while the
+        connection is lost (``lost_connection``, the reason), fail."""
+        self.waits = False
+        if lost_connection is not None:
+            self._fail(in_flight, lost_connection)
+
+    def lost(self, in_flight: list[RequestID], reason: str) -> None:
+        """The connection dropped (``reason``): fail the requests of ``in_flight`` that cannot
+        wait for the scheduler's return (all of them unless ``waits``); text requests wait."""
+        self.resubmissions.lost_connection()
+        self._lost_at = time.monotonic()
+        waiting = set(self.resubmissions.waiting()) if self.waits else set()
+        cannot_wait = [request_id for request_id in in_flight if request_id not in waiting]
+        self._fail(cannot_wait, reason)
+        if len(cannot_wait) < len(in_flight):
+            logger.warning(
+                "%d requests wait up to %g s for the scheduler to come back",
+                len(in_flight) - len(cannot_wait),
+                self.timeout_s,
+            )
+
+    def fail_if_not_back(self, now: float, in_flight: list[RequestID]) -> None:
+        """While the connection is lost: fail every request of ``in_flight`` once the scheduler
+        has stayed away for ``timeout_s``."""
+        if now - self._lost_at > self.timeout_s:
+            self._fail(in_flight, f"the scheduler did not come back within {self.timeout_s:g} s")
+
+    def back(self) -> None:
+        """On a connection that came back: submit again the requests that waited for it, once
+        the scheduler has a worker serving (``_resubmit_when_served``)."""
+        if self._resubmitter is not None:
+            self._resubmitter.cancel()  # it served the connection before this one
+        self._resubmitter = None
+        if self.resubmissions.waiting():
+            self._resubmitter = asyncio.create_task(self._resubmit_when_served())
+
+    def cancel(self) -> list[asyncio.Task[None]]:
+        """Stop submitting again (the client is closing); the task to await, if one ran."""
+        task, self._resubmitter = self._resubmitter, None
+        if task is None:
+            return []
+        task.cancel()
+        return [task]
+
+    async def _resubmit_when_served(self) -> None:
+        """Once the scheduler has a worker serving, submit again every request that waited
+        (``Resubmissions.due``). Ends if the connection drops again (the next one resubmits);
+        fails the requests if no worker serves within ``timeout_s`` of the drop."""
+        connection = self.resubmissions.connection
+        while time.monotonic() < self._lost_at + self.timeout_s:
+            has_worker_serving = await self._has_worker_serving()
+            if connection != self.resubmissions.connection:
+                return
+            if has_worker_serving:
+                contexts = self.resubmissions.due()
+                for context in contexts:
+                    self._submit_again(context)
+                logger.info("submitted %d requests again to the scheduler", len(contexts))
+                return
+            await asyncio.sleep(RESUBMIT_POLL_S)
+        if connection == self.resubmissions.connection:
+            reason = f"the scheduler came back, but no worker served within {self.timeout_s:g} s"
+            self._fail(self.resubmissions.waiting(), reason)

@@ -119,6 +119,10 @@ class InstantTokenGenerator:
     def release(self, request_id: RequestID) -> None:
         self.states.pop(request_id, None)
 
+    def release_all(self) -> None:
+        """Forget every request (the scheduler that sent them went away)."""
+        self.states.clear()
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(

@@ -6,9 +6,10 @@ than i x --duration-s / --requests s in (a slow server stretches the run). The c
 random --abort-fraction: closes a stream after k events, or cancels a plain request after a
 random delay. Every --sample-interval-s it samples each server process's RSS and /metrics.
 With --kill-worker-every S, a random worker process is killed (SIGKILL) about every S seconds
-(uniformly 0.5 S to 1.5 S apart): `serve` restarts it and its requests continue, so no request
-may fail for it; RSS is then tracked per command line, so that a restarted worker continues its
-predecessor's series.
+(uniformly 0.5 S to 1.5 S apart), and with --kill-scheduler-too the scheduler is one of the
+candidates: `serve` restarts it and its requests continue, so no request may fail for it; RSS
+is then tracked per command line, so that a restarted process continues its predecessor's
+series.
 
 Exit status 1 unless: every request completed with max_tokens tokens or was aborted as planned;
 once idle, nothing runs, waits or holds a KV block; no process's RSS grew over --max-rss-growth
@@ -149,17 +150,18 @@ def sample_processes(launcher: psutil.Process, by_command: bool = False) -> dict
     return rss
 
 
-def worker_processes(launcher: psutil.Process) -> list[psutil.Process]:
-    """The launcher's worker processes running now (their title ``switchyard-worker ...``)."""
-    workers = []
+def processes_titled(launcher: psutil.Process, *titles: str) -> list[psutil.Process]:
+    """The launcher's processes running now whose title starts with one of ``titles``
+    (``switchyard-worker``, ``switchyard-scheduler``)."""
+    found = []
     for process in launcher.children(recursive=True):
         try:
             title = " ".join(process.cmdline())
         except psutil.Error:
             continue
-        if title.startswith("switchyard-worker"):
-            workers.append(process)
-    return workers
+        if title.startswith(titles):
+            found.append(process)
+    return found
 
 
 async def read_gauges(client: httpx.AsyncClient) -> dict[str, float]:
@@ -202,15 +204,18 @@ class Soak:
             await asyncio.sleep(self.args.sample_interval_s)
 
     async def kill_workers_forever(self) -> None:
-        """SIGKILL a random worker process every 0.5 to 1.5 x --kill-worker-every seconds."""
+        """SIGKILL a random worker process (or, with --kill-scheduler-too, the scheduler) every
+        0.5 to 1.5 x --kill-worker-every seconds."""
         rng = random.Random(self.args.seed + 1)
         period = self.args.kill_worker_every
+        titles = ("switchyard-worker", "switchyard-scheduler")
+        titles = titles if self.args.kill_scheduler_too else titles[:1]
         while True:
             await asyncio.sleep(rng.uniform(0.5 * period, 1.5 * period))
-            workers = worker_processes(self.launcher)
-            if not workers:
-                continue  # every worker is being restarted
-            victim = rng.choice(workers)
+            victims = processes_titled(self.launcher, *titles)
+            if not victims:
+                continue  # every one is being restarted
+            victim = rng.choice(victims)
             with contextlib.suppress(psutil.Error):
                 command = " ".join(victim.cmdline())
                 victim.kill()
@@ -373,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-rss-growth", type=float, default=0.10, help="largest RSS growth allowed, a fraction")
     add("--kill-worker-every", type=float, default=0.0, metavar="S",
         help="SIGKILL a random worker about every S seconds (0: never)")  # fmt: skip
+    add("--kill-scheduler-too", action="store_true",
+        help="with --kill-worker-every, the scheduler is one of the processes killed")  # fmt: skip
     add("--request-timeout", type=float, default=120.0, help="seconds to wait for any byte")
     add("--output", help="JSON result path (default: benchmarks/results/soak-TIMESTAMP.json)")
     return parser
@@ -386,6 +393,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--abort-fraction must be between 0 and 1")
     if args.kill_worker_every < 0:
         parser.error("--kill-worker-every must be at least 0")
+    if args.kill_scheduler_too and not args.kill_worker_every:
+        parser.error("--kill-scheduler-too needs --kill-worker-every")
     args.serve_args = split_serve_args(parser, args.serve_args)
     default = Path(__file__).parent / "results" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
     args.output = args.output or str(default)

@@ -65,17 +65,18 @@ class SchedulerConfig:
         "0 fails them as before",
         metavar="N",
     )
-    """With hybrid groups: how often one request may be moved to a surviving group (and
-    recomputed there) when the group running it dies; past it, it fails with 503."""
+    """How often one request may move (and be recomputed) when a group holding it leaves: to a
+    surviving hybrid group, or queued again for a prefill group; past it, it fails with 503."""
     worker_return_timeout_s: float = setting(
         60.0,
         "--worker-return-timeout",
-        "when the last worker group dies or stalls, how long its requests (and new ones) wait "
-        "for a group to serve again before they fail with 503",
+        "when the last worker group (of a role) dies or stalls, how long its requests (and new "
+        "ones) wait for a group to serve again before they fail with 503",
         metavar="SECONDS",
     )
-    """How long a request whose group left, with no other group to move to, waits for a group
-    to (re)register; also how long a departed group counts as restarting in /health."""
+    """How long a request whose group left, with no other group (of its role) to move to,
+    waits for one to (re)register; also how long a departed group counts as restarting in
+    /health."""
     stall_timeout_s: float = setting(
         30.0,
         "--stall-timeout",

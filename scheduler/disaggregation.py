@@ -3,8 +3,9 @@
 ``DisaggregatedPlacement`` is the ``scheduler.placement.Placement`` over at least one
 ``prefill`` and one ``decode`` group (each with its own ``Scheduler``). A request goes:
 
-1. queued here, in arrival order, until a decode group can reserve blocks for its prompt and
-   first token (so no prompt is computed that nobody can decode);
+1. queued here, in arrival order, until a decode group can reserve blocks for its prompt (and
+   the tokens it generated already, when it moved) and its next token (so no prompt is
+   computed that nobody can decode);
 2. prefilled on the least loaded prefill group, in chunks and with its prefix cache, like any
    prompt; the step that computes the prompt's end also sends its KV blocks (``KVSend``), after
    the decode group was told to expect them (``KVTransfers``);
@@ -14,25 +15,33 @@
    token on, as a request whose prompt is already computed.
 
 A transfer that does not finish within ``kv_transfer_timeout_s`` of the hand-off fails its
-request. A request that ends anywhere (finished, aborted, failed, its group gone) is dropped on
-every side: blocks freed, a pending transfer cancelled on the decode group ahead of any step
-that could reuse its blocks.
+request. A request that ends anywhere (finished, aborted, failed) is dropped on every side:
+blocks freed, a pending transfer cancelled on the decode group ahead of any step that could
+reuse its blocks.
+
+When a group leaves (it died, or was fenced as stalled), each request whose prefill or decode it
+held moves (``remove_group``): it is released on every side and queued again at the front, with
+the tokens it streamed already as ``generated_token_ids``, so that a prefill group computes its
+prompt and those tokens again, samples its next token, and hands it to a decode group, as at
+first. Its stream pauses and goes on with the same tokens (the worker takes them as outputs:
+penalties, ``min_tokens``, the seeded sampler's token index, the grammar replayed). Up to
+``migration_limit`` moves each (0: they fail with the 503, as before). While no group of a role
+serves, the queue (the moved requests and new ones) waits up to ``worker_return_timeout_s`` for
+one to serve again.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import msgspec
 
 from interfaces import ErrorKind, RequestID, SchedulerResult, SchedulerStatus, TextContext
-from interfaces.scheduler_to_api import WORKER_DIED
+from interfaces.scheduler_to_api import SCHEDULER_RESTARTED, WORKER_DIED
 from interfaces.scheduler_to_worker import KVReceive, KVSend, KVTransfers, ScheduledStep
 from interfaces.worker_to_scheduler import (
     GrammarsReady,
@@ -44,40 +53,19 @@ from interfaces.worker_to_scheduler import (
 from scheduler.admission import num_context_tokens, queue_overload
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
-from scheduler.placement import Placement, ServedGroup, WorkerMessage, merge
+from scheduler.placement import (
+    Placement,
+    ServedGroup,
+    WorkerMessage,
+    merge,
+    return_timeout_error,
+)
+from scheduler.request import Request
 from scheduler.scheduler import ResultsByClient, TextResult
+from scheduler.split_request import Phase, SplitRequest
 from scheduler.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
-
-
-class Phase(enum.Enum):
-    QUEUED = "queued"
-    PREFILL = "prefill"
-    TRANSFER = "transfer"
-    DECODE = "decode"
-
-
-@dataclass(eq=False)
-class SplitRequest:
-    """A disaggregated request: where it is and what its transfer has done."""
-
-    context: TextContext
-    client_id: bytes
-    phase: Phase = Phase.QUEUED
-    prefill: str | None = None
-    decode: str | None = None
-    decode_block_ids: list[int] = field(default_factory=list)
-    transfer_id: int | None = None
-    first_token: int | None = None
-    handoff_time: float | None = None
-    ranks_received: set[int] = field(default_factory=set)
-    num_bytes: int = 0
-    seconds: float = 0.0
-
-    @property
-    def request_id(self) -> RequestID:
-        return self.context.request_id
 
 
 class DisaggregatedPlacement(Placement):
@@ -95,6 +83,11 @@ class DisaggregatedPlacement(Placement):
         self._transfers: dict[int, RequestID] = {}
         """Transfers in flight, by id: 64 random bits each (``new_transfer_id``), so a process
         that can reach a decode worker's transfer socket cannot name one to overwrite its KV."""
+        self._last_decode: ServedGroup | None = None
+        """The last decode group to leave: its limits admit requests while none serves."""
+        self._unserved_since: float | None = None
+        """When the last group of a role left (``time.monotonic()``), while the queue waits
+        for one to serve again; else None."""
 
     def _of_role(self, role: WorkerRole) -> list[ServedGroup]:
         return [group for group in self.groups.values() if group.role is role]
@@ -103,6 +96,27 @@ class DisaggregatedPlacement(Placement):
     def is_serving(self) -> bool:
         """Whether a prefill and a decode group serve."""
         return bool(self._of_role(WorkerRole.PREFILL) and self._of_role(WorkerRole.DECODE))
+
+    @property
+    def accepts_requests(self) -> bool:
+        """Also while the queue waits for a group of a role that left to serve again."""
+        return self.is_serving or self._waiting_since() is not None
+
+    @property
+    def vocab_size(self) -> int:
+        """While no group serves, the last decode group's: requests are still accepted."""
+        if self.groups or self._last_decode is None:
+            return super().vocab_size
+        return self._last_decode.ready.vocab_size
+
+    def _waiting_since(self, now: float | None = None) -> float | None:
+        """When the queue started to wait for a role's group, if it still may at ``now``
+        (default: ``time.monotonic()``); else None."""
+        since = self._unserved_since
+        if since is None or self.is_serving:
+            return None
+        now = time.monotonic() if now is None else now
+        return since if now - since < self.config.worker_return_timeout_s else None
 
     # -- groups --------------------------------------------------------------------------------
 
@@ -119,40 +133,100 @@ class DisaggregatedPlacement(Placement):
             )
         return None
 
+    def add_group(self, group: WorkerGroup) -> str | None:
+        """``Placement.add_group``; once both roles serve, the queue stops waiting."""
+        problem = super().add_group(group)
+        if self.is_serving:
+            self._unserved_since = None
+        return problem
+
     def remove_group(self, name: str, reason: str, cause: str = WORKER_DIED) -> ResultsByClient:
-        """Group ``name`` is gone: drop what it held on every side. A decode group's requests
-        all go; a prefill group's only until they decode (a transfer it had not finished
-        sending is lost with it); its pending transfer news too. With no group of its role
-        left, the queued requests fail as well. Each fails with the error text ``reason``;
-        ``cause`` is the label of why the group left (``Placement.remove_group``)."""
-        results = super().remove_group(name, reason, cause)
+        """Group ``name`` is gone, and so is every request's work it held: a decode group's
+        requests all, a prefill group's until they decode (a transfer it had not finished
+        sending is lost with it); its pending transfer news too.
+
+        With ``migration_limit`` > 0 each of them moves (see the module): queued again at the
+        front, in order, with the tokens it streamed; with no group of the role left, the
+        queue waits up to ``worker_return_timeout_s`` for one (0: it fails as below). A
+        request that moved ``migration_limit`` times already fails with ``reason`` (503), as
+        each does with a limit of 0, and then, with no group of the role left, the queued ones
+        too. ``cause`` is the label of why the group left (``Placement.remove_group``)."""
+        was_serving = self.is_serving
+        dead = self._depart(name, cause)
         self.messages = [(group, news) for group, news in self.messages if group != name]
-
-        def survives(split: SplitRequest) -> bool:
-            if split.decode == name:
-                return False
-            return split.prefill != name or split.phase is Phase.DECODE
-
-        merge(self._drop_where(survives, reason, ErrorKind.UNAVAILABLE), results)
-        if not self.is_serving:
-            queued = self._drop_where(
-                lambda split: split.phase is not Phase.QUEUED, reason, ErrorKind.UNAVAILABLE
-            )
+        if dead is not None and dead.role is WorkerRole.DECODE:
+            self._last_decode = dead
+        waiting = was_serving or self._unserved_since is not None
+        if waiting and not self.is_serving and self.config.migration_limit:
+            # From the newest departure, as /health's groups_away counts.
+            self._unserved_since = time.monotonic()
+        held = [split for split in self.requests.values() if self._held_by(split, name)]
+        results: ResultsByClient = {}
+        if dead is None or not self.config.migration_limit or not self.accepts_requests:
+            results = {} if dead is None else dead.scheduler.fail_all(reason)
+            for split in held:
+                merge(self._drop(split, reason, ErrorKind.UNAVAILABLE), results)
+        else:
+            moved = []
+            for split in held:
+                if split.num_migrations >= self.config.migration_limit:
+                    merge(self._drop(split, reason, ErrorKind.UNAVAILABLE), results)
+                else:
+                    self._move(split, dead, cause)
+                    moved.append(split)
+            self.queue.extendleft(reversed(moved))  # at the front, in their order
+            dead.scheduler.take_requests()  # its blocks and requests died with it
+        if not self.accepts_requests:
+            self._unserved_since = None
+            queued = self._drop_where(lambda split: split.phase is not Phase.QUEUED, reason)
             merge(queued, results)
         return results
+
+    @staticmethod
+    def _held_by(split: SplitRequest, name: str) -> bool:
+        """Whether group ``name`` held work ``split`` still needs: its decode group's blocks,
+        or its prefill group's until it decodes."""
+        if split.decode == name:
+            return True
+        return split.prefill == name and split.phase is not Phase.DECODE
+
+    def _move(self, split: SplitRequest, dead: ServedGroup, cause: str) -> None:
+        """Release ``split`` on the groups that serve on and make it start over with the
+        tokens it streamed (see the module; the caller queues it); one more move, counted
+        with ``cause``."""
+        decoding = dead.scheduler.requests.get(split.request_id)
+        tokens_sent = split.tokens_sent(decoding if split.decode == dead.name else None)
+        self._release(split, None, ErrorKind.INTERNAL)
+        split.queue_again(tokens_sent, time.monotonic())
+        self.counters.count_migration(cause)
+        logger.warning(
+            "request %s queued again after %d token(s) (group %r left: %s; move %d of %d)",
+            split.request_id,
+            len(tokens_sent),
+            dead.name,
+            cause,
+            split.num_migrations,
+            self.config.migration_limit,
+            extra={"request_id": split.request_id},
+        )
 
     # -- requests in and out -------------------------------------------------------------------
 
     def _place(self, context: TextContext, client_id: bytes) -> TextResult | None:
         """Queue the request until a decode group can reserve its blocks, unless it can never
-        run or the queues are full."""
+        run or the queues are full. One that brings tokens it generated already was submitted
+        again after a scheduler restart: a move, counted as such."""
         # The smallest pool decides whether a request can ever run (one group of each role
-        # would do: each holds a whole context, the limit checked, and they share it).
+        # would do: each holds a whole context, the limit checked, and they share it); while
+        # none serves, the last one's.
         decode = min(
-            self._of_role(WorkerRole.DECODE), key=lambda g: g.scheduler.block_manager.num_blocks
+            self._of_role(WorkerRole.DECODE) or [self._last_decode],
+            key=lambda g: g.scheduler.block_manager.num_blocks,
         )
         refusal = decode.scheduler.refusal(context, self._overload(context))
         if refusal is None:
+            if context.generated_token_ids:
+                self.counters.count_migration(SCHEDULER_RESTARTED)
             split = SplitRequest(context, client_id)
             self.requests[context.request_id] = split
             self.queue.append(split)
@@ -191,10 +265,18 @@ class DisaggregatedPlacement(Placement):
         return merge(super().fail_all(error, kind), results)
 
     def check_timeouts(self, now: float | None = None) -> ResultsByClient:
-        """Fail the requests whose KV transfer outlived ``kv_transfer_timeout_s``."""
+        """Fail the requests whose KV transfer outlived ``kv_transfer_timeout_s``, and the
+        queued ones once no group of a role served for ``worker_return_timeout_s``."""
         now = time.monotonic() if now is None else now
-        timeout = self.config.kv_transfer_timeout_s
         results: ResultsByClient = {}
+        if self._unserved_since is not None and self._waiting_since(now) is None:
+            self._unserved_since = None
+            if not self.is_serving and self.queue:
+                error = return_timeout_error(self.config.worker_return_timeout_s)
+                logger.error("%s: failing %d queued request(s)", error, len(self.queue))
+                queued = self._drop_where(lambda split: split.phase is not Phase.QUEUED, error)
+                merge(queued, results)
+        timeout = self.config.kv_transfer_timeout_s
         for split in list(self.requests.values()):
             if split.phase is Phase.TRANSFER and now - split.handoff_time > timeout:
                 error = (
@@ -250,9 +332,12 @@ class DisaggregatedPlacement(Placement):
                 for g in self._of_role(WorkerRole.PREFILL)
                 if g.scheduler.num_waiting_tokens < budget
             ]
+            # The head fits some decode group once blocks are free: it was admitted against the
+            # smallest pool, every pool holds max_model_len tokens (the worker checks) and
+            # every group has the same max_model_len (SHARED_FIELDS).
             split = self.queue[0]
-            num_prompt = len(split.context.prompt_token_ids)
-            ready = [g for g in decode if g.scheduler.can_reserve(num_prompt)]
+            num_tokens = num_context_tokens(split.context)
+            ready = [g for g in decode if g.scheduler.can_reserve(num_tokens)]
             if not prefill or not ready:
                 return
             target = max(ready, key=lambda g: g.scheduler.block_manager.num_free_blocks)
@@ -260,7 +345,9 @@ class DisaggregatedPlacement(Placement):
             # The decode side computes no prompt position: prompt logprobs come from the prefill.
             decode_context = msgspec.structs.replace(split.context, prompt_logprobs=None)
             block_ids = target.scheduler.reserve(decode_context, split.client_id)
-            source.scheduler.accept(split.context, split.client_id)
+            request = Request(split.context, split.client_id, source.ready.max_model_len)
+            request.left_group_time = split.left_group_time  # its next token ends the pause
+            source.scheduler.queue(request)
             self.queue.popleft()
             split.phase = Phase.PREFILL
             split.prefill, split.decode = source.name, target.name
@@ -278,8 +365,8 @@ class DisaggregatedPlacement(Placement):
                 continue
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk; the prompt ends in a later step
-            if request.max_new_tokens <= 1:
-                continue  # its first token is its last: nothing to decode
+            if request.max_new_tokens - request.num_output_tokens <= 1:
+                continue  # its next token is its last: nothing to decode
             transfer_id = self.new_transfer_id()
             split.transfer_id = transfer_id
             self._transfers[transfer_id] = request_id
@@ -305,6 +392,7 @@ class DisaggregatedPlacement(Placement):
             split = self.requests[request.request_id]
             split.first_token = request.all_token_ids[-1]
             split.handoff_time = now
+            split.left_group_time = None
             split.phase = Phase.TRANSFER
             self._maybe_start_decoding(split)
 
@@ -341,7 +429,10 @@ class DisaggregatedPlacement(Placement):
                     self._drop(split, None, ErrorKind.INTERNAL)
 
     def _drop_where(
-        self, keep: Callable[[SplitRequest], bool], error: str | None, kind: ErrorKind
+        self,
+        keep: Callable[[SplitRequest], bool],
+        error: str | None,
+        kind: ErrorKind = ErrorKind.UNAVAILABLE,
     ) -> ResultsByClient:
         """Drop the requests ``keep(split)`` is false for; their cancelling results."""
         results: ResultsByClient = {}
@@ -351,12 +442,18 @@ class DisaggregatedPlacement(Placement):
         return results
 
     def _drop(self, split: SplitRequest, error: str | None, kind: ErrorKind) -> ResultsByClient:
-        """End ``split`` on every side: free its blocks, cancel its transfer; the result that
-        cancels it with ``error`` (ignored by callers that have a final result)."""
+        """End ``split`` on every side (``_release``); the result that cancels it with
+        ``error`` (ignored by callers that have a final result)."""
         request_id = split.request_id
         del self.requests[request_id]
         if split.phase is Phase.QUEUED:
             self.queue.remove(split)
+        self._release(split, error, kind)
+        return {split.client_id: {request_id: SchedulerResult.cancelled(error, kind)}}
+
+    def _release(self, split: SplitRequest, error: str | None, kind: ErrorKind) -> None:
+        """Free ``split``'s blocks on the groups that hold them and cancel its transfer."""
+        request_id = split.request_id
         for name in (split.prefill, split.decode):
             group = self.groups.get(name) if name is not None else None
             if group is not None and request_id in group.scheduler.requests:
@@ -365,8 +462,6 @@ class DisaggregatedPlacement(Placement):
             decode = self.groups.get(split.decode)
             if decode is not None:
                 self.messages.append((decode.name, KVTransfers(cancel=[split.transfer_id])))
-        result = SchedulerResult.cancelled(error, kind)
-        return {split.client_id: {request_id: result}}
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -374,7 +469,7 @@ class DisaggregatedPlacement(Placement):
         """Also while a role is missing; requests waiting for a decode reservation wait for
         prefill, and those whose KV is on its way run (in the total only)."""
         running, waiting, running_ids = super()._requests_by_role()
-        if self.groups:
+        if self.groups or self.queue:
             for role in self.roles:
                 running.setdefault(role.value, 0)
                 waiting.setdefault(role.value, 0)

@@ -18,10 +18,13 @@ from dataclasses import dataclass
 from interfaces import ErrorKind, RequestID, SchedulerResult
 from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
 from interfaces.requests import MAX_REQUEST_ID_LENGTH
+from interfaces.scheduler_to_api import WORKER_DIED, GroupAway
 from interfaces.scheduler_to_worker import EmbeddingsStep
 from interfaces.worker_to_scheduler import WorkerEmbeddingsOutput
 from scheduler.admission import UNREPORTED_VOCAB_LIMIT
 from scheduler.config import SchedulerConfig
+from scheduler.counters import SchedulerCounters
+from scheduler.departures import Departures
 
 EmbeddingsResult = SchedulerResult[EmbeddingsOutput]
 EmbeddingsByClient = dict[bytes, dict[RequestID, EmbeddingsResult]]
@@ -39,8 +42,12 @@ class _Input:
 class Embeddings:
     """The embedding groups, their queue, and the step each group is running."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, counters: SchedulerCounters | None = None) -> None:
+        """``counters``: where a group back under its name counts (``worker_restarts``)."""
         self.config = config
+        self.counters = counters if counters is not None else SchedulerCounters()
+        self.departures = Departures(config)
+        """The groups that served and left, for ``groups_away``."""
         self.groups: set[str] = set()
         self.queue: deque[_Input] = deque()
         self.in_flight: dict[str, tuple[EmbeddingsStep, list[_Input]]] = {}
@@ -50,11 +57,16 @@ class Embeddings:
         self._next_step_id = 0
 
     def add_group(self, name: str) -> None:
+        if self.departures.returned(name):
+            self.counters.worker_restarts += 1
         self.groups.add(name)
 
-    def remove_group(self, name: str, reason: str) -> EmbeddingsByClient:
-        """Group ``name`` is gone. Its step's inputs go back to the queue for another group
-        (those already retried fail); with no group left, the queue fails."""
+    def remove_group(self, name: str, reason: str, cause: str = WORKER_DIED) -> EmbeddingsByClient:
+        """Group ``name`` is gone (it left with ``cause``, a ``MIGRATION_REASONS`` label, until
+        it serves again: ``groups_away``). Its step's inputs go back to the queue for another
+        group (those already retried fail); with no group left, the queue fails."""
+        if name in self.groups:
+            self.departures.record(name, cause)
         self.groups.discard(name)
         _, batch = self.in_flight.pop(name, (None, []))
         failed = []
@@ -74,6 +86,10 @@ class Embeddings:
                 del self._wanted[item.context.request_id]
             self.queue.clear()
         return results
+
+    def groups_away(self, now: float | None = None) -> list[GroupAway]:
+        """``Departures.away`` of the embedding groups that left (the launcher restarts them)."""
+        return self.departures.away(now)
 
     def submit(self, client_id: bytes, contexts: list[EmbeddingsContext]) -> EmbeddingsByClient:
         """Queue the inputs; returns the refusals (an empty dict when all were taken)."""

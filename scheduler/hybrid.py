@@ -128,15 +128,17 @@ class HybridPlacement(Placement):
 
     # -- requests while stranded -----------------------------------------------------------------
 
-    def add_request(self, context: TextContext, client_id: bytes) -> TextResult | None:
-        """``Placement.add_request``; while requests wait for a group to serve, a new one
-        waits with them (or is refused as by the group that left)."""
+    @property
+    def accepts_requests(self) -> bool:
+        """While requests wait for a group to serve, a new one may wait with them."""
         stranded = self.stranded
-        if self.is_serving or stranded is None or stranded.expired(time.monotonic()):
-            return super().add_request(context, client_id)
-        return stranded.add_request(context, client_id)
+        return self.is_serving or (stranded is not None and not stranded.expired(time.monotonic()))
 
     def _place(self, context: TextContext, client_id: bytes) -> TextResult | None:
+        """On the least loaded group; while none serves, with the stranded requests (or
+        refused as by the group that left)."""
+        if not self.groups:
+            return self.stranded.add_request(context, client_id)
         group = min(self.groups.values(), key=lambda g: g.load)
         return group.scheduler.add_request(context, client_id)
 

@@ -20,14 +20,11 @@ from __future__ import annotations
 import abc
 import gc
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from interfaces import ErrorKind, RequestID, SchedulerResult, TextContext
 from interfaces.scheduler_to_api import (
-    MAX_GROUPS_AWAY,
-    MIGRATION_REASONS,
     WORKER_DIED,
     GroupAway,
     SchedulerStats,
@@ -42,6 +39,7 @@ from interfaces.worker_to_scheduler import (
 )
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.counters import SchedulerCounters
+from scheduler.departures import Departures
 from scheduler.scheduler import ResultsByClient, Scheduler, TextResult, counter_stats
 from scheduler.worker_group import WorkerGroup
 
@@ -52,10 +50,11 @@ SHARED_FIELDS = ("model_name", "block_size", "max_model_len")
 """What every group served together must report alike."""
 WorkerMessage = ScheduledStep | KVTransfers
 """What a placement asks the server to send to every rank of a group."""
-MAX_DEPARTURES = 1024
-"""Departed groups remembered (the oldest is forgotten first), to count their restarts: enough
-for every group of a unit, however many group names come and go. ``groups_away`` reports the
-newest ``MAX_GROUPS_AWAY`` of them."""
+
+
+def return_timeout_error(timeout_s: float) -> str:
+    """What a request that waited in vain for a group to serve again is told."""
+    return f"no worker group came back within {timeout_s:g} s"
 
 
 def new_scheduler(
@@ -103,14 +102,19 @@ class Placement(abc.ABC):
         self.counters = counters
         self.groups: dict[str, ServedGroup] = {}
         """The serving groups, by name: read them, never change them from outside."""
-        self.departures: dict[str, tuple[str, float]] = {}
-        """Groups that served and left, by name: why (a ``MIGRATION_REASONS`` label) and when
-        (``time.monotonic()``), until they serve again; oldest first."""
+        self.departures = Departures(config)
+        """Groups that served and left, until they serve again."""
 
     @property
     @abc.abstractmethod
     def is_serving(self) -> bool:
         """Whether a new request can run now."""
+
+    @property
+    def accepts_requests(self) -> bool:
+        """Whether a new request may be accepted now: it runs now (``is_serving``), or it may
+        wait with the requests of a group that left for a group to serve again."""
+        return self.is_serving
 
     @property
     def vocab_size(self) -> int:
@@ -129,7 +133,7 @@ class Placement(abc.ABC):
         kv_cache = KVCacheConfig(ready.num_kv_blocks, ready.block_size, ready.max_model_len)
         prefill_only = ready.role is WorkerRole.PREFILL
         scheduler = new_scheduler(self.config, kv_cache, self.counters, prefill_only)
-        if self.departures.pop(group.name, None) is not None:
+        if self.departures.returned(group.name):
             self.counters.worker_restarts += 1
         destinations = group.destinations if ready.role is WorkerRole.DECODE else []
         self.groups[group.name] = ServedGroup(
@@ -184,21 +188,17 @@ class Placement(abc.ABC):
     def _depart(self, name: str, cause: str) -> ServedGroup | None:
         """Stop serving group ``name`` (None if it does not serve) and remember that it left
         with ``cause``, for ``groups_away`` and ``worker_restarts_total``."""
-        if cause not in MIGRATION_REASONS:
-            raise ValueError(f"unknown cause {cause!r}; expected one of {MIGRATION_REASONS}")
-        group = self.groups.pop(name, None)
+        group = self.groups.get(name)
         if group is not None:
-            self.departures.pop(name, None)  # the newest departure goes last
-            self.departures[name] = (cause, time.monotonic())
-            if len(self.departures) > MAX_DEPARTURES:
-                del self.departures[next(iter(self.departures))]
+            self.departures.record(name, cause)  # first: it refuses an unknown cause
+            del self.groups[name]
         return group
 
     # -- requests in and out -------------------------------------------------------------------
 
     def add_request(self, context: TextContext, client_id: bytes) -> TextResult | None:
         """Accept a request, or return the result refusing it (see ``Scheduler.add_request``)."""
-        if not self.is_serving:
+        if not self.accepts_requests:
             return SchedulerResult.cancelled(NO_WORKER, ErrorKind.UNAVAILABLE)
         if self.owner(context.request_id) is not None:
             return SchedulerResult.rejected_request(
@@ -208,7 +208,7 @@ class Placement(abc.ABC):
 
     @abc.abstractmethod
     def _place(self, context: TextContext, client_id: bytes) -> TextResult | None:
-        """``add_request`` for a new id while serving."""
+        """``add_request`` for a new id while ``accepts_requests``."""
 
     def owner(self, request_id: RequestID) -> bytes | None:
         """The API server that submitted request ``request_id`` (waiting, running, or on its
@@ -292,20 +292,8 @@ class Placement(abc.ABC):
         )
 
     def groups_away(self, now: float | None = None) -> list[GroupAway]:
-        """The groups that left less than ``worker_return_timeout_s`` before ``now`` (default:
-        ``time.monotonic()``) and have not served since, the newest first, at most
-        ``MAX_GROUPS_AWAY`` (what ``/health`` may list); none with a ``migration_limit`` of 0
-        (nothing waits for a group then: /health fails as before)."""
-        now = time.monotonic() if now is None else now
-        if not self.config.migration_limit:
-            return []
-        timeout = self.config.worker_return_timeout_s
-        away = [
-            GroupAway(name, cause, now - left)
-            for name, (cause, left) in reversed(self.departures.items())
-            if now - left < timeout
-        ]
-        return away[:MAX_GROUPS_AWAY]
+        """``Departures.away`` of the groups that left."""
+        return self.departures.away(now)
 
     def _requests_by_role(self) -> tuple[dict[str, int], dict[str, int], set[RequestID]]:
         """How many requests run and wait, by the role of the group holding them (every served

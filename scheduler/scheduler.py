@@ -160,10 +160,11 @@ class Scheduler:
         max_model_len = self.kv_cache.max_model_len
         return admission_problem(request.context, max_model_len, self.block_manager) is None
 
-    def can_reserve(self, num_prompt_tokens: int) -> bool:
-        """Whether ``reserve`` would succeed now. Never while requests wait here (preempted
-        ones, to be recomputed): freed blocks go to them first."""
-        num_blocks = self.block_manager.num_blocks_for(num_prompt_tokens + 1)
+    def can_reserve(self, num_context_tokens: int) -> bool:
+        """Whether ``reserve`` would succeed now for a context of ``num_context_tokens`` (its
+        prompt plus the tokens it generated already). Never while requests wait here
+        (preempted ones, to be recomputed): freed blocks go to them first."""
+        num_blocks = self.block_manager.num_blocks_for(num_context_tokens + 1)
         return (
             not self.waiting
             and len(self.running) + len(self.reserved) < self.config.max_num_seqs
@@ -171,32 +172,33 @@ class Scheduler:
         )
 
     def reserve(self, context: TextContext, client_id: bytes) -> list[int] | None:
-        """Hold blocks for ``context``'s prompt and first output token, to be filled by a KV
-        transfer; returns the prompt's block ids, or None (nothing changed) if ``can_reserve``
-        is false."""
-        if not self.can_reserve(len(context.prompt_token_ids)):
-            return None
+        """Hold blocks for ``context``'s tokens (its prompt, and the tokens it generated
+        already when it moved: ``generated_token_ids``) and its next output token, to be filled
+        by a KV transfer; returns the block ids of its tokens, or None (nothing changed) if
+        ``can_reserve`` is false."""
         request = Request(context, client_id, self.kv_cache.max_model_len)
-        self.block_manager.allocate_slots(request, request.num_prompt_tokens + 1)
+        if not self.can_reserve(request.num_tokens):
+            return None
+        self.block_manager.allocate_slots(request, request.num_tokens + 1)
         request.status = RequestStatus.RESERVED
         self.requests[request.request_id] = request
         self.reserved[request.request_id] = request
-        num_prompt_blocks = self.block_manager.num_blocks_for(request.num_prompt_tokens)
-        return request.block_ids[:num_prompt_blocks]
+        return request.block_ids[: self.block_manager.num_blocks_for(request.num_tokens)]
 
-    def start_decoding(self, request_id: RequestID, first_token: int) -> None:
-        """The reserved request's prompt KV arrived and the prefill produced ``first_token``:
-        it runs from the next step (a running request the worker does not know yet)."""
+    def start_decoding(self, request_id: RequestID, next_token: int) -> None:
+        """The reserved request's KV arrived and the prefill produced ``next_token`` (its
+        first, or its next after the tokens it brought): it runs from the next step (a running
+        request the worker does not know yet)."""
         request = self.reserved.pop(request_id)
-        request.append_token(first_token)
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens
+        request.append_token(next_token)
         request.first_scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
     def take_handoffs(self) -> list[Request]:
-        """Requests a ``prefill_only`` scheduler finished after their first token, since the
-        last call (their first token is their last in ``all_token_ids``)."""
+        """Requests a ``prefill_only`` scheduler finished after the first token it sampled for
+        them, since the last call (that token is their last in ``all_token_ids``)."""
         handoffs, self._handoffs = self._handoffs, []
         return handoffs
 
@@ -333,7 +335,10 @@ class Scheduler:
         Blocks were registered in the prefix cache when the step was scheduled; their contents
         may never have been written, so the whole prefix cache is dropped.
         """
-        results = self.cancel(list(step.num_scheduled_tokens), error)
+        # A request of the step that waits now is another request under its id (a
+        # disaggregated request that moved and came back to this group): it did not fail.
+        running = [r for r in step.num_scheduled_tokens if self._is_running(r)]
+        results = self.cancel(running, error)
         self.block_manager.reset_prefix_cache()
         for request in self.running:  # their blocks were computed in earlier steps: re-register
             request.num_cached_blocks = 0
@@ -367,6 +372,10 @@ class Scheduler:
             self._finish(request)
             results[request.client_id][request_id] = SchedulerResult.cancelled(error, kind)
         return results
+
+    def _is_running(self, request_id: RequestID) -> bool:
+        request = self.requests.get(request_id)
+        return request is not None and request.status is RequestStatus.RUNNING
 
     def _overload(self, context: TextContext) -> str | None:
         """Why the queue cannot take ``context`` now (``queue_overload``), or None."""

@@ -81,6 +81,7 @@ from scheduler.admission import context_problem
 from scheduler.admission import refusal as admission_refusal
 from scheduler.config import SchedulerConfig, WorkerLimits
 from scheduler.counters import SchedulerCounters
+from scheduler.departures import newest_away
 from scheduler.disaggregation import DisaggregatedPlacement
 from scheduler.embeddings import Embeddings, EmbeddingsByClient
 from scheduler.handshakes import Handshakes
@@ -130,7 +131,7 @@ class SchedulerServer:
         """Where requests run: the first group to serve picks the kind (``_serve``)."""
         self.images = ImageSegments()
         """The pixels of requests with images, unlinked when each request leaves."""
-        self.embeddings = Embeddings(config)
+        self.embeddings = Embeddings(config, self.counters)
         """The embedding groups, apart: they run no generation and hold no KV cache."""
         self._workers = WorkerGroups()
         self._handshakes = Handshakes()
@@ -296,6 +297,7 @@ class SchedulerServer:
     def stats(self) -> SchedulerStats:
         stats = self.placement.stats()
         stats.embedding_workers_ready = bool(self.embeddings.groups)
+        stats.groups_away = newest_away(stats.groups_away, self.embeddings.groups_away())
         return stats
 
     def _send_results(self, results: ResultsByClient) -> None:
@@ -473,7 +475,7 @@ class SchedulerServer:
         self._step_times.forget(name)
         members = self._workers.fence(name)
         if name in self.embeddings.groups:
-            self._send_embeddings(self.embeddings.remove_group(name, STALLED))
+            self._send_embeddings(self.embeddings.remove_group(name, STALLED, WORKER_STALLED))
         else:
             self._in_flight.pop(name, None)
             self._send_results(self.placement.remove_group(name, STALLED, cause=WORKER_STALLED))

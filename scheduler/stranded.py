@@ -16,7 +16,7 @@ from collections import defaultdict
 
 from interfaces import ErrorKind, SchedulerResult, TextContext
 from scheduler.config import SchedulerConfig
-from scheduler.placement import ServedGroup
+from scheduler.placement import ServedGroup, return_timeout_error
 from scheduler.request import Request
 from scheduler.scheduler import ResultsByClient, Scheduler, TextResult
 
@@ -30,11 +30,6 @@ CONTINUED_FIELDS = ("model_name", "max_model_len", "vocab_size")
 they were checked against these, and moved ones generated with that model. Its block size may
 differ: the requests' block hashes are dropped when they are taken (``take_requests``) and
 computed again at its size."""
-
-
-def return_timeout_error(timeout_s: float) -> str:
-    """What a request that waited for a group in vain is told."""
-    return f"no worker group came back within {timeout_s:g} s"
 
 
 class StrandedRequests:

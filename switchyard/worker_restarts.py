@@ -10,10 +10,11 @@ fenced as stalled) while its processes still run is killed (SIGKILL: a stopped p
 SIGTERM) and started again the same way.
 
 A scheduler that dies is one fault and one restart
-(``WorkerGroupRestarts.restart_with_scheduler``): the scheduler is started again, and every
-worker group is stopped and started again with it, as above, since its requests and KV cache
-were the dead scheduler's (a worker exits by itself when its scheduler goes away; stopping it
-at once is quicker, and its exit then spends nothing).
+(``WorkerGroupRestarts.restart_with_scheduler``): the scheduler is started again, and the
+one-process worker groups register with it again by themselves, keeping their model loaded
+(``worker.server``). A tensor-parallel group's ranks exit when their scheduler goes away, so
+such a group is stopped and started again with the scheduler, as above (stopping it at once is
+quicker, and its exit then spends nothing).
 
 Restarts are bounded by ``WorkerRestartBudget``: ``limit`` a minute for the whole unit, the
 scheduler's restarts included (``WorkerGroupRestarts.allow``). One more within the minute, and
@@ -169,19 +170,24 @@ class WorkerGroupRestarts:
         self, why: str, now: float, start_scheduler: Callable[[], None]
     ) -> str | None:
         """The scheduler exited (``why``): spend one restart for the whole fault, call
-        ``start_scheduler``, and stop every worker group to start it again (``_stop``; a group
-        already stopping goes on, and starts again once its processes exited). Returns why the
-        unit must stop instead (restarts off, or none left)."""
+        ``start_scheduler``, and stop every tensor-parallel group (more than one process) to
+        start it again (``_stop``; a group already stopping goes on, and starts again once its
+        processes exited); the others register with the new scheduler by themselves. Returns
+        why the unit must stop instead (restarts off, or none left)."""
         failure = self.allow(why, now)
         if failure is not None:
             return failure
+        restarted = [g for g in self.groups.values() if len(g.children) > 1 or g.is_stopping]
         logger.error(
-            "%s; starting it again (%d of %d restarts a minute) and every worker group with it; "
-            "the API servers submit their streams again",
+            "%s; starting it again (%d of %d restarts a minute); %s; the API servers submit "
+            "their streams again",
             *(why, self.budget.used(now), self.budget.limit),
+            "the worker groups register with it again"
+            if not restarted
+            else "tensor-parallel worker groups start again with it, the others register again",
         )
         start_scheduler()
-        for group in self.groups.values():
+        for group in restarted:
             if not group.is_stopping:
                 self._stop(group, now, signal.SIGTERM)
         return None

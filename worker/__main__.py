@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 from types import FrameType
 
 import setproctitle
@@ -33,6 +34,8 @@ from worker.settings import WorkerSettings
 logger = logging.getLogger("worker")
 
 PROCESS_TITLE = "switchyard-worker tp{rank}"
+"""What ``ps`` shows for a worker: its rank, then its group's name if it was given one (as
+``switchyard serve`` does: ``switchyard-worker tp0 prefill-0``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Load the model, then serve until Shutdown or a signal. Returns the exit code."""
     args = parse_args(argv)
-    setproctitle.setproctitle(PROCESS_TITLE.format(rank=args.rank))
+    title = PROCESS_TITLE.format(rank=args.rank)
+    setproctitle.setproctitle(f"{title} {args.group}" if args.group else title)
     configure_logging(f"worker-tp{args.rank}", args.log_level, args.log_format)
     transformers_logging.disable_progress_bar()  # a bar per load is noise in a server's log
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -77,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.role,
         settings.group or _default_group(settings),
         settings.kv_transfer_addr,
+        Path(settings.liveness_file) if settings.liveness_file else None,
     )
     code = server.serve()
     if code == 0:  # a broken group's communicators may block in teardown: the exit frees them

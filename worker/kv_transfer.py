@@ -267,6 +267,11 @@ class KVReceiver:
             self._expected.pop(transfer_id, None)
             self._early.end(transfer_id)
 
+    def cancel_all(self) -> None:
+        """Give up every transfer announced (the scheduler that announced them went away;
+        shards of others that arrive early are forgotten once stale, as always)."""
+        self.cancel(list(self._expected))
+
     def receive(self) -> list[KVReceived]:
         """Write every shard waiting on the socket; the reports of transfers now complete."""
         reports = []

@@ -199,6 +199,15 @@ class ModelRunner:
         self.requests.pop(request_id, None)
         self.request_sampler.forget(request_id)
 
+    def release_all(self) -> None:
+        """Forget every request and what was due to be reported about them: the scheduler that
+        sent them went away. The KV cache's contents stay, unread: a new scheduler's blocks
+        are all free, and it schedules every token it needs computed."""
+        for request_id in list(self.requests):
+            self.release(request_id)
+        self._refusals = {}
+        self.request_sampler.discard_step()
+
     def _update_states(self, scheduler_output: ScheduledStep) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.release(request_id)

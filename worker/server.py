@@ -10,8 +10,13 @@ also polls the pipe its grammar compiles write to, and sends ``GrammarsReady`` b
 when a deferred request's grammar compiled or failed (``worker.model_runner``).
 
 If the connection to the scheduler drops (the scheduler died, or over TCP went silent past
-ZeroMQ's heartbeat timeout), the worker exits with code 1 at once: its requests and KV cache
-belong to that scheduler, and a fresh worker is what a restarted scheduler needs.
+ZeroMQ's heartbeat timeout), a one-rank worker forgets every request it had (they were that
+scheduler's; the contents of its KV cache are never read again: a new scheduler's blocks are all
+free), closes the connection, dropping what it had not sent yet, and registers again on a new
+one, which a scheduler restarted at the same address takes: the model is not loaded again. A
+rank of a tensor-parallel group exits with code 1 instead: when the scheduler died between
+sending a step to one rank and to another, the ranks' collectives are out of step, and the group
+is started again whole (``switchyard serve`` does so; an orchestrator restarts its containers).
 
 Each rank of a tensor-parallel group has its own connection and receives every step; only rank
 0 answers. A rank whose collectives fail (``GroupBroken``: a peer died) exits with code 1, and
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -53,6 +59,7 @@ from interfaces.worker_to_scheduler import (
     WorkerToSchedulerMessage,
 )
 from worker.kv_transfer import KVReceiver, KVSender
+from worker.liveness import Heartbeat
 from worker.parallel import GroupBroken, tensor_parallel
 
 if TYPE_CHECKING:
@@ -68,7 +75,8 @@ class WorkerServer:
     """Serves one ModelRunner to the scheduler at ``scheduler_addr`` (e.g. ``ipc:///tmp/b.ipc``).
 
     Owns its ZeroMQ context and sockets; ``serve`` returns the process exit code. A ``decode``
-    worker receives KV blocks at ``transfer_addr`` (``tcp://HOST:*`` picks a free port).
+    worker receives KV blocks at ``transfer_addr`` (``tcp://HOST:*`` picks a free port). With
+    ``liveness_file``, its loop beats there between steps (``worker.liveness``).
     """
 
     def __init__(
@@ -79,6 +87,7 @@ class WorkerServer:
         role: WorkerRole = WorkerRole.HYBRID,
         group: str = "",
         transfer_addr: str = "tcp://127.0.0.1:*",
+        liveness_file: Path | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler_addr = scheduler_addr
@@ -91,6 +100,7 @@ class WorkerServer:
         self.decode = msgpack_numpy_decoder(SchedulerToWorkerMessage)
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
+        self.heartbeat = Heartbeat(liveness_file) if liveness_file is not None else None
 
     def serve(self) -> int:
         """Run until Shutdown (exit code 0) or SIGTERM/SIGINT (also 0, after the current step)."""
@@ -105,33 +115,62 @@ class WorkerServer:
             binder.close()
             context.term()
             return 1
+        try:
+            socket, monitor = self._register(context)
+        except ValueError as error:  # a CURVE key file this worker needs is missing
+            logger.error("cannot connect to the scheduler at %s: %s", self.scheduler_addr, error)
+            self._close_transfers()
+            binder.close()
+            context.term()
+            return 1
+        try:
+            while (code := self._loop(socket, monitor)) is None:
+                self._forget_the_scheduler()
+                monitor.close(linger=0)
+                socket.close(linger=0)  # what the scheduler that went away did not receive
+                socket, monitor = self._register(context)
+            return code
+        finally:
+            monitor.close(linger=0)
+            socket.close(linger=LINGER_MS)
+            self._close_transfers()
+            binder.close()
+            context.term()
+
+    def _register(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        """A new connection to the scheduler, and its monitor; ``WorkerReady`` is queued on
+        it, sent once a scheduler answers there. ``ValueError`` if a CURVE key file this
+        worker needs is missing."""
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
-            try:
-                self.security.connect(socket, self.scheduler_addr, BACKEND)
-            except ValueError as error:  # a CURVE key file this worker needs is missing
-                logger.error("cannot connect to the scheduler at %s: %s", self.scheduler_addr,
-                             error)  # fmt: skip
-                return 1
-            self._send(socket, self._ready())
-            logger.info(
-                "worker ready (%s, group %s); serving the scheduler at %s",
-                self.role.value,
-                self.group,
-                self.scheduler_addr,
-            )
-            return self._loop(socket, monitor)
-        finally:
+            self.security.connect(socket, self.scheduler_addr, BACKEND)
+        except ValueError:
             monitor.close(linger=0)
-            socket.close(linger=LINGER_MS)
-            for transfers in (self.sender, self.receiver):
-                if transfers is not None:
-                    transfers.close()
-            binder.close()
-            context.term()
+            socket.close(linger=0)
+            raise
+        self._send(socket, self._ready())
+        logger.info(
+            "worker ready (%s, group %s); serving the scheduler at %s",
+            self.role.value,
+            self.group,
+            self.scheduler_addr,
+        )
+        return socket, monitor
+
+    def _forget_the_scheduler(self) -> None:
+        """Drop the requests and KV transfers of the scheduler that went away."""
+        if self.role is not WorkerRole.EMBEDDING:  # an embedding step keeps nothing
+            self.runner.release_all()
+        if self.receiver is not None:
+            self.receiver.cancel_all()
+
+    def _close_transfers(self) -> None:
+        for transfers in (self.sender, self.receiver):
+            if transfers is not None:
+                transfers.close()
 
     def _open_transfers(self, context: zmq.Context, binder: Binder) -> None:
         runner, group = self.runner, tensor_parallel()
@@ -156,7 +195,9 @@ class WorkerServer:
             )
             logger.info("receiving KV transfers at %s", self.receiver.address)
 
-    def _loop(self, socket: zmq.Socket, monitor: zmq.Socket) -> int:
+    def _loop(self, socket: zmq.Socket, monitor: zmq.Socket) -> int | None:
+        """Serve the scheduler on ``socket`` until it ends: the exit code, or None when the
+        connection dropped and this worker should register again (see the module)."""
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -166,6 +207,8 @@ class WorkerServer:
         if grammar_wakeup is not None:
             poller.register(grammar_wakeup, zmq.POLLIN)
         while not self.stop_requested:
+            if self.heartbeat is not None:
+                self.heartbeat.beat()
             events = dict(poller.poll(POLL_INTERVAL_MS))
             if grammar_wakeup is not None:  # also on every poll timeout: compile time limits
                 self._send_grammar_news(socket)
@@ -191,8 +234,19 @@ class WorkerServer:
                     self._on_transfers(socket, message)
             elif monitor in events:
                 endpoint = recv_monitor_message(monitor)["endpoint"].decode()
-                logger.error("lost the connection to the scheduler at %s; exiting", endpoint)
-                return 1
+                if tensor_parallel().world_size > 1:
+                    logger.error(
+                        "lost the connection to the scheduler at %s; exiting (the ranks of a "
+                        "tensor-parallel group start again together)",
+                        endpoint,
+                    )
+                    return 1
+                logger.error(
+                    "lost the connection to the scheduler at %s; dropping its requests and "
+                    "registering again once a scheduler answers there",
+                    endpoint,
+                )
+                return None
             # After the scheduler's messages, which may announce what is arriving here.
             if self.receiver is not None and self.receiver.socket in events:
                 for report in self.receiver.receive():

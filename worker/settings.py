@@ -115,4 +115,12 @@ class WorkerSettings:
         "give an address they reach (tcp://HOST:PORT, or :* for a free port)",
         group=DISAGGREGATION,
     )
+    liveness_file: str | None = setting(
+        None,
+        "--liveness-file",
+        "touch this file between steps (at most once a second), for a liveness probe that a "
+        "hung worker fails: python -m worker.liveness FILE",
+        default_text="none",
+        metavar="FILE",
+    )
     grammar_limits: GrammarLimits = component(GrammarLimits, group="structured output")

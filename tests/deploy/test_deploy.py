@@ -1,18 +1,24 @@
 """Deployment files: valid for the tools that read them, consistent with each other, and (the
-slow test) runnable: each role started with exactly the command and environment that
+slow tests) runnable: each role started with exactly the command and environment that
 docker-compose.yml or the Kubernetes pod gives it, on 127.0.0.1, with CURVE keys made by the
-files' own keygen step and the operator's API key, answers a chat request.
+files' own keygen step and the operator's API key, answers a chat request, and takes its
+streams back when a worker or the scheduler is killed and restarted as the orchestrator would.
 No Docker engine or cluster needed (tests/deploy/test_deploy_safety.py checks what they lock
 down)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -23,6 +29,7 @@ from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
 from prometheus_client.parser import text_string_to_metric_families
 
 from api_server.metrics import SCHEDULER_METRIC_NAMES
+from scheduler.config import SchedulerConfig
 from tests.support.clients import free_port
 from tests.support.deploy import (
     COMPOSE_FILES,
@@ -38,6 +45,14 @@ from tests.support.deploy import (
     run_compose_config,
 )
 from tests.support.serve_process import wait_until_ready
+from tests.support.streams import (
+    assert_same_as_undisturbed,
+    mixed_request,
+    pauses,
+    report,
+    run_all,
+    run_with_fault,
+)
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "switchyard.json"
 KUBERNETES_VERSION = "1.33.0"
@@ -45,6 +60,8 @@ KUBERNETES_VERSION = "1.33.0"
 IMAGE_MODEL_DIR = "/models/SmolLM2-135M-Instruct"
 ROLES = ("scheduler", "worker", "api_server")
 STARTUP_TIMEOUT_S = 180
+WORKER_LIVENESS_FILE = "/tmp/worker.alive"
+"""Where the pod's worker beats (its --liveness-file), on its own /tmp volume."""
 K8S_SECRETS = {("switchyard-api-key", "api-key"): "test-api-key"}
 """The Secrets deployment.yaml's header tells the operator to create: (name, key) -> value."""
 
@@ -212,7 +229,20 @@ def test_k8s_pods_drain_probe_and_scale_as_the_code_expects():
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load
     assert api_server["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert api_server["livenessProbe"]["httpGet"]["path"] == "/health"
-    assert containers["worker"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    worker = containers["worker"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # The worker's probes read the file its loop beats into, on a writable volume; the
+    # startup probe allows for the model's load, the liveness probe for far more than a step
+    # (the scheduler fences a step past --stall-timeout, 30 s, long before).
+    beats_into = flag(worker["command"], "--liveness-file")
+    (mount,) = [m for m in worker["volumeMounts"] if beats_into.startswith(m["mountPath"] + "/")]
+    assert not mount.get("readOnly")
+    for probe in (worker["startupProbe"], worker["livenessProbe"]):
+        command = probe["exec"]["command"]
+        assert command[:4] == ["python", "-m", "worker.liveness", beats_into]
+        assert float(flag(command, "--max-age")) >= 10 * SchedulerConfig.stall_timeout_s
+    startup = worker["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load
 
     service = k8s("Service")
     assert service["spec"]["selector"] == labels
@@ -308,16 +338,42 @@ def on_loopback(command: list[str], substitutions: dict[str, str], http_port: in
     return result
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("source", ["compose", "k8s"])
-def test_the_roles_answer_with_the_deployment_files_commands(source, default_model_dir, tmp_path):
+@dataclass(eq=False)
+class Role:
+    """One process a deployment file starts, as it starts it (``start`` again is what the
+    orchestrator does when it exits)."""
+
+    name: str
+    argv: list[str]
+    environment: dict[str, str]
+    log: Path
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+
+    @property
+    def kind(self) -> str:
+        """``scheduler``, ``worker`` or ``api_server``."""
+        return self.argv[2]
+
+    def start(self) -> None:
+        with self.log.open("a") as log:
+            self.process = subprocess.Popen(self.argv, env=self.environment, stdout=log, stderr=log)
+
+
+@contextlib.contextmanager
+def deployment(
+    source: str, model_dir: Path, tmp_path: Path
+) -> Iterator[tuple[dict[str, Role], list[tuple[str, str]]]]:
+    """Every role of ``source`` started as its file gives it, on this machine; yields them
+    by name and each API server's (URL, API key) once all answer /ready. Stops them all."""
     frontend, backend = free_port(), free_port()
     keys_dir = tmp_path / "curve"
     make_curve_keys(source, keys_dir)
     substitutions = {
-        IMAGE_MODEL_DIR: str(default_model_dir),
+        IMAGE_MODEL_DIR: str(model_dir),
         IMAGE_CURVE_KEYS_DIR: str(keys_dir),
         "--host=0.0.0.0": "--host=127.0.0.1",
+        WORKER_LIVENESS_FILE: str(tmp_path / "worker.alive"),
     }
     for container_port, port in ((5555, frontend), (5556, backend)):
         for host in ("0.0.0.0", "scheduler", "127.0.0.1"):
@@ -325,8 +381,7 @@ def test_the_roles_answer_with_the_deployment_files_commands(source, default_mod
     # The key and the CURVE keys only as the files give them (the test's cache dir stays).
     given_by_files = ("SWITCHYARD_API_KEY", "SWITCHYARD_CURVE_KEYS_DIR")
     base_environment = {k: v for k, v in os.environ.items() if k not in given_by_files}
-    processes: dict[str, subprocess.Popen] = {}
-    logs: dict[str, Path] = {}
+    roles: dict[str, Role] = {}
     api_servers: list[tuple[str, str]] = []
     try:
         for name, command, environment in role_processes(source):
@@ -336,24 +391,117 @@ def test_the_roles_answer_with_the_deployment_files_commands(source, default_mod
                 api_key = environment["SWITCHYARD_API_KEY"]
                 api_servers.append((f"http://127.0.0.1:{http_port}", api_key))
             argv = [sys.executable, *on_loopback(command, substitutions, http_port)[1:]]
-            logs[name] = tmp_path / f"{name}.log"
-            with logs[name].open("w") as log:
-                processes[name] = subprocess.Popen(
-                    argv, env={**base_environment, **environment}, stdout=log, stderr=log
-                )
-        assert len(api_servers) == (2 if source == "compose" else 1)
-        for url, api_key in api_servers:
+            role = Role(name, argv, {**base_environment, **environment}, tmp_path / f"{name}.log")
+            role.start()
+            roles[name] = role
+        processes = {name: role.process for name, role in roles.items()}
+        logs = {name: role.log for name, role in roles.items()}
+        for url, _ in api_servers:
             wait_until_ready(url, processes, STARTUP_TIMEOUT_S, logs)
+        yield roles, api_servers
+    finally:
+        for role in roles.values():
+            role.process.terminate()
+        for role in roles.values():
+            try:
+                role.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                role.process.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["compose", "k8s"])
+def test_the_roles_answer_with_the_deployment_files_commands(source, default_model_dir, tmp_path):
+    with deployment(source, default_model_dir, tmp_path) as (roles, api_servers):
+        assert len(api_servers) == (2 if source == "compose" else 1)
+        logs = {name: role.log for name, role in roles.items()}
+        for url, api_key in api_servers:
             answer_and_log(url, api_key, logs, source)
         check_metrics_against_the_dashboards(api_servers[0][0])
-    finally:
-        for process in processes.values():
-            process.terminate()
-        for process in processes.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        if source == "k8s":  # the worker's probes, as the kubelet runs them, pass
+            worker = pod_containers()["worker"]
+            alive = str(tmp_path / "worker.alive")
+            for probe in (worker["startupProbe"], worker["livenessProbe"]):
+                _, _, module, *rest = probe["exec"]["command"]
+                command = [
+                    sys.executable,
+                    "-m",
+                    module,
+                    *(a.replace(WORKER_LIVENESS_FILE, alive) for a in rest),
+                ]
+                assert subprocess.run(command, timeout=60).returncode == 0
+
+
+class Orchestrator:
+    """What docker-compose.yml's ``restart: unless-stopped`` and the pod's ``restartPolicy:
+    Always`` do to a role whose process exits: start it again with the same command (here at
+    once: compose's and the kubelet's back-offs start at 0.1 s and 10 s)."""
+
+    def __init__(self, roles: dict[str, Role]) -> None:
+        self.roles = roles
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> Orchestrator:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            for role in self.roles.values():
+                if role.process.poll() is not None:
+                    role.restarts += 1
+                    role.start()
+
+
+def restart_policies(source: str) -> dict[str, str]:
+    """Each role's restart policy, by kind, as the file gives it."""
+    if source == "compose":
+        services = resolved_compose()["services"].values()
+        return {s["command"][2]: s["restart"] for s in services if is_role(s)}
+    spec = k8s("Deployment")["spec"]["template"]["spec"]
+    pod_policy = spec.get("restartPolicy", "Always")
+    return {
+        container["command"][2]: container.get("restartPolicy", pod_policy)
+        for container in pod_containers().values()
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["compose", "k8s"])
+def test_a_killed_worker_or_scheduler_that_the_orchestrator_restarts_costs_a_pause(
+    source, default_model_dir, tmp_path
+):
+    """``kill -9`` of the worker, then of the scheduler, with streams in flight: the
+    orchestrator starts the killed process again, the worker registers with the scheduler
+    (the restarted worker; the running one with the restarted scheduler), the API server
+    submits its streams to the new scheduler, and every stream ends as undisturbed."""
+    expected = {"unless-stopped"} if source == "compose" else {"Always"}
+    assert set(restart_policies(source).values()) == expected
+    with deployment(source, default_model_dir, tmp_path) as (roles, api_servers):
+        (url, api_key), *_ = api_servers
+        headers = {"Authorization": f"Bearer {api_key}"}
+        by_kind = {role.kind: role for role in roles.values()}
+        bodies = [mixed_request(index) for index in range(5)]
+        undisturbed = run_all(url, bodies, headers=headers)
+        with Orchestrator(roles):
+            for kind in ("worker", "scheduler"):
+                pid = by_kind[kind].process.pid
+                streams, killed_at, open_then = run_with_fault(
+                    url, bodies, lambda pid=pid: os.kill(pid, signal.SIGKILL), headers=headers
+                )
+                assert any(open_then), kind
+                assert_same_as_undisturbed(streams, undisturbed)
+                report(f"{source}: kill -9 of the {kind}", pauses(streams, killed_at, open_then))
+        assert {kind: role.restarts for kind, role in by_kind.items()} == {
+            "scheduler": 1,
+            "worker": 1,  # it stays up when the scheduler dies
+            "api_server": 0,
+        }
 
 
 def answer_and_log(url: str, api_key: str, logs: dict[str, Path], source: str) -> None:

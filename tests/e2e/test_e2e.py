@@ -481,7 +481,7 @@ def test_every_process_shows_its_role(server):
         "switchyard-api-server",
         "switchyard-api-server",
         "switchyard-scheduler",
-        "switchyard-worker tp0",
+        "switchyard-worker tp0 hybrid",
     ]
 
 

@@ -6,197 +6,31 @@ undisturbed. Past `--restart-limit`, serve exits 1. Every wait is bounded."""
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import re
 import signal
-import statistics
-import threading
-import time
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
 from tests.support.clients import wait_until
 from tests.support.metrics import scrape
-from tests.support.serve_process import DEFAULT_MODEL_NAME, ServeProcess, alive, chat_messages
+from tests.support.serve_process import DEFAULT_MODEL_NAME, ServeProcess, alive
+from tests.support.streams import (
+    all_started,
+    assert_same_as_undisturbed,
+    mixed_request,
+    pauses,
+    report,
+    run_all,
+    run_with_fault,
+)
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 24
-FIRST_TOKENS = 3
-"""Tokens every stream has (or it has ended) before the fault."""
-LOGPROB_TOLERANCE = 1e-3
-"""Recomputed logits come from another batch shape and a prefill instead of decode steps."""
 RESTART_LINE = re.compile(
     r"(\S+) exited with code -9; starting worker group 'hybrid' again \((\d+) of (\d+) restarts"
 )
-TOPICS = ("Paris", "the sea", "a dragon", "bread", "the moon", "trains", "a violin", "winter")
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-}
-
-
-def mixed_request(index: int) -> dict:
-    """One of seven kinds by ``index``: greedy, seeded sampling, json_schema, n=2, logprobs with
-    top_logprobs, a stop string, min_tokens; each asks about its own topic."""
-    topic = TOPICS[index % len(TOPICS)]
-    body = {
-        "model": DEFAULT_MODEL_NAME,
-        "messages": chat_messages(f"Tell me about {topic}."),
-        "max_tokens": MAX_TOKENS,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "temperature": 0,
-    }
-    seeded = {"temperature": 0.8, "seed": 1000 + index}
-    kind = index % 7
-    if kind == 1:
-        body |= seeded
-    elif kind == 2:
-        body |= seeded
-        body["messages"] = chat_messages(f"Describe a person who likes {topic}, as JSON.")
-        body["response_format"] = {
-            "type": "json_schema",
-            "json_schema": {"name": "person", "schema": PERSON},
-        }
-    elif kind == 3:
-        body |= seeded | {"n": 2}
-    elif kind == 4:
-        body |= seeded | {"logprobs": True, "top_logprobs": 5}
-    elif kind == 5:
-        body["stop"] = [" and"]
-    elif kind == 6:
-        body["messages"] = chat_messages(f"Say only the word {topic}.")
-        body["min_tokens"] = MAX_TOKENS - 4
-    return body
-
-
-@dataclass
-class Stream:
-    """What one streaming client saw: the data events with their arrival times."""
-
-    status: int | None = None
-    events: list[tuple[float, dict]] = field(default_factory=list)
-    done: bool = False
-    """It ended with ``data: [DONE]``."""
-    error: str | None = None
-    ended: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(
-            1
-            for _, event in self.events
-            for choice in event.get("choices", [])
-            if choice["delta"].get("content")
-        )
-
-    def summary(self) -> dict:
-        """Per choice: text, finish reason, logprob tokens (and their values apart, compared
-        within a tolerance); and the usage's completion tokens."""
-        choices: dict[int, dict] = {}
-        usage = None
-        for _, event in self.events:
-            usage = event.get("usage") or usage
-            for choice in event.get("choices", []):
-                mine = choices.setdefault(
-                    choice["index"], {"text": "", "finish_reason": None, "tokens": []}
-                )
-                mine["text"] += choice["delta"].get("content") or ""
-                mine["finish_reason"] = choice["finish_reason"] or mine["finish_reason"]
-                for entry in (choice.get("logprobs") or {}).get("content") or []:
-                    top = [alternative["token"] for alternative in entry["top_logprobs"]]
-                    mine["tokens"].append((entry["token"], top))
-        completion_tokens = usage["completion_tokens"] if usage else None
-        return {"choices": choices, "completion_tokens": completion_tokens}
-
-    def logprob_values(self) -> list[float]:
-        return [
-            value
-            for _, event in self.events
-            for choice in event.get("choices", [])
-            for entry in (choice.get("logprobs") or {}).get("content") or []
-            for value in (entry["logprob"], *(a["logprob"] for a in entry["top_logprobs"]))
-        ]
-
-
-def open_stream(base_url: str, body: dict) -> Stream:
-    stream = Stream()
-
-    def run() -> None:
-        try:
-            with (
-                httpx.Client(timeout=httpx.Timeout(10, read=180)) as http,
-                http.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response,
-            ):
-                stream.status = response.status_code
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        stream.done = True
-                    elif line.startswith("data: {"):
-                        stream.events.append((time.monotonic(), json.loads(line[6:])))
-        except httpx.HTTPError as error:
-            stream.error = repr(error)
-        finally:
-            stream.ended.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    return stream
-
-
-def run_all(base_url: str, bodies: list[dict], timeout_s: float = 240) -> list[Stream]:
-    streams = [open_stream(base_url, body) for body in bodies]
-    assert all(stream.ended.wait(timeout_s) for stream in streams)
-    return streams
-
-
-def run_with_fault(
-    base_url: str, bodies: list[dict], fault, timeout_s: float = 240
-) -> tuple[list[Stream], float, list[bool]]:
-    """``bodies`` streamed at once; ``fault()`` once every stream has ``FIRST_TOKENS`` tokens
-    (or ended), after a random delay of up to half a second. Returns the streams, when the
-    fault happened and which streams were still open then."""
-    streams = [open_stream(base_url, body) for body in bodies]
-    assert wait_until(
-        lambda: all(s.num_tokens >= FIRST_TOKENS or s.ended.is_set() for s in streams), 120
-    )
-    time.sleep(random.uniform(0, 0.5))
-    open_then = [not stream.ended.is_set() for stream in streams]
-    faulted_at = time.monotonic()
-    fault()
-    assert all(stream.ended.wait(timeout_s) for stream in streams)
-    return streams, faulted_at, open_then
-
-
-def assert_same_as_undisturbed(streams: list[Stream], undisturbed: list[Stream]) -> None:
-    for index, (stream, alone) in enumerate(zip(streams, undisturbed, strict=True)):
-        assert (stream.status, stream.error, stream.done) == (200, None, True), index
-        assert not any("error" in event for _, event in stream.events), stream.events[-1]
-        assert stream.summary() == alone.summary(), index
-        assert stream.logprob_values() == pytest.approx(
-            alone.logprob_values(), abs=LOGPROB_TOLERANCE
-        )
-
-
-def pauses(streams: list[Stream], faulted_at: float, open_then: list[bool]) -> list[float]:
-    """For each stream open at the fault: seconds from the fault to its next event."""
-    return [
-        min(at for at, _ in stream.events if at > faulted_at) - faulted_at
-        for stream, was_open in zip(streams, open_then, strict=True)
-        if was_open
-    ]
-
-
-def report(what: str, measured: list[float]) -> None:
-    print(
-        f"{what}: pause from the fault to the next token over {len(measured)} streams: "
-        f"median {statistics.median(measured):.1f} s, max {max(measured):.1f} s"
-    )
 
 
 def only_worker(serve: ServeProcess, title: str = "switchyard-worker") -> int:
@@ -338,40 +172,117 @@ def test_killing_one_tensor_parallel_rank_restarts_the_group_and_streams_complet
         serve.kill()
 
 
+GROUP_RESTART_LINE = re.compile(
+    r"(\S+) exited with code -9; starting worker group '(\S+)' again \((\d+) of (\d+) restarts"
+)
+
+
+def test_killing_a_prefill_and_then_a_decode_worker_costs_the_streams_a_pause(
+    default_model_dir, tmp_path
+):
+    """Disaggregated: the prefill worker is killed while most streams wait for their first
+    token (prompts prefill 64 tokens a step), then the decode worker once every stream has
+    its first tokens. The requests whose prefill or decode group died are queued again with
+    the tokens they streamed, computed again by the prefill group and handed to the decode
+    group; each of 32 mixed streams ends as undisturbed."""
+    log_path = tmp_path / "serve.log"
+    serve = ServeProcess(
+        *("--prefill-workers", "1", "--decode-workers", "1", "--max-num-batched-tokens", "64"),
+        log_path=log_path,
+    )
+    try:
+        bodies = [mixed_request(index) for index in range(32)]
+        undisturbed = run_all(serve.base_url, bodies)
+        label = frozenset({("model_name", DEFAULT_MODEL_NAME), ("reason", "worker_died")})
+        moved_before = 0
+        faults = {  # group: when to kill it, and the most random delay after that
+            "prefill-0": (lambda streams: any(stream.num_tokens for stream in streams), 0.0),
+            "decode-0": (all_started, 0.5),
+        }
+        for group, (when, max_delay_s) in faults.items():
+            (worker,) = serve.pids_of(f"switchyard-worker tp0 {group}")
+            streams, killed_at, open_then = run_with_fault(
+                serve.base_url,
+                bodies,
+                lambda pid=worker: os.kill(pid, signal.SIGKILL),
+                when=when,
+                max_delay_s=max_delay_s,
+            )
+            assert sum(open_then) >= len(bodies) // 2, group
+            assert_same_as_undisturbed(streams, undisturbed)
+            report(f"kill -9 of the {group} worker", pauses(streams, killed_at, open_then))
+            assert serve.pids_of(f"switchyard-worker tp0 {group}") not in ([], [worker])
+            assert wait_for_health_ok(serve) == {"status": "ok"}
+            moved = scrape(serve.base_url)[("switchyard:request_migrations_total", label)]
+            assert moved > moved_before, group  # the kill did hit requests in flight
+            if group.startswith("decode"):  # every stream open then was decoding there
+                assert moved - moved_before >= sum(open_then)
+            moved_before = moved
+
+        assert GROUP_RESTART_LINE.findall(log_path.read_text()) == [
+            ("prefill-0", "prefill-0", "1", "5"),
+            ("decode-0", "decode-0", "2", "5"),
+        ]
+        assert worker_restarts(serve) == 2
+    finally:
+        serve.kill()
+
+
 SCHEDULER_RESTART_LINE = re.compile(
-    r"scheduler exited with code -9; starting it again \((\d+) of (\d+) restarts a minute\) "
-    r"and every worker group with it"
+    r"scheduler exited with code -9; starting it again \((\d+) of (\d+) restarts a minute\); "
+    r"(the worker groups register with it again|tensor-parallel worker groups start again with "
+    r"it, the others register again)"
 )
 RESUBMITTED_LINE = re.compile(r"submitted (\d+) requests again to the scheduler")
 """An API server's INFO line once it submitted its waiting requests to a new scheduler."""
 
 
-def test_killing_the_scheduler_mid_stream_costs_the_streams_a_pause(default_model_dir, tmp_path):
-    """``kill -9`` of the scheduler: the launcher starts it again and its worker group with
-    it (its KV cache was the dead scheduler's), one restart for the fault, and each API
-    server, which kept its streams open, submits every one again with the tokens it already
-    sent (``generated_token_ids``) once the new scheduler has a worker. Every stream ends as
+@pytest.mark.parametrize("tensor_parallel_size", [1, 3])  # SmolLM2: 9 heads, 3 KV heads
+def test_killing_the_scheduler_mid_stream_costs_the_streams_a_pause(
+    default_model_dir, tmp_path, tensor_parallel_size
+):
+    """``kill -9`` of the scheduler: the launcher starts it again, one restart for the fault;
+    a one-rank worker registers with it again (its model stays loaded), while a
+    tensor-parallel group's ranks exit and are started again with it. Each API server, which
+    kept its streams open, submits every one again with the tokens it already sent
+    (``generated_token_ids``) once the new scheduler has a worker. Every stream ends as
     undisturbed; the new scheduler counts the moves."""
     log_path = tmp_path / "serve.log"
-    serve = ServeProcess("--log-level", "INFO", log_path=log_path)  # the resubmission lines
+    serve = ServeProcess(
+        *("--log-level", "INFO"),  # the resubmission lines
+        *("--tensor-parallel-size", str(tensor_parallel_size)),
+        log_path=log_path,
+    )
     try:
-        bodies = [mixed_request(index) for index in range(8)]
+        # The issue's 32 mixed streams; 8 with three ranks sharing the two cores.
+        bodies = [mixed_request(index) for index in range(32 if tensor_parallel_size == 1 else 8)]
         undisturbed = run_all(serve.base_url, bodies)
         (scheduler,) = serve.pids_of("switchyard-scheduler")
+        workers = serve.pids_of("switchyard-worker")
 
         streams, killed_at, open_then = run_with_fault(
             serve.base_url, bodies, lambda: os.kill(scheduler, signal.SIGKILL)
         )
         assert any(open_then)
         assert_same_as_undisturbed(streams, undisturbed)
-        report("kill -9 of the scheduler", pauses(streams, killed_at, open_then))
+        report(
+            f"kill -9 of the scheduler (tensor parallel size {tensor_parallel_size})",
+            pauses(streams, killed_at, open_then),
+        )
 
         assert serve.process.poll() is None
         log = log_path.read_text()
-        assert SCHEDULER_RESTART_LINE.findall(log) == [("1", "5")]
-        assert "started worker group 'hybrid' again: worker" in log
-        assert "starting worker group" not in log  # its exit spent no restart of its own
+        ((used, limit, workers_do),) = SCHEDULER_RESTART_LINE.findall(log)
+        assert (used, limit) == ("1", "5")
+        assert "starting worker group" not in log  # no worker exit spent a restart
         assert serve.pids_of("switchyard-scheduler") != [scheduler]
+        if tensor_parallel_size == 1:
+            assert workers_do == "the worker groups register with it again"
+            assert serve.pids_of("switchyard-worker") == workers  # the model was not reloaded
+            assert "dropping its requests and registering again" in log
+        else:
+            assert "started worker group 'hybrid' again: worker-0, worker-1, worker-2" in log
+            assert not set(serve.pids_of("switchyard-worker")) & set(workers)
         assert wait_for_health_ok(serve) == {"status": "ok"}
         label = frozenset({("model_name", DEFAULT_MODEL_NAME), ("reason", "scheduler_restarted")})
         # The new scheduler counts the requests submitted again that carry tokens: at least

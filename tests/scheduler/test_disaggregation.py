@@ -22,102 +22,22 @@ from interfaces.transport import TransportSecurity
 from interfaces.worker_to_scheduler import (
     KVLayout,
     KVReceived,
-    WorkerOutput,
     WorkerReady,
     WorkerRole,
 )
-from scheduler.config import SchedulerConfig
-from scheduler.counters import SchedulerCounters
-from scheduler.disaggregation import DisaggregatedPlacement, Phase
-from scheduler.hybrid import HybridPlacement
-from scheduler.worker_group import WorkerGroups
-from tests.support.fake_worker import FakeTokenGenerator
+from scheduler.split_request import Phase
 from tests.support.kv_caches import BLOCK_SIZE, LAYOUT, empty_cache, filled_cache, poll_reports
+from tests.support.placement_cluster import DISAGGREGATED, HYBRID, PlacementCluster
 from worker.kv_transfer import KVReceiver, KVSender, Shard, head_range, transfer_plan
 
 # -- the placement --------------------------------------------------------------------------------
 
 
-class Cluster:
-    """A placement with fake groups; ``run`` plays the server's loop, transfers included."""
-
-    def __init__(self, roles: dict[str, WorkerRole], num_blocks: int = 64, **config) -> None:
-        config = {"max_num_batched_tokens": 8, **config}
-        hybrid = all(role is WorkerRole.HYBRID for role in roles.values())
-        kind = HybridPlacement if hybrid else DisaggregatedPlacement
-        self.placement = kind(SchedulerConfig(**config), SchedulerCounters())
-        self.workers = WorkerGroups()
-        self.generators = {name: FakeTokenGenerator(BLOCK_SIZE) for name in roles}
-        self.sent: list[tuple[str, object]] = []
-        self.deliver_transfers = True
-        self.tokens: dict[str, list[int]] = {}
-        """Every token each request streamed, in order."""
-        for name, role in roles.items():
-            ready = WorkerReady(
-                PROTOCOL_VERSION, "m", num_blocks, BLOCK_SIZE, 256, role=role, group=name,
-                kv_layout=LAYOUT, transfer_addr=f"inproc://{name}",
-            )  # fmt: skip
-            assert self.workers.register(name.encode(), ready).now_serving
-            assert self.placement.add_group(self.workers.groups[name]) is None
-
-    def submit(self, request_id: str, prompt: list[int], max_new_tokens: int = 6) -> None:
-        context = TextContext(request_id, prompt, len(prompt) + max_new_tokens)
-        assert self.placement.add_request(context, b"client") is None
-
-    def step(self) -> dict:
-        """One round of the loop: every group runs its next step; returns the results (the
-        last of each request's)."""
-        results: dict = {}
-        for name, message in self.placement.schedule(list(self.placement.groups)):
-            self.sent.append((name, message))
-            if not isinstance(message, ScheduledStep):
-                continue
-            outputs = self.generators[name].next_token(message)
-            output = WorkerOutput(message.step_id, outputs)
-            update = self.placement.update_from_output(name, output)
-            for request_id, result in update.get(b"client", {}).items():
-                if result.result is not None:
-                    self.tokens.setdefault(request_id, []).extend(result.result.tokens)
-                results[request_id] = result
-            if self.deliver_transfers:
-                for send in message.kv_sends:
-                    self.receive(send)
-        self.placement.check_integrity()
-        return results
-
-    def receive(self, send: KVSend) -> None:
-        """The decode group reports the transfer done (its generator learns nothing: the fake
-        model needs only the tokens, which the decode side's first step carries)."""
-        split = self.placement.requests[send.request_id]
-        report = KVReceived(send.transfer_id, 0, 100 * len(send.block_ids), 0.002)
-        self.placement.on_kv_received(split.decode, report)
-
-    def run(self, max_rounds: int = 200) -> dict[str, list[int]]:
-        """Step until every request finished; every token each streamed."""
-        for _ in range(max_rounds):
-            self.step()
-            split = isinstance(self.placement, DisaggregatedPlacement) and self.placement.requests
-            if not split and not any(
-                group.scheduler.requests for group in self.placement.groups.values()
-            ):
-                self.sent += self.placement.schedule([])  # the last news for decode groups
-                return self.tokens
-        raise AssertionError("requests did not finish")
-
-    def used_blocks(self) -> dict[str, int]:
-        return {
-            name: group.scheduler.block_manager.num_used_blocks
-            for name, group in self.placement.groups.items()
-        }
-
-
-HYBRID = {"h": WorkerRole.HYBRID}
-DISAGGREGATED = {"p": WorkerRole.PREFILL, "d": WorkerRole.DECODE}
 PROMPTS = {f"r{i}": [(7 * i + j) % 50 + 1 for j in range(5 + 6 * i)] for i in range(5)}
 
 
 def test_disaggregated_requests_produce_the_hybrid_tokens_and_transfer_the_prompt_blocks():
-    hybrid, split = Cluster(HYBRID), Cluster(DISAGGREGATED)
+    hybrid, split = PlacementCluster(HYBRID), PlacementCluster(DISAGGREGATED)
     for cluster in (hybrid, split):
         for request_id, prompt in PROMPTS.items():
             cluster.submit(request_id, prompt)
@@ -148,14 +68,14 @@ def test_disaggregated_requests_produce_the_hybrid_tokens_and_transfer_the_promp
 
 
 def hybrid_tokens(prompts: dict[str, list[int]], max_new_tokens: int = 6) -> dict:
-    cluster = Cluster(HYBRID)
+    cluster = PlacementCluster(HYBRID)
     for request_id, prompt in prompts.items():
         cluster.submit(request_id, prompt, max_new_tokens)
     return cluster.run()
 
 
 def test_decoding_waits_for_both_the_first_token_and_every_decode_rank():
-    cluster = Cluster(DISAGGREGATED)
+    cluster = PlacementCluster(DISAGGREGATED)
     cluster.placement.groups["d"].size = 2  # two decode ranks must report
     cluster.deliver_transfers = False
     prompt = list(range(1, 10))
@@ -177,7 +97,7 @@ def test_decoding_waits_for_both_the_first_token_and_every_decode_rank():
 
 
 def test_an_abort_mid_transfer_frees_both_sides_and_cancels_the_transfer():
-    cluster = Cluster(DISAGGREGATED)
+    cluster = PlacementCluster(DISAGGREGATED)
     cluster.deliver_transfers = False
     cluster.submit("a", list(range(1, 20)))
     while "a" not in cluster.step():
@@ -197,7 +117,7 @@ def test_an_abort_mid_transfer_frees_both_sides_and_cancels_the_transfer():
 
 
 def test_a_transfer_that_does_not_finish_in_time_fails_its_request_clearly():
-    cluster = Cluster(DISAGGREGATED, kv_transfer_timeout_s=5.0)
+    cluster = PlacementCluster(DISAGGREGATED, kv_transfer_timeout_s=5.0)
     cluster.deliver_transfers = False
     cluster.submit("a", list(range(1, 9)))
     while "a" not in cluster.step():
@@ -214,7 +134,7 @@ def test_a_transfer_that_does_not_finish_in_time_fails_its_request_clearly():
 
 
 def test_a_request_that_ends_at_its_first_token_frees_its_decode_reservation():
-    cluster = Cluster(DISAGGREGATED)
+    cluster = PlacementCluster(DISAGGREGATED)
     prompt = list(range(1, 9))
     cluster.submit("a", prompt, max_new_tokens=1)
     cluster.deliver_transfers = False
@@ -228,7 +148,7 @@ def test_a_request_that_ends_at_its_first_token_frees_its_decode_reservation():
 
 
 def test_a_request_that_ends_at_its_first_token_by_eos_cancels_its_transfer():
-    cluster = Cluster(DISAGGREGATED)
+    cluster = PlacementCluster(DISAGGREGATED)
     prompt = list(range(1, 9))
     first = hybrid_tokens({"a": prompt})["a"][0]
     context = TextContext("a", prompt, len(prompt) + 6, eos_token_ids=[first])
@@ -245,7 +165,7 @@ def test_requests_wait_for_decode_blocks_and_survive_preemption_on_the_decode_gr
     # 10 blocks of 4 tokens: the first two reserve 4 each, the third waits for 3; and the
     # first two, growing to 6 blocks each, cannot both stay on the decode group.
     prompts = {"a": list(range(1, 15)), "b": list(range(20, 34)), "c": list(range(40, 50))}
-    cluster = Cluster(DISAGGREGATED, num_blocks=10, max_num_batched_tokens=64)
+    cluster = PlacementCluster(DISAGGREGATED, num_blocks=10, max_num_batched_tokens=64)
     for request_id, prompt in prompts.items():
         cluster.submit(request_id, prompt, max_new_tokens=8)
     cluster.step()
@@ -253,8 +173,8 @@ def test_requests_wait_for_decode_blocks_and_survive_preemption_on_the_decode_gr
     assert cluster.run() == hybrid_tokens(prompts, max_new_tokens=8)
 
 
-def test_the_death_of_a_group_fails_its_requests_on_both_sides():
-    cluster = Cluster(DISAGGREGATED)
+def test_with_a_migration_limit_of_0_the_death_of_a_group_fails_its_requests_on_both_sides():
+    cluster = PlacementCluster(DISAGGREGATED, migration_limit=0)
     cluster.deliver_transfers = False
     cluster.submit("a", list(range(1, 9)))
     cluster.submit("b", list(range(1, 40)))
@@ -269,8 +189,8 @@ def test_the_death_of_a_group_fails_its_requests_on_both_sides():
     assert refused.error_kind is ErrorKind.UNAVAILABLE  # no decode group is left
 
 
-def test_a_prefill_group_that_dies_takes_only_the_requests_not_yet_decoding():
-    cluster = Cluster(DISAGGREGATED, max_num_batched_tokens=64)
+def test_with_a_migration_limit_of_0_a_dead_prefill_group_fails_only_those_not_decoding():
+    cluster = PlacementCluster(DISAGGREGATED, max_num_batched_tokens=64, migration_limit=0)
     cluster.submit("decoding", list(range(1, 9)), max_new_tokens=20)
     cluster.step()
     cluster.step()
@@ -288,7 +208,7 @@ def test_a_prefill_group_that_dies_takes_only_the_requests_not_yet_decoding():
 
 
 def test_stats_count_each_role_while_a_role_is_missing():
-    cluster = Cluster({"d": WorkerRole.DECODE})
+    cluster = PlacementCluster({"d": WorkerRole.DECODE})
     stats = cluster.placement.stats()
     assert not stats.workers_ready
     assert stats.num_requests_running_by_role == {"prefill": 0, "decode": 0}
@@ -296,7 +216,7 @@ def test_stats_count_each_role_while_a_role_is_missing():
 
 
 def test_groups_that_cannot_work_together_are_refused_with_the_reason():
-    cluster = Cluster(DISAGGREGATED)
+    cluster = PlacementCluster(DISAGGREGATED)
     workers, placement = cluster.workers, cluster.placement
 
     def register(name: str, role: WorkerRole, **changes) -> str | None:
@@ -329,7 +249,7 @@ def test_groups_that_cannot_work_together_are_refused_with_the_reason():
 def test_requests_spread_over_the_prefill_groups_and_the_decode_groups():
     roles = {"p0": WorkerRole.PREFILL, "p1": WorkerRole.PREFILL,
              "d0": WorkerRole.DECODE, "d1": WorkerRole.DECODE}  # fmt: skip
-    cluster = Cluster(roles)
+    cluster = PlacementCluster(roles)
     for request_id, prompt in PROMPTS.items():
         cluster.submit(request_id, prompt)
     assert cluster.run() == hybrid_tokens(PROMPTS)

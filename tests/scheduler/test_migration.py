@@ -508,10 +508,10 @@ def test_groups_away_are_the_newest_first_and_at_most_max_groups_away():
     newest are reported (their departures remembered oldest first), none past the timeout."""
     placement = PlacementDriver().placement
     now = time.monotonic()
-    placement.departures["expired"] = (WORKER_DIED, now - 61)
+    placement.departures.record("expired", WORKER_DIED, now - 61)
     for index in range(MAX_GROUPS_AWAY + 10):
         cause = WORKER_STALLED if index % 2 else WORKER_DIED
-        placement.departures[f"g{index}"] = (cause, now - 30 + index / 100)
+        placement.departures.record(f"g{index}", cause, now - 30 + index / 100)
     away = placement.groups_away(now)
     assert [group.name for group in away] == [f"g{i}" for i in reversed(range(10, 266))]
     assert (away[0].reason, away[0].seconds) == (WORKER_STALLED, pytest.approx(30 - 2.65))

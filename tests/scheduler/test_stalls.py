@@ -16,7 +16,7 @@ from interfaces import SchedulerStatus
 from interfaces.api_to_scheduler import SubmitEmbeddings, SubmitRequest
 from interfaces.embeddings import EmbeddingsContext
 from interfaces.handshake import PROTOCOL_VERSION
-from interfaces.scheduler_to_api import SchedulerEmbeddingsResults
+from interfaces.scheduler_to_api import WORKER_STALLED, SchedulerEmbeddingsResults
 from interfaces.scheduler_to_worker import EmbeddingsStep, ScheduledStep, Shutdown
 from interfaces.worker_to_scheduler import (
     WorkerEmbeddingsOutput,
@@ -368,3 +368,6 @@ def test_a_stalled_embedding_groups_inputs_run_on_the_other(system):
     assert fenced.reason.startswith("group 'e1' stalled: step 0 has run ")
     assert refused.reason.startswith("this connection served group 'e1', which was fenced")
     assert not client.poll(200)  # its late answer is dropped
+    # /health names it away, so that the launcher kills and restarts it.
+    (away,) = stats(client).groups_away
+    assert (away.name, away.reason) == ("e1", WORKER_STALLED)

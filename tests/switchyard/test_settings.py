@@ -258,6 +258,7 @@ def role_samples(media_dir: Path) -> dict[str, object]:
             SchedulerAddress("ipc://backend"),
             *("cuda:1", 0.5, "float16", 32, 3, 2),
             *(2, 1, "10.0.0.1", 1234, WorkerRole.DECODE, "decode-0", "tcp://10.0.0.1:7"),
+            "/tmp/worker.alive",
             GrammarLimits(3.5, 1000, 10, 4096),
         ),
         "api_server": ApiServerSettings(

@@ -145,12 +145,14 @@ def test_with_restarts_off_a_dead_worker_stops_the_unit_as_before(make_launcher,
     assert launcher._health_poller is None  # nothing reads /health for groups away
 
 
-def test_a_dead_scheduler_is_started_again_and_its_workers_after_it(
+def test_a_dead_scheduler_is_started_again_and_its_tensor_parallel_groups_after_it(
     make_launcher, tmp_path, caplog
 ):
-    """A scheduler death is one fault: the scheduler starts again and every worker group is
-    stopped and started again with it (their KV cache was the dead scheduler's), for one
-    restart of the limit however many groups there are; API servers wait meanwhile."""
+    """A scheduler death is one fault: the scheduler starts again and every tensor-parallel
+    group is stopped and started again with it (its ranks exit when their scheduler goes
+    away), for one restart of the limit however many groups there are; a one-process group
+    (here the embedding worker) stays and registers with the new scheduler by itself; API
+    servers wait meanwhile."""
     launcher = make_launcher(
         restart_limit=2,
         prefill_workers=1,
@@ -161,38 +163,49 @@ def test_a_dead_scheduler_is_started_again_and_its_workers_after_it(
     )
     api_server_argv = launcher._api_server_argv("ipc://frontend", 3)
     assert flag(api_server_argv, "--scheduler-return-timeout", "60.0") == "60.0"
-    workers = ("prefill-0-0", "prefill-0-1", "decode-0-0", "decode-0-1", "embedding-worker")
-    old = {name: launcher.children[name] for name in workers}
+    workers = ("prefill-0-0", "prefill-0-1", "decode-0-0", "decode-0-1")
+    old = {name: launcher.children[name] for name in (*workers, "embedding-worker")}
     old["decode-0-1"].exits_on = frozenset()  # blocked in a collective: SIGKILL ends it
     launcher.children["scheduler"].returncode = -9
     with caplog.at_level(logging.INFO, logger="switchyard"):
         assert check(launcher, 0.0) is None
-    assert [process.signals for process in old.values()] == [[signal.SIGTERM]] * 5
-    assert started(launcher) == [
-        ("scheduler", 0.0),
-        ("prefill-0-0", 0.0),
-        ("prefill-0-1", 0.0),
-        ("embedding-worker", 0.0),
-    ]
+    assert [old[name].signals for name in workers] == [[signal.SIGTERM]] * 4
+    assert old["embedding-worker"].signals == []
+    assert launcher.children["embedding-worker"] is old["embedding-worker"]
+    assert started(launcher) == [("scheduler", 0.0), ("prefill-0-0", 0.0), ("prefill-0-1", 0.0)]
     assert caplog.messages == [
-        "scheduler exited with code -9; starting it again (1 of 2 restarts a minute) and every "
-        "worker group with it; the API servers submit their streams again",
+        "scheduler exited with code -9; starting it again (1 of 2 restarts a minute); "
+        "tensor-parallel worker groups start again with it, the others register again; the "
+        "API servers submit their streams again",
         "started worker group 'prefill-0' again: prefill-0-0, prefill-0-1",
-        "started worker group 'embedding' again: embedding-worker",
     ]
     assert check(launcher, GROUP_STOP_TIMEOUT_S) is None  # the blocked rank is killed ...
     assert old["decode-0-1"].signals == [signal.SIGTERM, signal.SIGKILL]
     assert check(launcher, GROUP_STOP_TIMEOUT_S + 0.25) is None  # ... and its group started
-    assert started(launcher)[4:] == [(name, GROUP_STOP_TIMEOUT_S + 0.25) for name in workers[2:4]]
+    assert started(launcher)[3:] == [(name, GROUP_STOP_TIMEOUT_S + 0.25) for name in workers[2:]]
     assert launcher.worker_groups.budget.used(10.0) == 1  # one fault, one restart
     launcher.children["scheduler"].returncode = -9
     assert check(launcher, 10.0) is None  # the second restart of the minute
-    assert launcher.worker_groups.budget.used(10.0) == 2 and len(launcher.starts) == 12
+    assert launcher.worker_groups.budget.used(10.0) == 2 and len(launcher.starts) == 10
     launcher.children["scheduler"].returncode = -9
     assert check(launcher, 20.0) == (
         "scheduler exited with code -9; worker groups or the scheduler were restarted 2 "
         "time(s) in the last 60 s already (--restart-limit 2)"
     )
+
+
+def test_one_process_groups_stay_when_the_scheduler_dies(make_launcher, caplog):
+    launcher = make_launcher(restart_limit=5)
+    worker = launcher.children["worker"]
+    launcher.children["scheduler"].returncode = -9
+    with caplog.at_level(logging.INFO, logger="switchyard"):
+        assert check(launcher, 0.0) is None
+    assert worker.signals == [] and launcher.children["worker"] is worker
+    assert started(launcher) == [("scheduler", 0.0)]
+    assert caplog.messages == [
+        "scheduler exited with code -9; starting it again (1 of 5 restarts a minute); the "
+        "worker groups register with it again; the API servers submit their streams again"
+    ]
 
 
 def test_a_group_restarting_when_the_scheduler_dies_is_started_once(make_launcher):

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from interfaces.worker_to_scheduler import (
     WorkerReady,
     WorkerToSchedulerMessage,
 )
+from tests.support.clients import wait_until
 from tests.support.hostile import hostile_frames
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,8 +57,8 @@ def router(tmp_path):
     context.term()
 
 
-def start_worker(model_dir: Path, address: str, **popen) -> subprocess.Popen:
-    command = [sys.executable, "-m", "worker", "--model", str(model_dir)]
+def start_worker(model_dir: Path, address: str, *flags: str, **popen) -> subprocess.Popen:
+    command = [sys.executable, "-m", "worker", "--model", str(model_dir), *flags]
     command += ["--scheduler-addr", address, "--kv-cache-memory", "1MiB", "--device", "cpu"]
     command += ["--served-model-name", "tiny"]
     return subprocess.Popen(
@@ -150,11 +152,62 @@ def test_a_worker_refused_for_its_protocol_version_logs_both_and_exits_1(tiny_ll
     assert f"the scheduler refused this worker: {reason}" in log
 
 
-def test_worker_exits_1_when_the_scheduler_goes_away(router, worker):
-    socket, _ = router
-    receive(socket, STARTUP_TIMEOUT_MS)
+def test_a_worker_registers_again_with_a_scheduler_back_at_its_address(
+    tiny_llama_dir, router, worker
+):
+    """The scheduler goes away mid-request: the worker forgets its requests and registers on
+    a new connection with the scheduler started again at the same address, which it serves
+    without loading the model again."""
+    socket, address = router
+    identity, ready = receive(socket, STARTUP_TIMEOUT_MS)
+    expected = expected_greedy_tokens(tiny_llama_dir, 1)
+    context = TextContext("r1", PROMPT, 64)
+    step = ScheduledStep(0, [NewRequestData(context, [3], 0)], num_scheduled_tokens={"r1": 7})
+    socket.send_multipart([identity, encode(step)])
+    receive(socket, STEP_TIMEOUT_MS)
     socket.close(linger=0)
-    assert worker.wait(timeout=5) == 1
+
+    restarted = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        restarted.bind(address)
+        new_identity, again = receive(restarted, STEP_TIMEOUT_MS)
+        assert again == ready and new_identity != identity
+        assert worker.poll() is None
+        follow_up = ScheduledStep(
+            0, cached_requests=[CachedRequestData("r1", [], 7)], num_scheduled_tokens={"r1": 1}
+        )
+        restarted.send_multipart([new_identity, encode(follow_up)])
+        failure = receive(restarted, STEP_TIMEOUT_MS)[1]
+        assert isinstance(failure, WorkerFailure) and "'r1' is not known" in failure.error
+        restarted.send_multipart([new_identity, encode(step)])  # the same request, anew
+        assert receive(restarted, STEP_TIMEOUT_MS)[1] == WorkerOutput(
+            0, {"r1": TextGenerationOutput("r1", [expected[0]])}
+        )
+        restarted.send_multipart([new_identity, encode(Shutdown())])
+        assert worker.wait(timeout=20) == 0
+    finally:
+        restarted.close(linger=0)
+
+
+def test_a_stopped_worker_fails_its_liveness_probe_and_passes_it_again_when_continued(
+    tiny_llama_dir, router, tmp_path
+):
+    socket, address = router
+    alive = tmp_path / "alive"
+    process = start_worker(tiny_llama_dir, address, "--liveness-file", str(alive))
+    try:
+        receive(socket, STARTUP_TIMEOUT_MS)
+        probe = [sys.executable, "-m", "worker.liveness", str(alive), "--max-age", "2"]
+        assert wait_until(lambda: subprocess.run(probe, timeout=60).returncode == 0, 10)
+        process.send_signal(signal.SIGSTOP)
+        time.sleep(3)
+        stopped = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+        assert stopped.returncode == 1 and "the worker last beat" in stopped.stderr
+        process.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: subprocess.run(probe, timeout=60).returncode == 0, 10)
+    finally:
+        process.kill()
+        process.wait(timeout=10)
 
 
 def test_worker_sets_its_title_and_exits_cleanly_on_sigterm(router, worker):

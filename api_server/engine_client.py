@@ -8,9 +8,10 @@ stays silent for ``scheduler_timeout_s`` every in-flight request fails with
 ``SchedulerUnavailable`` instead of hanging.
 
 A scheduler that dies is noticed sooner: the socket's monitor reports the dropped connection,
-and new requests fail at once until the connection is back. What is in flight then is
-``SchedulerReturn``'s (``api_server.resubmission``): text requests wait for the scheduler and are
-submitted again with the tokens they already received; the rest fail with ``SchedulerUnavailable``.
+and new embedding requests fail at once until the connection is back. What is in flight then
+is ``SchedulerReturn``'s (``api_server.resubmission``): text requests wait for the scheduler and
+are submitted again with the tokens they already received, new ones wait for it too; the rest
+fail with ``SchedulerUnavailable``.
 
 ``ApiHello``, the protocol version this server speaks (``interfaces.handshake``), is the first
 frame sent on the first connection, and is sent again each time the monitor reports the
@@ -188,6 +189,9 @@ class EngineClient:
     ) -> AsyncIterator[Result]:
         """Submit ``context`` and yield its results until one ends the stream.
 
+        While the scheduler is away (the connection dropped), it first waits for the scheduler
+        to come back with a worker serving (``SchedulerReturn.wait_until_served``).
+
         Raises ``SchedulerUnavailable`` when the submit or the scheduler times out. If the
         consumer stops early (stop string, client gone, cancellation), the request is aborted
         so the scheduler frees its KV blocks.
@@ -203,6 +207,10 @@ class EngineClient:
         unread.
         """
         request_id = context.request_id
+        if self._scheduler_return.is_waiting:  # it left: wait for its return, as those in flight
+            why = await self._scheduler_return.wait_until_served()
+            if why is not None:
+                raise SchedulerUnavailable(why)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if self._lost_connection is not None:

@@ -4,7 +4,8 @@
 flight wait for it (``scheduler_return_timeout_s``; 0 fails them at once, as embeddings and
 requests with images always are). Once a scheduler answers on the same address again and has a
 worker serving, each is submitted again with the tokens it already received, and its stream
-continues where it paused. One that the scheduler does not take back within the bound fails with
+continues where it paused. New text requests wait meanwhile too (``wait_until_served``), and are
+submitted then. One that the scheduler does not take back within the bound fails with
 ``SchedulerUnavailable``; so do all of them once the server stops waiting (``stop_waiting``).
 
 ``Resubmissions`` is what is kept for that. For each text request in flight it holds the context
@@ -27,6 +28,7 @@ to the scheduler that died.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -153,6 +155,35 @@ class SchedulerReturn:
         """When the connection last dropped (``time.monotonic()``)."""
         self._resubmitter: asyncio.Task[None] | None = None
         """Submits the requests that waited, once the scheduler is back with a worker."""
+        self._served = asyncio.Event()
+        """Set unless requests wait for the scheduler's return (``wait_until_served``)."""
+        self._served.set()
+        self._outcome: str | None = None
+        """Why the last wait ended without a scheduler serving; None if one serves."""
+
+    @property
+    def is_waiting(self) -> bool:
+        """Whether requests wait for the scheduler to come back with a worker serving."""
+        return not self._served.is_set()
+
+    async def wait_until_served(self) -> str | None:
+        """For a new request while ``is_waiting``: wait until the scheduler is back with a
+        worker serving; None then, or why the request cannot be submitted (the bound passed,
+        the server stopped waiting)."""
+        while not self._served.is_set():
+            remaining = self._lost_at + self.timeout_s - time.monotonic()
+            if remaining <= 0:
+                return self._not_back()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._served.wait(), remaining)
+        return self._outcome
+
+    def _end_wait(self, outcome: str | None) -> None:
+        self._outcome = outcome
+        self._served.set()
+
+    def _not_back(self) -> str:
+        return f"the scheduler did not come back within {self.timeout_s:g} s"
 
     def stop_waiting(self, in_flight: list[RequestID], lost_connection: str | None) -> None:
         """The server is shutting down: requests no longer wait for a scheduler that goes away
@@ -161,12 +192,17 @@ class SchedulerReturn:
         self.waits = False
         if lost_connection is not None:
             self._fail(in_flight, lost_connection)
+        if self.is_waiting:
+            self._end_wait(lost_connection or "the server is shutting down")
 
     def lost(self, in_flight: list[RequestID], reason: str) -> None:
         """The connection dropped (``reason``): fail the requests of ``in_flight`` that cannot
         wait for the scheduler's return (all of them unless ``waits``); text requests wait."""
         self.resubmissions.lost_connection()
         self._lost_at = time.monotonic()
+        if self.waits:
+            self._outcome = None
+            self._served.clear()
         waiting = set(self.resubmissions.waiting()) if self.waits else set()
         cannot_wait = [request_id for request_id in in_flight if request_id not in waiting]
         self._fail(cannot_wait, reason)
@@ -181,7 +217,7 @@ class SchedulerReturn:
         """While the connection is lost: fail every request of ``in_flight`` once the scheduler
         has stayed away for ``timeout_s``."""
         if now - self._lost_at > self.timeout_s:
-            self._fail(in_flight, f"the scheduler did not come back within {self.timeout_s:g} s")
+            self._fail(in_flight, self._not_back())
 
     def back(self) -> None:
         """On a connection that came back: submit again the requests that waited for it, once
@@ -189,7 +225,7 @@ class SchedulerReturn:
         if self._resubmitter is not None:
             self._resubmitter.cancel()  # it served the connection before this one
         self._resubmitter = None
-        if self.resubmissions.waiting():
+        if self.resubmissions.waiting() or self.is_waiting:
             self._resubmitter = asyncio.create_task(self._resubmit_when_served())
 
     def cancel(self) -> list[asyncio.Task[None]]:
@@ -213,9 +249,12 @@ class SchedulerReturn:
                 contexts = self.resubmissions.due()
                 for context in contexts:
                     self._submit_again(context)
-                logger.info("submitted %d requests again to the scheduler", len(contexts))
+                if contexts:
+                    logger.info("submitted %d requests again to the scheduler", len(contexts))
+                self._end_wait(None)  # new requests go on too
                 return
             await asyncio.sleep(RESUBMIT_POLL_S)
         if connection == self.resubmissions.connection:
             reason = f"the scheduler came back, but no worker served within {self.timeout_s:g} s"
             self._fail(self.resubmissions.waiting(), reason)
+            self._end_wait(reason)

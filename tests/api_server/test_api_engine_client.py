@@ -406,8 +406,8 @@ def test_a_stream_waits_for_a_restarted_scheduler_and_goes_on_after_its_tokens(t
 
 
 def test_what_cannot_wait_fails_at_once_and_the_rest_after_the_return_timeout(tmp_path: Path):
-    """Embeddings fail when the connection drops; a text request waits, and fails naming the
-    bound when no scheduler comes back within it; new requests get 503 meanwhile."""
+    """Embeddings fail when the connection drops; a text request waits, and so does a new one,
+    and both fail naming the bound when no scheduler comes back within it."""
     from interfaces.embeddings import EmbeddingsContext
 
     async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
@@ -417,13 +417,51 @@ def test_what_cannot_wait_fails_at_once_and_the_rest_after_the_return_timeout(tm
         router.close(linger=0)
         with pytest.raises(SchedulerUnavailable, match="lost the connection"):
             await embedding
-        with pytest.raises(SchedulerUnavailable, match="lost the connection"):
-            await anext(client.generate(msgspec.structs.replace(CONTEXT, request_id="r2")))
+        new = client.generate(msgspec.structs.replace(CONTEXT, request_id="r2"))
+        with pytest.raises(SchedulerUnavailable, match=r"did not come back within 1\.5 s"):
+            await anext(new)
         with pytest.raises(SchedulerUnavailable, match=r"did not come back within 1\.5 s"):
             await anext(stream)
         assert client.num_requests_in_flight == 0
 
     run_with_router(tmp_path, test, scheduler_return_timeout_s=1.5)
+
+
+def test_a_request_that_arrives_while_the_scheduler_is_away_waits_for_its_return(tmp_path: Path):
+    """Submitted neither while the connection is down nor before the new scheduler has a
+    worker; then it goes, as if nothing had happened."""
+
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream, identity = await streaming(client, router)
+        context = router.context
+        router.close(linger=0)
+        await asyncio.sleep(0.3)  # the monitor reports the drop
+        late = msgspec.structs.replace(CONTEXT, request_id="late")
+        arrived = asyncio.ensure_future(anext(client.generate(late)))
+        await asyncio.sleep(0.3)
+        assert not arrived.done()
+        router = context.socket(zmq.ROUTER)
+        router.bind(f"ipc://{tmp_path}/scheduler.ipc")
+        try:
+            assert (await receive(router))[1] == ApiHello(PROTOCOL_VERSION)
+            waiting = asyncio.ensure_future(next_request(router, ready=False))
+            with pytest.raises(asyncio.TimeoutError):  # no worker yet: nothing is submitted
+                await asyncio.wait_for(asyncio.shield(waiting), 0.6)
+            waiting.cancel()
+            submitted = {}
+            for _ in range(2):  # the stream in flight, submitted again, and the late one
+                identity, message = await next_request(router, ready=True)
+                submitted[message.context.request_id] = message
+            assert submitted["late"] == SubmitRequest(late)
+            done = SchedulerResult.complete(output([7], GenerationStatus.END_OF_SEQUENCE))
+            await router.send_multipart([identity, results("late", done)])
+            assert (await arrived).result.tokens == [7]
+            await router.send_multipart([identity, results("r1", done)])
+            assert [item.result.tokens async for item in stream][-1] == [7]
+        finally:
+            router.close(linger=0)
+
+    run_with_router(tmp_path, test, scheduler_return_timeout_s=10.0)
 
 
 def test_only_requests_submitted_before_the_connection_dropped_are_submitted_again() -> None:

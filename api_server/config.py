@@ -45,8 +45,8 @@ class EngineClientConfig:
     """Results one request may have waiting for a client that does not read them; beyond it
     the request is aborted and its stream ends with an error (``EngineClient``)."""
     scheduler_return_timeout_s: float = 60.0
-    """How long text requests in flight wait for a scheduler whose connection dropped to come
-    back (then they are submitted again); 0 fails them at once."""
+    """How long text requests in flight, and new ones, wait for a scheduler whose connection
+    dropped to come back with a worker (then they are submitted again); 0 fails them at once."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_stream_backlog, bool) or self.max_stream_backlog < 1:
@@ -406,8 +406,8 @@ class ApiServerSettings:
     scheduler_return_timeout_s: float = setting(
         EngineClientConfig.scheduler_return_timeout_s,
         "--scheduler-return-timeout",
-        "how long streams in flight wait for a scheduler that went away to come back (they are "
-        "then submitted again and continue); 0 fails them at once",
+        "how long streams in flight, and new text requests, wait for a scheduler that went away "
+        "to come back (they are then submitted and continue); 0 fails them at once",
         metavar="SECONDS",
     )
     media: MediaConfig = component(MediaConfig)

@@ -15,7 +15,8 @@ fail with ``SchedulerUnavailable``.
 
 ``ApiHello``, the protocol version this server speaks (``interfaces.handshake``), is the first
 frame sent on the first connection, and is sent again each time the monitor reports the
-connection back, ahead of any request submitted on it (requests are refused while it is lost).
+connection back, ahead of any request submitted on it (none is submitted while it is lost:
+embeddings are refused, text requests wait).
 Frames asked for while the connection was down (an abort, a stats request, embeddings still
 waiting for the socket) wait in pyzmq's queue and may leave ahead of that ``ApiHello``: harmless,
 since the scheduler serves frames that come before one, and refuses a server of another version
@@ -192,7 +193,9 @@ class EngineClient:
         While the scheduler is away (the connection dropped), it first waits for the scheduler
         to come back with a worker serving (``SchedulerReturn.wait_until_served``).
 
-        Raises ``SchedulerUnavailable`` when the submit or the scheduler times out. If the
+        Raises ``SchedulerUnavailable`` when the submit or the scheduler times out, or the
+        scheduler does not come back with a worker within ``scheduler_return_timeout_s`` (or
+        the server stops waiting for it). If the
         consumer stops early (stop string, client gone, cancellation), the request is aborted
         so the scheduler frees its KV blocks.
 
@@ -274,7 +277,7 @@ class EngineClient:
 
     def stop_waiting(self) -> None:
         """The server is shutting down: requests no longer wait for a scheduler that goes away
-        (nothing will start it again for them), and those waiting now fail."""
+        (nothing will start it again for them), and those waiting now fail, new ones too."""
         self._scheduler_return.stop_waiting(list(self._queues), self._lost_connection)
 
     def abort_all(self) -> int:
@@ -400,6 +403,7 @@ class EngineClient:
         logger.error("the scheduler refused this API server: %s", reason)
         self._lost_connection = f"the scheduler refused this API server: {reason}"
         self._fail_all(SchedulerUnavailable(self._lost_connection))
+        self._scheduler_return.refused(self._lost_connection)
         if self._refusal is not None and not self._refusal.done():
             self._refusal.set_result(reason)
 

@@ -128,10 +128,13 @@ class SchedulerReturn:
     again (``Resubmissions.due``) once one is back with a worker serving (see the module).
 
     ``EngineClient`` owns it and calls it on its event loop: ``lost`` when the connection drops,
-    ``back`` when it is up again, ``fail_if_not_back`` from its heartbeat while it is down. It
-    acts through the client: ``has_worker_serving`` asks the scheduler (False when it does not
-    answer), ``submit_again`` sends a context, and ``fail`` ends requests in flight with
-    ``SchedulerUnavailable`` and the reason given.
+    ``back`` when it is up again, ``fail_if_not_back`` from its heartbeat while it is down, and
+    ``wait_until_served`` for each new text request while ``is_waiting`` (released once the
+    requests in flight are submitted again, or failed with them), and ``refused`` or ``cancel``
+    when the scheduler refused the server or the client closes. It acts through the client:
+    ``has_worker_serving`` asks the scheduler (False when it does not answer), ``submit_again``
+    sends a context, and ``fail`` ends requests in flight with ``SchedulerUnavailable`` and the
+    reason given.
     """
 
     def __init__(
@@ -173,8 +176,12 @@ class SchedulerReturn:
         while not self._served.is_set():
             remaining = self._lost_at + self.timeout_s - time.monotonic()
             if remaining <= 0:
-                return self._not_back()
-            with contextlib.suppress(TimeoutError):
+                if self._resubmitter is None or self._resubmitter.done():
+                    return self._not_back()
+                # The scheduler is back: its resubmitter decides (within a poll and a stats
+                # request of the bound), with the reason if no worker served.
+                remaining = RESUBMIT_POLL_S
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._served.wait(), remaining)
         return self._outcome
 
@@ -187,8 +194,9 @@ class SchedulerReturn:
 
     def stop_waiting(self, in_flight: list[RequestID], lost_connection: str | None) -> None:
         """The server is shutting down: requests no longer wait for a scheduler that goes away
-        (nothing will start it again for them), and those waiting now, ``in_flight`` while the
-        connection is lost (``lost_connection``, the reason), fail."""
+        (nothing will start it again for them); those waiting now fail: ``in_flight`` while the
+        connection is lost (``lost_connection``, the reason), and new ones waiting in
+        ``wait_until_served``."""
         self.waits = False
         if lost_connection is not None:
             self._fail(in_flight, lost_connection)
@@ -220,16 +228,26 @@ class SchedulerReturn:
             self._fail(in_flight, self._not_back())
 
     def back(self) -> None:
-        """On a connection that came back: submit again the requests that waited for it, once
-        the scheduler has a worker serving (``_resubmit_when_served``)."""
+        """On a connection that came back: submit again the requests that waited for it, and
+        let new ones go, once the scheduler has a worker serving (``_resubmit_when_served``)."""
         if self._resubmitter is not None:
             self._resubmitter.cancel()  # it served the connection before this one
         self._resubmitter = None
         if self.resubmissions.waiting() or self.is_waiting:
             self._resubmitter = asyncio.create_task(self._resubmit_when_served())
 
+    def refused(self, reason: str) -> None:
+        """The scheduler refused this server (``reason``): nothing waits for it any more."""
+        self.waits = False
+        if self.is_waiting:
+            self._end_wait(reason)
+        self.cancel()
+
     def cancel(self) -> list[asyncio.Task[None]]:
-        """Stop submitting again (the client is closing); the task to await, if one ran."""
+        """Stop submitting again (the client is closing: new requests that wait fail); the
+        task to await, if one ran."""
+        if self.is_waiting:
+            self._end_wait("the API server is shutting down")
         task, self._resubmitter = self._resubmitter, None
         if task is None:
             return []
@@ -238,8 +256,17 @@ class SchedulerReturn:
 
     async def _resubmit_when_served(self) -> None:
         """Once the scheduler has a worker serving, submit again every request that waited
-        (``Resubmissions.due``). Ends if the connection drops again (the next one resubmits);
-        fails the requests if no worker serves within ``timeout_s`` of the drop."""
+        (``Resubmissions.due``) and release the new ones (``wait_until_served``). Ends if the
+        connection drops again (the next one resubmits); fails them all if no worker serves
+        within ``timeout_s`` of the drop."""
+        try:
+            await self._resubmit_once_served()
+        except Exception:
+            self._end_wait("the API server failed to submit the requests again")
+            raise
+
+    async def _resubmit_once_served(self) -> None:
+        """``_resubmit_when_served`` but for an unexpected error."""
         connection = self.resubmissions.connection
         while time.monotonic() < self._lost_at + self.timeout_s:
             has_worker_serving = await self._has_worker_serving()

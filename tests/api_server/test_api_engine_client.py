@@ -464,6 +464,49 @@ def test_a_request_that_arrives_while_the_scheduler_is_away_waits_for_its_return
     run_with_router(tmp_path, test, scheduler_return_timeout_s=10.0)
 
 
+def test_a_new_request_told_why_when_the_scheduler_comes_back_without_a_worker(tmp_path: Path):
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        context = router.context
+        router.close(linger=0)
+        await asyncio.sleep(0.3)  # the monitor reports the drop
+        late = client.generate(msgspec.structs.replace(CONTEXT, request_id="late"))
+        arrived = asyncio.ensure_future(anext(late))
+        router = context.socket(zmq.ROUTER)
+        router.bind(f"ipc://{tmp_path}/scheduler.ipc")
+        answering = asyncio.ensure_future(next_request(router, ready=False))  # never a worker
+        try:
+            with pytest.raises(SchedulerUnavailable, match=r"no worker served within 1\.5 s"):
+                await arrived
+        finally:
+            answering.cancel()
+            router.close(linger=0)
+
+    run_with_router(tmp_path, test, scheduler_return_timeout_s=1.5)
+
+
+def test_a_new_request_waiting_for_a_scheduler_that_refuses_this_server_is_told_so(
+    tmp_path: Path,
+):
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        context = router.context
+        router.close(linger=0)
+        await asyncio.sleep(0.3)  # the monitor reports the drop
+        late = client.generate(msgspec.structs.replace(CONTEXT, request_id="late"))
+        arrived = asyncio.ensure_future(anext(late))
+        router = context.socket(zmq.ROUTER)
+        router.bind(f"ipc://{tmp_path}/scheduler.ipc")
+        try:
+            identity, hello = await receive(router)
+            assert hello == ApiHello(PROTOCOL_VERSION)
+            await router.send_multipart([identity, encode(HandshakeRefused(REFUSAL))])
+            with pytest.raises(SchedulerUnavailable, match="refused this API server"):
+                await asyncio.wait_for(arrived, 5)
+        finally:
+            router.close(linger=0)
+
+    run_with_router(tmp_path, test, scheduler_return_timeout_s=30.0)
+
+
 def test_only_requests_submitted_before_the_connection_dropped_are_submitted_again() -> None:
     from api_server.resubmission import Resubmissions
 

@@ -362,6 +362,16 @@ async def next_request(router: zmq.asyncio.Socket, ready: bool) -> tuple[bytes, 
         await router.send_multipart([identity, encode(SchedulerStats(0, 0, 10, 0, ready))])
 
 
+async def nothing_submitted_without_a_worker(router: zmq.asyncio.Socket) -> None:
+    """On a scheduler that came back: the API server's hello, then (its stats answered with
+    no worker ready) no request for a while."""
+    assert (await receive(router))[1] == ApiHello(PROTOCOL_VERSION)
+    waiting = asyncio.ensure_future(next_request(router, ready=False))
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.shield(waiting), 0.6)
+    waiting.cancel()
+
+
 async def restart(router: zmq.asyncio.Socket, address: str) -> zmq.asyncio.Socket:
     """Close ``router`` (the scheduler dies) and bind a new one at ``address``."""
     context = router.context
@@ -384,11 +394,7 @@ def test_a_stream_waits_for_a_restarted_scheduler_and_goes_on_after_its_tokens(t
         tokens = [[5], (await anext(stream)).result.tokens]
         router = await restart(router, f"ipc://{tmp_path}/scheduler.ipc")
         try:
-            assert (await receive(router))[1] == ApiHello(PROTOCOL_VERSION)
-            waiting = asyncio.ensure_future(next_request(router, ready=False))
-            with pytest.raises(asyncio.TimeoutError):  # no worker yet: nothing is submitted
-                await asyncio.wait_for(asyncio.shield(waiting), 0.6)
-            waiting.cancel()
+            await nothing_submitted_without_a_worker(router)
             identity, message = await next_request(router, ready=True)
             resumed = msgspec.structs.replace(
                 context, generated_token_ids=[5, 6], prompt_logprobs=None
@@ -427,27 +433,33 @@ def test_what_cannot_wait_fails_at_once_and_the_rest_after_the_return_timeout(tm
     run_with_router(tmp_path, test, scheduler_return_timeout_s=1.5)
 
 
+async def away_when_a_request_arrives(
+    client: EngineClient, router: zmq.asyncio.Socket, address: str
+) -> tuple[zmq.asyncio.Socket, TextContext, asyncio.Future]:
+    """The scheduler goes away, then request "late" arrives (its first result, to come), then
+    a scheduler binds ``address`` again: that new ROUTER, the late context and its future."""
+    context = router.context
+    router.close(linger=0)
+    await asyncio.sleep(0.3)  # the monitor reports the drop
+    late = msgspec.structs.replace(CONTEXT, request_id="late")
+    arrived = asyncio.ensure_future(anext(client.generate(late)))
+    await asyncio.sleep(0.3)
+    assert not arrived.done()
+    restarted = context.socket(zmq.ROUTER)
+    restarted.bind(address)
+    return restarted, late, arrived
+
+
 def test_a_request_that_arrives_while_the_scheduler_is_away_waits_for_its_return(tmp_path: Path):
     """Submitted neither while the connection is down nor before the new scheduler has a
     worker; then it goes, as if nothing had happened."""
 
     async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
         stream, identity = await streaming(client, router)
-        context = router.context
-        router.close(linger=0)
-        await asyncio.sleep(0.3)  # the monitor reports the drop
-        late = msgspec.structs.replace(CONTEXT, request_id="late")
-        arrived = asyncio.ensure_future(anext(client.generate(late)))
-        await asyncio.sleep(0.3)
-        assert not arrived.done()
-        router = context.socket(zmq.ROUTER)
-        router.bind(f"ipc://{tmp_path}/scheduler.ipc")
+        address = f"ipc://{tmp_path}/scheduler.ipc"
+        router, late, arrived = await away_when_a_request_arrives(client, router, address)
         try:
-            assert (await receive(router))[1] == ApiHello(PROTOCOL_VERSION)
-            waiting = asyncio.ensure_future(next_request(router, ready=False))
-            with pytest.raises(asyncio.TimeoutError):  # no worker yet: nothing is submitted
-                await asyncio.wait_for(asyncio.shield(waiting), 0.6)
-            waiting.cancel()
+            await nothing_submitted_without_a_worker(router)
             submitted = {}
             for _ in range(2):  # the stream in flight, submitted again, and the late one
                 identity, message = await next_request(router, ready=True)
@@ -466,13 +478,8 @@ def test_a_request_that_arrives_while_the_scheduler_is_away_waits_for_its_return
 
 def test_a_new_request_told_why_when_the_scheduler_comes_back_without_a_worker(tmp_path: Path):
     async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
-        context = router.context
-        router.close(linger=0)
-        await asyncio.sleep(0.3)  # the monitor reports the drop
-        late = client.generate(msgspec.structs.replace(CONTEXT, request_id="late"))
-        arrived = asyncio.ensure_future(anext(late))
-        router = context.socket(zmq.ROUTER)
-        router.bind(f"ipc://{tmp_path}/scheduler.ipc")
+        address = f"ipc://{tmp_path}/scheduler.ipc"
+        router, _, arrived = await away_when_a_request_arrives(client, router, address)
         answering = asyncio.ensure_future(next_request(router, ready=False))  # never a worker
         try:
             with pytest.raises(SchedulerUnavailable, match=r"no worker served within 1\.5 s"):
@@ -488,13 +495,8 @@ def test_a_new_request_waiting_for_a_scheduler_that_refuses_this_server_is_told_
     tmp_path: Path,
 ):
     async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
-        context = router.context
-        router.close(linger=0)
-        await asyncio.sleep(0.3)  # the monitor reports the drop
-        late = client.generate(msgspec.structs.replace(CONTEXT, request_id="late"))
-        arrived = asyncio.ensure_future(anext(late))
-        router = context.socket(zmq.ROUTER)
-        router.bind(f"ipc://{tmp_path}/scheduler.ipc")
+        address = f"ipc://{tmp_path}/scheduler.ipc"
+        router, _, arrived = await away_when_a_request_arrives(client, router, address)
         try:
             identity, hello = await receive(router)
             assert hello == ApiHello(PROTOCOL_VERSION)

@@ -54,6 +54,9 @@ class EmbeddingsGenerator:
     def max_model_len(self) -> int:
         return self.pooling.max_seq_length
 
+    def release_all(self) -> None:
+        """Forget every request of a scheduler that went away: none is kept between steps."""
+
     def embed(self, step: EmbeddingsStep) -> WorkerEmbeddingsOutput:
         """One step: every context that fits is embedded; the others are refused, with why."""
         refused, batch = {}, {}

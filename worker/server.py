@@ -162,8 +162,7 @@ class WorkerServer:
 
     def _forget_the_scheduler(self) -> None:
         """Drop the requests and KV transfers of the scheduler that went away."""
-        if self.role is not WorkerRole.EMBEDDING:  # an embedding step keeps nothing
-            self.runner.release_all()
+        self.runner.release_all()
         if self.receiver is not None:
             self.receiver.cancel_all()
 

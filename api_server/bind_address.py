@@ -5,25 +5,12 @@ No FastAPI here: ``switchyard serve`` (the launcher) warns too, before it starts
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 
+from interfaces.transport import is_loopback
+
 logger = logging.getLogger(__name__)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a name or an address, not a ``Host`` header) is localhost or a
-    loopback address (127.0.0.0/8, ::1, their IPv4-mapped forms)."""
-    if host.lower().rstrip(".") == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
 
 
 def listening_host(host: str, fd: int | None) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import prometheus_client
 from fastapi import FastAPI
@@ -44,8 +44,10 @@ from interfaces import RequestTimings, envs
 from interfaces.scheduler_to_api import (
     ITERATION_TOKENS_BUCKETS,
     KV_TRANSFER_SECONDS_BUCKETS,
+    MAX_GROUP_STATS,
     MIGRATION_PAUSE_SECONDS_BUCKETS,
     MIGRATION_REASONS,
+    GroupStats,
     SchedulerStats,
 )
 
@@ -67,6 +69,12 @@ REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+HTTP_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+    320.0, 640.0, 1280.0, 2560.0,
+)  # fmt: skip
+"""``http_request_duration_seconds``: up to the longest generation a request may take (the
+instrumentator's own top bucket, 10 s, held every longer request's p99 at 10 s)."""
 TOKEN_COUNT_BUCKETS = (
     1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
 )  # fmt: skip
@@ -86,6 +94,11 @@ SCHEDULER_METRIC_NAMES = (
     "switchyard:request_migrations_total",
     "switchyard:worker_restarts_total",
     "switchyard:migration_pause_seconds",
+    "switchyard:num_requests_running_by_group",
+    "switchyard:num_requests_waiting_by_group",
+    "switchyard:kv_cache_usage_perc_by_group",
+    "switchyard:prefix_cache_queries_by_group_total",
+    "switchyard:prefix_cache_hits_by_group_total",
 )
 """The scheduler's series (histogram series add _bucket, _sum, _count): the same on every API
 server of one scheduler. deploy/prometheus/prometheus.yml scrapes them from one replica only."""
@@ -194,7 +207,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         count = http_metrics.requests(registry=self.registry)
-        observe_latency = http_metrics.latency(registry=self.registry)
+        observe_latency = http_metrics.latency(buckets=HTTP_LATENCY_BUCKETS, registry=self.registry)
 
         def record(info: http_metrics.Info) -> None:
             info.method = method_label(info.method)
@@ -429,6 +442,51 @@ class SchedulerCollector(Collector):
             stats.kv_transfer_seconds_sum,
         )
         yield from self._migrations(stats)
+        yield from self._groups(stats)
+
+    def _groups(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """Each serving text generation group's series, labelled by ``group`` and ``role``
+        (every request counted once: on the group that holds it)."""
+        groups = stats.groups[:MAX_GROUP_STATS]
+        families: tuple[tuple[type, str, str, Callable[[GroupStats], float]], ...] = (
+            (
+                GaugeMetricFamily,
+                "num_requests_running",
+                "Requests in the group's batch.",
+                lambda group: group.num_requests_running,
+            ),
+            (
+                GaugeMetricFamily,
+                "num_requests_waiting",
+                "Requests waiting in the group's queue.",
+                lambda group: group.num_requests_waiting,
+            ),
+            (
+                GaugeMetricFamily,
+                "kv_cache_usage_perc",
+                "Fraction of the group's KV cache blocks in use (0 to 1).",
+                lambda group: group.kv_cache_usage,
+            ),
+            (
+                CounterMetricFamily,
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the group's prefix cache.",
+                lambda group: group.prefix_cache_queries_total,
+            ),
+            (
+                CounterMetricFamily,
+                "prefix_cache_hits",
+                "Of those, tokens found cached there.",
+                lambda group: group.prefix_cache_hits_total,
+            ),
+        )
+        for kind, name, documentation, value in families:
+            metric = kind(
+                f"switchyard:{name}_by_group", documentation, labels=["model_name", "group", "role"]
+            )
+            for group in groups:
+                metric.add_metric([self.model_name, group.name, group.role], value(group))
+            yield metric
 
     def _migrations(self, stats: SchedulerStats) -> Iterator[Metric]:
         """Requests moved to another worker group, by reason (every one of

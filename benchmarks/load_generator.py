@@ -31,6 +31,8 @@ class RequestResult:
     inter_token_latencies: list[float] = field(default_factory=list)
     latency: float = 0.0
     """Request sent to ``[DONE]`` received."""
+    text: str = ""
+    """The generated text, as streamed (what a chat client appends to its conversation)."""
 
     @property
     def success(self) -> bool:
@@ -122,7 +124,9 @@ async def _read_events(response: httpx.Response, start: float, result: RequestRe
         if "error" in chunk:
             result.error = f"error event: {_error_message(data)}"
             return
-        if any(_has_text(choice) for choice in chunk.get("choices") or []):
+        texts = [_text(choice) for choice in chunk.get("choices") or []]
+        if any(texts):
+            result.text += "".join(texts)
             if last_text_time is None:
                 result.time_to_first_token = now - start
             else:
@@ -134,9 +138,9 @@ async def _read_events(response: httpx.Response, start: float, result: RequestRe
     result.error = "stream ended without [DONE]"
 
 
-def _has_text(choice: dict) -> bool:
-    """Whether a completion's or a chat completion's streamed choice carries text."""
-    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+def _text(choice: dict) -> str:
+    """The text a completion's or a chat completion's streamed choice carries ('' if none)."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 def _check_lengths(result: RequestResult, input_len: int, output_len: int) -> str:

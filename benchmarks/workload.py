@@ -1,4 +1,5 @@
-"""What every benchmark runs on: the model directory, its vocabulary, and random prompts.
+"""What every benchmark runs on: the model directory, its vocabulary, and random prompts (of
+token ids, or of English words for chat).
 
 Shared by serve_bench.py, hf_baseline.py and roofline.py, so that the server and the transformers
 baseline see the same prompts for the same seed. Imports neither torch nor httpx.
@@ -72,6 +73,54 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
         [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab_size) for _ in range(input_len)]
         for _ in range(num_prompts)
     ]
+
+
+_ENGLISH_WORDS_TEXT = """
+    time year people way day man thing woman life child world school state family student group
+    country problem hand part place case week company system program question work government
+    number night point home water room mother area money story fact month lot right study book
+    eye job word business issue side kind head house service friend father power hour game line
+    end member law car city community name president team minute idea kid body information back
+    parent face others level office door health person art war history party result change
+    morning reason research girl guy moment air teacher force education foot boy age policy
+    music market sense nation plan college interest death experience effect class control care
+    field development role effort rate heart drug show leader light voice wife police mind price
+    report decision son view relationship town road arm difference value building action model
+    season society tax director position player record paper space ground form event official
+    matter center couple site project activity star table need court oil situation cost industry
+    figure street image phone data picture practice piece land product doctor wall patient worker
+    news test movie north love support technology step baby computer type attention film tree
+    source organization hair window evidence population truth fire song summer garden river
+    small large good new old great high little long young important different early public
+    strong real best free simple open clear full late hard sure human local whole major certain
+    say make go know take see come think look want give use find tell ask seem feel try leave
+    call keep let begin help talk turn start hear play run move live believe bring happen
+    write provide sit stand lose pay meet include continue set learn lead understand watch
+    follow stop create speak read allow add spend grow offer remember consider appear buy
+    wait serve die send expect build stay fall cut reach kill remain suggest raise pass sell
+"""
+ENGLISH_WORDS = tuple(_ENGLISH_WORDS_TEXT.split())
+"""Common English words for prompts of text (most are one token with a leading space)."""
+
+
+def random_words(
+    rng: random.Random, num_tokens: int, count_tokens: Callable[[str], int] | None = None
+) -> str:
+    """Random ``ENGLISH_WORDS`` joined by spaces, about ``num_tokens`` tokens long: as many as
+    ``count_tokens`` (a tokenizer's count of a text) says fit in ``num_tokens``, or
+    ``num_tokens`` words without it. Always at least one word; draws ``2 * num_tokens`` words
+    from ``rng`` either way, so later draws do not depend on the tokenizer."""
+    words = rng.choices(ENGLISH_WORDS, k=2 * max(num_tokens, 1))
+    if count_tokens is None:
+        return " ".join(words[: max(num_tokens, 1)])
+    fits, too_many = 1, len(words) + 1  # the longest prefix that fits lies in [fits, too_many)
+    while too_many - fits > 1:
+        middle = (fits + too_many) // 2
+        if count_tokens(" ".join(words[:middle])) <= num_tokens:
+            fits = middle
+        else:
+            too_many = middle
+    return " ".join(words[:fits])
 
 
 def write_json(path: str, payload: dict) -> None:

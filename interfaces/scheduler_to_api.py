@@ -57,6 +57,35 @@ class GroupAway(msgspec.Struct, array_like=True):
     """How long ago it left."""
 
 
+MAX_GROUP_STATS = 256
+"""The most ``SchedulerStats.groups`` entries reported: as many groups as serve at once (the
+scheduler's ``MAX_GROUPS``); an API server renders no more."""
+
+
+class GroupStats(msgspec.Struct, array_like=True):
+    """One serving worker group's share of ``SchedulerStats``, for the per-group series.
+
+    The prefix-cache counters count from the group's first registration with this scheduler
+    process and carry on across its restarts under the same name."""
+
+    name: str
+    role: str
+    """A ``WorkerRole`` value: hybrid, prefill or decode."""
+    num_requests_running: int
+    num_requests_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the group's KV blocks in use, 0.0 to 1.0."""
+        return (
+            self.num_kv_blocks_used / self.num_kv_blocks_total if self.num_kv_blocks_total else 0.0
+        )
+
+
 class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     """A snapshot of the scheduler's state, in reply to ``StatsRequest``.
 
@@ -108,6 +137,8 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     groups_away: list[GroupAway] = []
     """Groups that left less than ``--worker-return-timeout`` ago and have not served again,
     the newest first, at most ``MAX_GROUPS_AWAY``."""
+    groups: list[GroupStats] = []
+    """Every serving text generation group, by name, at most ``MAX_GROUP_STATS``."""
 
     @property
     def kv_cache_usage(self) -> float:

@@ -62,7 +62,7 @@ def check_bind_address(address: str, allow_remote: bool) -> None:
         raise ValueError(
             f"cannot bind {address!r}: Switchyard's sockets use ipc://, inproc:// or tcp://"
         )
-    if allow_remote or _is_loopback(_tcp_host(address)):
+    if allow_remote or is_loopback(_tcp_host(address)):
         return
     raise ValueError(
         f"refusing to bind {address}: other hosts could reach it, and the internal ZeroMQ "
@@ -167,7 +167,7 @@ class Binder:
             socket.zap_domain = link.name.encode()
             socket.curve_publickey, socket.curve_secretkey = server_keys
             socket.curve_server = True
-        elif address.startswith("tcp://") and not _is_loopback(_tcp_host(address)):
+        elif address.startswith("tcp://") and not is_loopback(_tcp_host(address)):
             logger.warning(
                 "binding %s without CURVE keys: ZeroMQ traffic on it is neither "
                 "authenticated nor encrypted (see --curve-keys-dir)",
@@ -234,10 +234,16 @@ def _tcp_host(address: str) -> str:
     return endpoint.rpartition(":")[0] if ":" in endpoint else endpoint
 
 
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is localhost or a loopback address
+    (127.0.0.0/8, ::1, their IPv4-mapped forms); False for "*", an interface or another
+    host name."""
+    if host.lower().rstrip(".") == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # "*", an interface name or a host name
+        address = ipaddress.ip_address(host)
+    except ValueError:
         return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback

@@ -74,13 +74,26 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        return self._cached_run(self._block_hashes(request), request.num_tokens)
+
+    def num_cached_tokens(self, block_hashes: list[BlockHash], num_tokens: int) -> int:
+        """How many of a context's ``num_tokens`` tokens, whose full blocks hash to
+        ``block_hashes`` at this pool's block size, ``find_cached_prefix`` would find cached
+        now (placement asks this of every group before it chooses one)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return len(self._cached_run(block_hashes, num_tokens)) * self.block_size
+
+    def _cached_run(self, block_hashes: list[BlockHash], num_tokens: int) -> list[Block]:
+        """The cached blocks of the longest prefix of ``block_hashes``, less the last one if
+        they would cover all ``num_tokens`` tokens."""
         hits = []
-        for block_hash in self._block_hashes(request):
+        for block_hash in block_hashes:
             block = self._cached.get(block_hash)
             if block is None:
                 break
             hits.append(block)
-        if hits and len(hits) * self.block_size >= request.num_tokens:
+        if hits and len(hits) * self.block_size >= num_tokens:
             hits.pop()
         return hits
 

@@ -3,10 +3,23 @@ their flags (``interfaces.settings``): ``SchedulerSettings`` is ``python -m sche
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from interfaces.settings import component, setting
 from interfaces.worker_to_scheduler import MAX_KV_BLOCKS
+
+
+class PlacementPolicy(enum.Enum):
+    """How a new request chooses among the worker groups that could run it
+    (``scheduler.group_choice``)."""
+
+    CACHE_AWARE = "cache-aware"
+    """The group where it causes the least work: its tokens not cached there and the tokens
+    queued ahead of it, among the groups not far above the least loaded."""
+    LEAST_LOADED = "least-loaded"
+    """The group holding the fewest requests (prefill), or with the most free KV blocks
+    (decode); caches ignored."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,14 @@ class SchedulerConfig:
     )
     """The floor of the stall bound: a group whose step has run longer than the larger of this
     and ``STALL_FACTOR`` times its slowest recent step is fenced and its requests move."""
+
+    placement: PlacementPolicy = setting(
+        PlacementPolicy.CACHE_AWARE,
+        "--placement",
+        "how a request chooses among several worker groups: cache-aware places it where its "
+        "prompt is cached and the queue is short, least-loaded where the fewest requests are",
+        default_text="cache-aware",
+    )
 
     def __post_init__(self) -> None:
         if not self.kv_transfer_timeout_s > 0:

@@ -18,6 +18,15 @@ from interfaces.scheduler_to_api import (
 
 
 @dataclass
+class GroupCounters:
+    """One worker group's prefix-cache counters (``SchedulerCounters`` counts every group's),
+    kept by name across the group's restarts."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass
 class SchedulerCounters:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0

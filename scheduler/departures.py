@@ -36,6 +36,11 @@ class Departures:
         if len(self.left) > MAX_DEPARTURES:
             del self.left[next(iter(self.left))]
 
+    def remembers(self, name: str) -> bool:
+        """Whether group ``name`` left and is still remembered (not yet forgotten for newer
+        departures, nor served again)."""
+        return name in self.left
+
     def returned(self, name: str) -> bool:
         """Group ``name`` serves (again); whether it had left (a restart to count)."""
         return self.left.pop(name, None) is not None

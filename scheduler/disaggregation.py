@@ -5,9 +5,11 @@
 
 1. queued here, in arrival order, until a decode group can reserve blocks for its prompt (and
    the tokens it generated already, when it moved) and its next token (so no prompt is
-   computed that nobody can decode);
-2. prefilled on the least loaded prefill group, in chunks and with its prefix cache, like any
-   prompt; the step that computes the prompt's end also sends its KV blocks (``KVSend``), after
+   computed that nobody can decode); which one, ``SchedulerConfig.placement`` chooses among
+   those that can (``scheduler.group_choice``);
+2. prefilled on the prefill group ``SchedulerConfig.placement`` chooses (by default where its
+   prompt is cached and the least work is queued), in chunks and with its prefix cache, like
+   any prompt; the step that computes the prompt's end also sends its KV blocks (``KVSend``), after
    the decode group was told to expect them (``KVTransfers``);
 3. handed off with its first token (which streams to the client at once); the prefill side's
    blocks stay in its prefix cache;
@@ -53,6 +55,7 @@ from interfaces.worker_to_scheduler import (
 from scheduler.admission import num_context_tokens, queue_overload
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
+from scheduler.group_choice import choose_decode_group, choose_group
 from scheduler.placement import (
     Placement,
     ServedGroup,
@@ -340,8 +343,9 @@ class DisaggregatedPlacement(Placement):
             ready = [g for g in decode if g.scheduler.can_reserve(num_tokens)]
             if not prefill or not ready:
                 return
-            target = max(ready, key=lambda g: g.scheduler.block_manager.num_free_blocks)
-            source = min(prefill, key=lambda g: g.load)
+            policy = self.config.placement
+            target = choose_decode_group(ready, policy)
+            source = choose_group(prefill, split.context, policy)
             # The decode side computes no prompt position: prompt logprobs come from the prefill.
             decode_context = msgspec.structs.replace(split.context, prompt_logprobs=None)
             block_ids = target.scheduler.reserve(decode_context, split.client_id)

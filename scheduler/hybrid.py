@@ -1,7 +1,9 @@
 """Hybrid placement: every group runs requests from prompt to last token.
 
-A request runs wholly on the group that holds the fewest requests (waiting or running) when it
-arrives, and stays there; its group's ``Scheduler`` does the rest. When its group leaves (it
+A request runs wholly on the group that ``SchedulerConfig.placement`` chooses when it arrives
+(``scheduler.group_choice``: by default where its prompt is cached and the least work is queued,
+within a bound of the least loaded group), and stays there; its group's ``Scheduler`` does the
+rest. When its group leaves (it
 died, or was fenced as stalled), it moves (``remove_group``): up to
 ``SchedulerConfig.migration_limit`` times, it is recomputed from its prompt plus the tokens it
 already produced, as a preempted request is, and its stream pauses and goes on. It moves to the
@@ -20,6 +22,7 @@ from interfaces.scheduler_to_api import WORKER_DIED, SchedulerStats
 from interfaces.worker_to_scheduler import WorkerRole
 from scheduler.config import SchedulerConfig
 from scheduler.counters import SchedulerCounters
+from scheduler.group_choice import choose_group
 from scheduler.placement import Placement, ServedGroup, merge
 from scheduler.request import Request
 from scheduler.scheduler import ResultsByClient, TextResult
@@ -135,11 +138,12 @@ class HybridPlacement(Placement):
         return self.is_serving or (stranded is not None and not stranded.expired(time.monotonic()))
 
     def _place(self, context: TextContext, client_id: bytes) -> TextResult | None:
-        """On the least loaded group; while none serves, with the stranded requests (or
-        refused as by the group that left)."""
+        """On the group ``SchedulerConfig.placement`` chooses (``scheduler.group_choice``);
+        while none serves, with the stranded requests (or refused as by the group that
+        left)."""
         if not self.groups:
             return self.stranded.add_request(context, client_id)
-        group = min(self.groups.values(), key=lambda g: g.load)
+        group = choose_group(list(self.groups.values()), context, self.config.placement)
         return group.scheduler.add_request(context, client_id)
 
     def owner(self, request_id: RequestID) -> bytes | None:

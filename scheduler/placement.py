@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 from interfaces import ErrorKind, RequestID, SchedulerResult, TextContext
 from interfaces.scheduler_to_api import (
+    MAX_GROUP_STATS,
     WORKER_DIED,
     GroupAway,
+    GroupStats,
     SchedulerStats,
 )
 from interfaces.scheduler_to_worker import KVTransfers, ScheduledStep
@@ -38,7 +40,7 @@ from interfaces.worker_to_scheduler import (
     WorkerRole,
 )
 from scheduler.config import KVCacheConfig, SchedulerConfig
-from scheduler.counters import SchedulerCounters
+from scheduler.counters import GroupCounters, SchedulerCounters
 from scheduler.departures import Departures
 from scheduler.scheduler import ResultsByClient, Scheduler, TextResult, counter_stats
 from scheduler.worker_group import WorkerGroup
@@ -62,11 +64,12 @@ def new_scheduler(
     kv_cache: KVCacheConfig,
     counters: SchedulerCounters | None = None,
     prefill_only: bool = False,
+    group_counters: GroupCounters | None = None,
 ) -> Scheduler:
     """A ``Scheduler`` whose long-lived objects (one per KV block: tens of thousands) are moved
     out of the garbage collector's reach with ``gc.freeze()``, so full collections stay short
     and do not stall steps (they took 14-34 ms each with 16k blocks)."""
-    scheduler = Scheduler(config, kv_cache, counters, prefill_only)
+    scheduler = Scheduler(config, kv_cache, counters, prefill_only, group_counters)
     gc.collect()
     gc.freeze()
     return scheduler
@@ -86,7 +89,9 @@ class ServedGroup:
 
     @property
     def load(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+        """Requests it holds: waiting, running, or (a decode group's) reserved."""
+        scheduler = self.scheduler
+        return len(scheduler.waiting) + len(scheduler.running) + len(scheduler.reserved)
 
 
 class Placement(abc.ABC):
@@ -104,6 +109,9 @@ class Placement(abc.ABC):
         """The serving groups, by name: read them, never change them from outside."""
         self.departures = Departures(config)
         """Groups that served and left, until they serve again."""
+        self.group_counters: dict[str, GroupCounters] = {}
+        """Each group's own counters, by name, while it serves or ``departures`` remembers it
+        (so they carry on when it serves again): at most ``MAX_GROUPS`` + ``MAX_DEPARTURES``."""
 
     @property
     @abc.abstractmethod
@@ -132,7 +140,10 @@ class Placement(abc.ABC):
             return f"group {group.name!r} ({ready.role.value}) cannot serve: {problem}"
         kv_cache = KVCacheConfig(ready.num_kv_blocks, ready.block_size, ready.max_model_len)
         prefill_only = ready.role is WorkerRole.PREFILL
-        scheduler = new_scheduler(self.config, kv_cache, self.counters, prefill_only)
+        group_counters = self.group_counters.setdefault(group.name, GroupCounters())
+        scheduler = new_scheduler(
+            self.config, kv_cache, self.counters, prefill_only, group_counters
+        )
         if self.departures.returned(group.name):
             self.counters.worker_restarts += 1
         destinations = group.destinations if ready.role is WorkerRole.DECODE else []
@@ -192,6 +203,9 @@ class Placement(abc.ABC):
         if group is not None:
             self.departures.record(name, cause)  # first: it refuses an unknown cause
             del self.groups[name]
+            for other in [n for n in self.group_counters if n not in self.groups]:
+                if not self.departures.remembers(other):  # forgotten: it counts anew
+                    del self.group_counters[other]
         return group
 
     # -- requests in and out -------------------------------------------------------------------
@@ -289,7 +303,28 @@ class Placement(abc.ABC):
             num_requests_running_by_role=running,
             num_requests_waiting_by_role=waiting,
             groups_away=self.groups_away(),
+            groups=self.group_stats(),
         )
+
+    def group_stats(self) -> list[GroupStats]:
+        """Each serving group's ``GroupStats``, by name (at most ``MAX_GROUP_STATS``)."""
+        stats = []
+        for name in sorted(self.groups)[:MAX_GROUP_STATS]:
+            group, scheduler = self.groups[name], self.groups[name].scheduler
+            counters, block_manager = scheduler.group_counters, scheduler.block_manager
+            stats.append(
+                GroupStats(
+                    name,
+                    group.role.value,
+                    num_requests_running=len(scheduler.running),
+                    num_requests_waiting=len(scheduler.waiting),
+                    num_kv_blocks_total=block_manager.num_blocks,
+                    num_kv_blocks_used=block_manager.num_used_blocks,
+                    prefix_cache_queries_total=counters.prefix_cache_queries,
+                    prefix_cache_hits_total=counters.prefix_cache_hits,
+                )
+            )
+        return stats
 
     def groups_away(self, now: float | None = None) -> list[GroupAway]:
         """``Departures.away`` of the groups that left."""

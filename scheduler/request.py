@@ -45,6 +45,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_blocks: int = 0
+    num_queued_work: int = 0
+    """Tokens it was to compute when it was last queued: those not in the prefix cache then
+    (``Scheduler.num_tokens_ahead``)."""
     status: RequestStatus = RequestStatus.WAITING
     worker_has_state: bool = False
     num_preemptions: int = 0

@@ -40,7 +40,7 @@ from interfaces.worker_to_scheduler import GrammarsReady, RequestFailure, Worker
 from scheduler.admission import admission_problem, queue_overload, refusal
 from scheduler.block_manager import BlockManager
 from scheduler.config import KVCacheConfig, SchedulerConfig
-from scheduler.counters import SchedulerCounters
+from scheduler.counters import GroupCounters, SchedulerCounters
 from scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -64,9 +64,11 @@ class Scheduler:
         kv_cache: KVCacheConfig,
         counters: SchedulerCounters | None = None,
         prefill_only: bool = False,
+        group_counters: GroupCounters | None = None,
     ) -> None:
         """``counters``: where to count preemptions, prefix-cache lookups and steps (kept
-        across the schedulers of one process); a fresh set by default."""
+        across the schedulers of one process); ``group_counters``: where to count this group's
+        own prefix-cache lookups (kept across its restarts); fresh sets by default."""
         self.prefill_only = prefill_only
         self.config = config
         self.kv_cache = kv_cache
@@ -76,12 +78,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.num_waiting_tokens = 0
         """Tokens (prompt plus output so far) of the requests in ``waiting``."""
+        self.num_waiting_work = 0
+        """Tokens the requests in ``waiting`` will compute: each one's ``num_queued_work``."""
         self.running: list[Request] = []
         self.reserved: dict[RequestID, Request] = {}
         """Requests holding blocks for KV that is on its way (a decode group's)."""
         self.requests: dict[RequestID, Request] = {}
         self._handoffs: list[Request] = []
         self.counters = counters if counters is not None else SchedulerCounters()
+        self.group_counters = group_counters if group_counters is not None else GroupCounters()
         self._released_request_ids: list[RequestID] = []
         self._next_step_id = 0
 
@@ -138,7 +143,7 @@ class Scheduler:
             request.worker_has_state = False
             request.status = RequestStatus.WAITING
         self.running, self.waiting, self.reserved, self.requests = [], deque(), {}, {}
-        self.num_waiting_tokens = 0
+        self.num_waiting_tokens = self.num_waiting_work = 0
         return requests
 
     def adopt(self, requests: list[Request], cause: str) -> None:
@@ -219,6 +224,20 @@ class Scheduler:
     def num_preemptions(self) -> int:
         return self.counters.num_preemptions
 
+    def num_tokens_ahead(self) -> int:
+        """Tokens this group computes before it reaches a request queued now: the waiting
+        requests' (each one's not cached when it was queued: ``num_queued_work``) and what
+        running ones have left of their prompts (``scheduler.group_choice``)."""
+        num_prefilling = 0
+        # Prompt chunks run in admission order (``_schedule_running``), so the requests still
+        # prefilling are the newest running ones (``check_integrity`` checks it): stop at the
+        # first, from the end, that decodes.
+        for request in reversed(self.running):
+            if not _is_prefilling(request):
+                break
+            num_prefilling += request.num_tokens - request.num_computed_tokens
+        return self.num_waiting_work + num_prefilling
+
     def has_unfinished_requests(self) -> bool:
         """Whether a step has anything to run (reserved requests wait for their KV)."""
         return bool(self.waiting or self.running)
@@ -241,6 +260,11 @@ class Scheduler:
             raise RuntimeError(
                 f"{self.num_waiting_tokens} waiting tokens counted, {num_waiting_tokens} waiting"
             )
+        if sum(request.num_queued_work for request in self.waiting) != self.num_waiting_work:
+            raise RuntimeError("the waiting requests' work differs from the work counted")
+        prefilling = [_is_prefilling(request) for request in self.running]
+        if prefilling != sorted(prefilling):  # ``num_tokens_ahead`` relies on it
+            raise RuntimeError("a running request prefills ahead of one that decodes")
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -367,6 +391,7 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:
                 self.waiting.remove(request)
                 self.num_waiting_tokens -= request.num_tokens
+                self.num_waiting_work -= request.num_queued_work
             elif request.status is RequestStatus.RESERVED:
                 del self.reserved[request_id]
             self._finish(request)
@@ -392,6 +417,13 @@ class Scheduler:
         else:
             self.waiting.append(request)
         self.num_waiting_tokens += request.num_tokens
+        num_cached = 0
+        if request.context.prompt_logprobs is None:  # as ``_schedule_waiting`` will look
+            num_cached = (
+                len(self.block_manager.find_cached_prefix(request)) * self.kv_cache.block_size
+            )
+        request.num_queued_work = request.num_tokens - num_cached
+        self.num_waiting_work += request.num_queued_work
 
     def _schedule_running(self, step: ScheduledStep, budget: int) -> tuple[int, bool]:
         """Give running requests their next tokens, oldest first; preempt when blocks run out."""
@@ -434,10 +466,13 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             self.counters.prefix_cache_queries += request.num_tokens
             self.counters.prefix_cache_hits += num_cached
+            self.group_counters.prefix_cache_queries += request.num_tokens
+            self.group_counters.prefix_cache_hits += num_cached
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
             self.num_waiting_tokens -= request.num_tokens
+            self.num_waiting_work -= request.num_queued_work
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.new_requests.append(self._new_request_data(request))
@@ -517,6 +552,12 @@ class Scheduler:
         if request.worker_has_state:
             self._released_request_ids.append(request.request_id)
             request.worker_has_state = False
+
+
+def _is_prefilling(request: Request) -> bool:
+    """Whether ``request`` has more than its next token to compute: a prompt, or the prompt
+    and tokens it brought, still part computed (a decoding request computes one a step)."""
+    return request.num_tokens - request.num_computed_tokens > 1
 
 
 def counter_stats(

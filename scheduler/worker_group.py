@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from interfaces.scheduler_to_api import MAX_GROUP_STATS
 from interfaces.worker_to_scheduler import KVLayout, WorkerReady, WorkerRole
 from scheduler.config import WorkerLimits
 
@@ -39,8 +40,8 @@ MAX_VOCAB_SIZE = 1 << 24
 MAX_LAYOUT_DIMENSION = 1 << 16
 """Of a KV layout's layers, key-value heads and head size."""
 KV_DTYPES = ("float32", "bfloat16", "float16")
-MAX_GROUPS = 256
-"""Groups forming or serving at once."""
+MAX_GROUPS = MAX_GROUP_STATS
+"""Groups forming or serving at once (so ``SchedulerStats.groups`` lists every serving one)."""
 KV_BLOCKS_HINT = (
     " (give the worker a larger --block-size or a smaller --kv-cache-memory, or the scheduler "
     "a larger --max-worker-kv-blocks)"

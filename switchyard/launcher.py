@@ -1,11 +1,13 @@
 """Start every Switchyard process on one machine, watch them, and stop them all together.
 
 The launcher binds the HTTP socket itself and hands it to each API server process (so several
-share one port), starts the scheduler and the worker group (``tensor_parallel_size`` ranks,
-which meet on a free loopback port) or, disaggregated, ``prefill_workers`` prefill groups and
-``decode_workers`` decode groups, and an embedding worker when an embedding model is served
-(beside the text generation model, or alone), on ``ipc://`` sockets in a private temporary
-directory, and waits until ``/ready`` answers. The workers share the machine's cores evenly.
+share one port), starts the scheduler and the worker groups (each of ``tensor_parallel_size``
+ranks, which meet on a free loopback port of their own): ``data_parallel_size`` hybrid groups
+or, disaggregated, ``prefill_workers`` prefill groups and ``decode_workers`` decode groups, and
+an embedding worker when an embedding model is served (beside the text generation model, or
+alone), on ``ipc://`` sockets in a private temporary directory, and waits until ``/ready``
+answers and every text generation group serves. On the CPU the workers share the machine's
+cores evenly; on CUDA each group runs on GPUs of its own (``switchyard.devices``).
 Children get ``PR_SET_PDEATHSIG`` so that even a ``kill -9`` of the launcher leaves no orphan.
 
 When a child dies: an API server is started again on the same socket, after a back-off that
@@ -49,12 +51,15 @@ from dataclasses import replace
 from pathlib import Path
 from secrets import token_hex
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from interfaces import envs
 from interfaces.settings import to_argv
 from interfaces.shared_memory import segment_paths
 from interfaces.shared_settings import ModelSettings, SchedulerAddress
 from interfaces.worker_to_scheduler import WorkerRole
 from scheduler.config import SchedulerSettings
+from switchyard.devices import VISIBLE_DEVICES_VARIABLE, assign_devices, visible_cuda_devices
 from switchyard.groups_away import HealthPoller
 from switchyard.restart_backoff import API_SERVER_OUTAGE_LIMIT_S, RestartBackoff
 from switchyard.serve_config import ServeConfig
@@ -64,6 +69,9 @@ from worker.settings import WorkerSettings
 logger = logging.getLogger("switchyard")
 
 READY_TIMEOUT_S = 600.0
+SERVING_GROUPS_FAMILY = "switchyard:num_requests_running_by_group"
+"""The /metrics family with a series for each serving text generation group."""
+MAX_METRICS_BYTES = 16 << 20
 STOP_TIMEOUT_S = 10.0
 """How long the scheduler and worker get to exit after SIGTERM, and API servers beyond their
 drain, before they are killed."""
@@ -126,6 +134,11 @@ class Launcher:
         )
         self._health_poller: HealthPoller | None = None
         """Reads /health's groups away once the unit is ready, when worker groups restart."""
+        self.group_devices: dict[str, str] = {}
+        """Each worker group's ``CUDA_VISIBLE_DEVICES`` on CUDA (``switchyard.devices``), by
+        name, set by ``start_engine``; empty on the CPU."""
+        self._master_ports: dict[str, int] = {}
+        """The rendezvous port each tensor-parallel group was last started with, by name."""
         self._ready = False
         self._owns_shm_namespace = not envs.shm_namespace_set()
         self.shm_namespace = token_hex(4) if self._owns_shm_namespace else envs.shm_namespace()
@@ -178,7 +191,9 @@ class Launcher:
 
     def start_engine(self) -> str:
         """Start the scheduler and the worker groups (no API server); returns the scheduler's
-        frontend address, where clients connect (the offline API, ``switchyard.offline``, does)."""
+        frontend address, where clients connect (the offline API, ``switchyard.offline``, does).
+        ``ValueError``, before any process starts, when the GPUs cannot hold the groups."""
+        self.group_devices = self._devices_by_group()
         self._spawn_scheduler()
         for group in self._group_roles():
             self.worker_groups.start(group, time.monotonic())
@@ -200,6 +215,19 @@ class Launcher:
             roles[EMBEDDING_GROUP] = WorkerRole.EMBEDDING
         return roles
 
+    def _devices_by_group(self) -> dict[str, str]:
+        """Each worker group's ``CUDA_VISIBLE_DEVICES`` (``switchyard.devices``); empty when
+        the workers run on the CPU or on the one GPU ``--device cuda:N`` names."""
+        devices = visible_cuda_devices(self.config.worker.device)
+        if devices is None:
+            return {}
+        groups = [name for name, _ in self.config.worker_groups]
+        embedding = EMBEDDING_GROUP if self.config.embedding_model_dir is not None else None
+        assigned = assign_devices(groups, self.config.tensor_parallel_size, embedding, devices)
+        for group, visible in assigned.items():
+            logger.info("worker group %r runs on GPU(s) %s", group, visible)
+        return assigned
+
     def _worker_group_argv(self, backend: str, group: str) -> dict[str, list[str]]:
         """The command line of each process of worker group ``group``, by name; a
         tensor-parallel group's ranks meet on a fresh port each time."""
@@ -207,7 +235,7 @@ class Launcher:
         if role is WorkerRole.EMBEDDING:
             return {"embedding-worker": self._embedding_worker_argv(backend)}
         size = self.config.tensor_parallel_size
-        master_port = _free_port() if size > 1 else WorkerSettings.master_port
+        master_port = self._master_port(group) if size > 1 else WorkerSettings.master_port
         argv = {}
         for rank in range(size):
             name = "worker" if len(self.config.worker_groups) == 1 else group
@@ -216,15 +244,27 @@ class Launcher:
             argv[name] = self._worker_argv(settings)
         return argv
 
+    def _master_port(self, group: str) -> int:
+        """A free loopback port for ``group``'s ranks to meet on, none another group holds."""
+        others = {port for name, port in self._master_ports.items() if name != group}
+        port = _free_port()
+        while port in others:
+            port = _free_port()
+        self._master_ports[group] = port
+        return port
+
     def _spawn_scheduler(self) -> None:
         argv = self._scheduler_argv(self._ipc("frontend.sock"), self._ipc("backend.sock"))
         self._spawn(SCHEDULER, argv)
 
     def _spawn_worker_group(self, group: str) -> list[str]:
-        """Start every process of worker group ``group``; returns their names."""
+        """Start every process of worker group ``group``, on its devices; returns their
+        names."""
         argv = self._worker_group_argv(self._ipc("backend.sock"), group)
+        devices = self.group_devices.get(group)
+        variables = {VISIBLE_DEVICES_VARIABLE: devices} if devices is not None else {}
         for name, command in argv.items():
-            self._spawn(name, command)
+            self._spawn(name, command, **variables)
         return list(argv)
 
     def _num_threads(self) -> int | None:
@@ -298,14 +338,18 @@ class Launcher:
         return ["api_server", *to_argv(settings)]
 
     def _wait_until_ready(self) -> None:
-        url = f"http://{_url_host(self.config.bind.host)}:{self.port}/ready"
+        """Until ``/ready`` answers 200 and every text generation group serves (``/metrics``
+        lists it: ``/ready`` needs only one, and requests that arrived before the others would
+        all go to the first)."""
+        base_url = f"http://{_url_host(self.config.bind.host)}:{self.port}"
+        groups = {name for name, _ in self.config.worker_groups}
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stopping.is_set():
             if self.dead_child() is not None:
                 return
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
+                with urllib.request.urlopen(f"{base_url}/ready", timeout=2) as response:
+                    if response.status == 200 and groups <= serving_groups(base_url):
                         self._become_ready()
                         return
             except (urllib.error.URLError, OSError):
@@ -431,6 +475,27 @@ def _terminate(children: dict[str, subprocess.Popen], timeout_s: float) -> None:
             logger.warning("%s did not stop in time; killing it", name)
             process.kill()
             process.wait()
+
+
+def serving_groups(base_url: str) -> set[str]:
+    """The text generation groups the scheduler serves, from the API server's ``/metrics``
+    (``switchyard:num_requests_running_by_group``; read as any input: at most
+    ``MAX_METRICS_BYTES``, and a page that does not parse names none). ``OSError`` when it
+    does not answer."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=2) as response:
+        text = response.read(MAX_METRICS_BYTES + 1)
+    if len(text) > MAX_METRICS_BYTES:
+        return set()
+    try:
+        families = list(text_string_to_metric_families(text.decode()))
+    except ValueError:  # not the exposition format (UnicodeDecodeError is one too)
+        return set()
+    return {
+        sample.labels.get("group", "")
+        for family in families
+        if family.name == SERVING_GROUPS_FAMILY
+        for sample in family.samples
+    }
 
 
 def _url_host(host: str) -> str:

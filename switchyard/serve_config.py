@@ -20,6 +20,7 @@ from interfaces.settings import component, setting, to_argv
 from interfaces.shared_settings import ModelSettings
 from interfaces.worker_to_scheduler import WorkerRole
 from scheduler.config import SchedulerConfig
+from scheduler.worker_group import MAX_GROUPS
 from worker.settings import WorkerSettings
 
 SERVE_WORKER_SETTINGS = (
@@ -52,12 +53,21 @@ class ServeConfig:
         "disaggregate: this many prefill worker groups (with --decode-workers)",
     )
     """Prefill groups (each of ``tensor_parallel_size`` ranks); 0 with ``decode_workers`` 0
-    serves one hybrid group."""
+    serves ``data_parallel_size`` hybrid groups."""
     decode_workers: int = setting(
         0,
         "--decode-workers",
         "disaggregate: this many decode worker groups (with --prefill-workers)",
     )
+    data_parallel_size: int = setting(
+        1,
+        "--data-parallel-size",
+        "hybrid worker groups, each of --tensor-parallel-size ranks, behind the one scheduler "
+        "(on CUDA each on GPUs of its own; on the CPU they share the cores)",
+        metavar="N",
+    )
+    """Hybrid groups to start: one is named ``hybrid``, several ``hybrid-0`` ... Not with
+    ``prefill_workers``, which give the groups of disaggregated serving."""
     restart_limit: int = setting(
         5,
         "--restart-limit",
@@ -113,11 +123,13 @@ class ServeConfig:
         """(group name, role) of every text generation worker group to start."""
         if self.model_dir is None:
             return []
-        if not self.prefill_workers:
+        if self.prefill_workers:
+            return [(f"prefill-{i}", WorkerRole.PREFILL) for i in range(self.prefill_workers)] + [
+                (f"decode-{i}", WorkerRole.DECODE) for i in range(self.decode_workers)
+            ]
+        if self.data_parallel_size == 1:
             return [("hybrid", WorkerRole.HYBRID)]
-        return [(f"prefill-{i}", WorkerRole.PREFILL) for i in range(self.prefill_workers)] + [
-            (f"decode-{i}", WorkerRole.DECODE) for i in range(self.decode_workers)
-        ]
+        return [(f"hybrid-{i}", WorkerRole.HYBRID) for i in range(self.data_parallel_size)]
 
     @property
     def num_worker_processes(self) -> int:
@@ -142,6 +154,8 @@ class ServeConfig:
             given.append("--max-model-len")
         if self.prefill_workers:
             given.append("--prefill-workers/--decode-workers")
+        if self.data_parallel_size != 1:
+            given.append("--data-parallel-size")
         if not self.scheduler.enable_prefix_caching:
             given.append("--no-prefix-caching")
         return given
@@ -170,9 +184,36 @@ class ServeConfig:
                 "disaggregated serving needs both --prefill-workers and --decode-workers "
                 f"(got {self.prefill_workers} and {self.decode_workers})"
             )
+        self._check_worker_groups()
         if not 0 <= self.bind.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.bind.port}")
         if not self.api_server.shutdown_timeout_s >= 0:
             raise ValueError(
                 f"--shutdown-timeout must be 0 or more, got {self.api_server.shutdown_timeout_s}"
+            )
+
+    def _check_worker_groups(self) -> None:
+        """How many worker groups, of what kind, on which devices: ``ValueError`` for what
+        cannot be served."""
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"--data-parallel-size must be at least 1, got {self.data_parallel_size}"
+            )
+        if self.data_parallel_size > 1 and self.prefill_workers:
+            raise ValueError(
+                "--data-parallel-size starts hybrid worker groups; disaggregated serving gets "
+                "its groups from --prefill-workers and --decode-workers: give one or the other"
+            )
+        num_groups = int(self.embedding_model_dir is not None)
+        if self.model_dir is not None:
+            num_groups += self.prefill_workers + self.decode_workers or self.data_parallel_size
+        if num_groups > MAX_GROUPS:
+            raise ValueError(
+                f"{num_groups} worker groups asked for; the scheduler serves at most {MAX_GROUPS}"
+            )
+        device = self.worker.device
+        if device.startswith("cuda:") and len(self.worker_groups) > 1:
+            raise ValueError(
+                f"--device {device} puts all {len(self.worker_groups)} worker groups on one GPU; "
+                "give --device cuda (or auto): each group then gets GPUs of its own"
             )

@@ -4,10 +4,11 @@ Once the unit has been ready, a worker group (every rank of a tensor-parallel gr
 decode or hybrid group; the embedding worker) whose process exits is started again whole: its
 other ranks are stopped (SIGTERM, then SIGKILL after ``GROUP_STOP_TIMEOUT_S``: a rank may be
 blocked in a collective that will never finish), and once all have exited, all its ranks are
-started together, under the same group name, so that the scheduler takes the group back when
-they register. A group the scheduler reports away (``switchyard.groups_away``: it died or was
-fenced as stalled) while its processes still run is killed (SIGKILL: a stopped process ignores
-SIGTERM) and started again the same way.
+started together, under the same group name (and on the same GPUs, ``switchyard.devices``),
+so that the scheduler takes the group back when they register; the other groups serve on. A
+group the scheduler reports away (``switchyard.groups_away``: it died or was fenced as stalled)
+while its processes still run is killed (SIGKILL: a stopped process ignores SIGTERM) and
+started again the same way.
 
 A scheduler that dies is one fault and one restart
 (``WorkerGroupRestarts.restart_with_scheduler``): the scheduler is started again, and the

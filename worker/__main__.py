@@ -21,7 +21,7 @@ from transformers.utils import logging as transformers_logging
 
 from interfaces.logs import LogSettings, configure_logging
 from interfaces.settings import add_flags, from_args
-from interfaces.transport import add_transport_flags, transport_from_args
+from interfaces.transport import add_transport_flags, is_loopback, transport_from_args
 from interfaces.worker_to_scheduler import WorkerRole
 from worker.config import WorkerConfig, default_num_threads
 from worker.embeddings import EmbeddingsGenerator
@@ -120,9 +120,17 @@ def _runner(role: WorkerRole, config: WorkerConfig) -> ModelRunner | EmbeddingsG
 
 
 def _default_group(settings: WorkerSettings) -> str:
-    if settings.tensor_parallel_size > 1:  # the ranks share their rendezvous, and only they do
-        return f"{settings.role.value}@{settings.master_addr}:{settings.master_port}"
-    return f"{settings.role.value}@{socket.gethostname()}:{os.getpid()}"
+    """The group's name when ``--group`` is not given, alike on its ranks and unique among
+    groups without configuration (``docker compose up --scale worker=3``: each container has a
+    host name of its own): a one-rank worker's host and pid; a tensor-parallel group's
+    rendezvous, which its ranks share and only they do, with the host's name for a loopback
+    address (every host's own)."""
+    role, host = settings.role.value, socket.gethostname()
+    if settings.tensor_parallel_size == 1:
+        return f"{role}@{host}:{os.getpid()}"
+    if not is_loopback(settings.master_addr):
+        host = settings.master_addr
+    return f"{role}@{host}:{settings.master_port}"
 
 
 def _exit_while_loading(signum: int, _frame: FrameType | None) -> None:

@@ -2,7 +2,8 @@
 
 This is the only module that knows how many ranks share the model. ``init_tensor_parallel``
 joins this process to a torch.distributed group before the model is built (NCCL when the worker
-runs on CUDA, gloo on the CPU; ranks rendezvous at ``tcp://master_addr:master_port``). The
+runs on CUDA, gloo on the CPU; ranks rendezvous at ``tcp://master_addr:master_port``, and
+gloo's connections bind the interface toward master_addr, so ranks on several hosts meet). The
 layers in ``worker.models.linear`` ask it which rows or columns of a checkpoint tensor this rank
 holds and reduce or gather their outputs through it; the model files never see a rank. With one
 rank (the default) nothing is initialised and every collective returns its input.
@@ -20,12 +21,16 @@ fails raises ``GroupBroken``: the ranks are out of step for good, and the worker
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -35,6 +40,8 @@ DEFAULT_TIMEOUT_S = 600.0
 """How long the rendezvous and each collective wait for a silent rank before they raise. On gloo
 a rank that dies closes its connections, which fails its peers' collectives at once; this bounds
 a rank that hangs, and on NCCL (asynchronous collectives) a rank that dies too."""
+GLOO_INTERFACE_VARIABLE = "GLOO_SOCKET_IFNAME"
+"""gloo's own variable: the network interface its connections between ranks bind."""
 
 
 class GroupBroken(RuntimeError):
@@ -84,6 +91,7 @@ def init_tensor_parallel(
         return _current
     backend = "nccl" if device.type == "cuda" else "gloo"
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
+    bind_gloo_toward(master_addr, master_port)
     logger.info(
         "rank %d of %d: joining %s group at %s:%d", rank, world_size, backend, host, master_port
     )
@@ -100,6 +108,43 @@ def init_tensor_parallel(
     control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     _current = TensorParallel(rank, world_size, dist.group.WORLD, control)
     return _current
+
+
+def bind_gloo_toward(master_addr: str, master_port: int) -> None:
+    """Have gloo bind the interface this host reaches ``master_addr`` through, unless the
+    operator named one in GLOO_SOCKET_IFNAME. Left alone, gloo binds the address the host name
+    resolves to, which /etc/hosts often maps to a loopback address (127.0.1.1 on Debian), or
+    falls back to 127.0.0.1: the ranks on other hosts then cannot reach this one. With
+    ``master_addr`` on the loopback this picks ``lo``, so one host's ranks stay on it."""
+    if os.environ.get(GLOO_INTERFACE_VARIABLE):
+        return
+    try:
+        interface = interface_with_address(local_address_toward(master_addr, master_port))
+    except OSError as error:  # an unresolvable master_addr: the rendezvous will say so
+        logger.warning("cannot tell the interface toward %s: %s", master_addr, error)
+        return
+    if interface is not None:
+        logger.info("gloo binds %s, the interface toward %s", interface, master_addr)
+        os.environ[GLOO_INTERFACE_VARIABLE] = interface
+
+
+def local_address_toward(host: str, port: int) -> str:
+    """This host's address on the route to host:port (a UDP connect sends nothing)."""
+    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of the interface holding ``address``; None if none does."""
+    wanted = ipaddress.ip_address(address.partition("%")[0])
+    for name, addresses in psutil.net_if_addrs().items():
+        for entry in addresses:
+            ip = entry.family in (socket.AF_INET, socket.AF_INET6)
+            if ip and ipaddress.ip_address(entry.address.partition("%")[0]) == wanted:
+                return name
+    return None
 
 
 def destroy_tensor_parallel() -> None:

@@ -104,8 +104,8 @@ class WorkerSettings:
         None,
         "--group",
         "the worker group's name, alike on its ranks and unique among groups",
-        default_text="the role and, with tensor parallelism, the rendezvous address; else host "
-        "and pid",
+        default_text="the role and, with tensor parallelism, the rendezvous address (the host "
+        "name for a loopback one); else host and pid",
         group=DISAGGREGATION,
     )
     kv_transfer_addr: str = setting(

@@ -1,6 +1,7 @@
 """Deployment files: valid for the tools that read them, consistent with each other, and (the
 slow tests) runnable: each role started with exactly the command and environment that
-docker-compose.yml or the Kubernetes pod gives it, on 127.0.0.1, with CURVE keys made by the
+docker-compose.yml or the Kubernetes pod gives it, on 127.0.0.1 (and on the CPU where the pod's
+worker asks for CUDA), with CURVE keys made by the
 files' own keygen step and the operator's API key, answers a chat request, and takes its
 streams back when a worker or the scheduler is killed and restarted as the orchestrator would.
 No Docker engine or cluster needed (tests/deploy/test_deploy_safety.py checks what they lock
@@ -12,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,10 +35,14 @@ from scheduler.config import SchedulerConfig
 from tests.support.clients import free_port
 from tests.support.deploy import (
     COMPOSE_FILES,
+    COMPOSE_LAYOUTS,
     COMPOSE_SECRETS,
     IMAGE_CURVE_KEYS_DIR,
     K8S_DIR,
+    K8S_SECRETS,
+    MODELS_CLAIM,
     ROOT,
+    expand_k8s_variables,
     flag,
     is_role,
     k8s,
@@ -62,8 +68,6 @@ ROLES = ("scheduler", "worker", "api_server")
 STARTUP_TIMEOUT_S = 180
 WORKER_LIVENESS_FILE = "/tmp/worker.alive"
 """Where the pod's worker beats (its --liveness-file), on its own /tmp volume."""
-K8S_SECRETS = {("switchyard-api-key", "api-key"): "test-api-key"}
-"""The Secrets deployment.yaml's header tells the operator to create: (name, key) -> value."""
 
 
 def compose() -> dict:
@@ -84,8 +88,9 @@ def seconds(duration: str) -> float:
 
 def test_compose_files_match_the_compose_spec():
     checker = Path(sys.executable).with_name("check-jsonschema")
+    files = sorted({path for layout in COMPOSE_LAYOUTS.values() for path in layout})
     completed = subprocess.run(
-        [str(checker), "--builtin-schema", "vendor.compose-spec", *map(str, COMPOSE_FILES)],
+        [str(checker), "--builtin-schema", "vendor.compose-spec", *map(str, files)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -99,7 +104,8 @@ def test_docker_compose_accepts_the_files_once_the_operator_gives_the_secrets():
         assert completed.returncode == 0, completed.stderr
         services = json.loads(completed.stdout)["services"]
         assert set(services) == {
-            *("keygen", "scheduler", "worker", "api-server", "prometheus", "grafana")
+            *("keygen", "scheduler", "worker", "api-server", "load-balancer"),
+            *("prometheus", "grafana"),
         }
     gpu_worker = services["worker"]["command"]
     assert gpu_worker[-1] == "--device=cuda"
@@ -112,7 +118,7 @@ def test_compose_runs_each_role_in_its_own_container_of_one_image():
     assert modules == {"scheduler": "scheduler", "worker": "worker", "api-server": "api_server"}
     for name in [*modules, "keygen"]:
         assert services[name]["build"]["dockerfile"] == "deploy/Dockerfile"
-        assert services[name]["image"] == "switchyard:latest"
+        assert services[name]["image"] == services["scheduler"]["image"]
     assert services["api-server"]["deploy"]["replicas"] == 2
     for role in ("worker", "api-server"):
         address = flag(services[role]["command"], "--scheduler-addr")
@@ -136,7 +142,8 @@ def test_compose_api_servers_drain_before_they_are_killed_and_check_readiness():
     shutdown_timeout = float(flag(api_server["command"], "--shutdown-timeout"))
     assert seconds(api_server["stop_grace_period"]) > shutdown_timeout
     assert "/ready" in " ".join(api_server["healthcheck"]["test"])
-    assert f"--port={api_server['ports'][0].rsplit(':', 1)[1]}" in api_server["command"]
+    port = flag(api_server["command"], "--port")
+    assert f"'http://127.0.0.1:{port}/ready'" in api_server["healthcheck"]["test"][-1]
 
 
 def test_prometheus_scrapes_per_request_series_from_every_replica_and_the_scheduler_once():
@@ -192,6 +199,7 @@ def test_the_dashboard_and_adapter_queries_are_valid_promql():
 def test_k8s_manifests_pass_kubernetes_validate():
     validator = Path(sys.executable).with_name("kubernetes-validate")
     manifests = [p for p in sorted(K8S_DIR.glob("*.yaml")) if p.name != "servicemonitor.yaml"]
+    manifests.append(MODELS_CLAIM)  # opt-in, apart from the rest (test_layouts_k8s.py)
     completed = subprocess.run(
         [str(validator), "--strict", "-k", KUBERNETES_VERSION, *map(str, manifests)],
         capture_output=True,
@@ -262,11 +270,6 @@ def test_k8s_pods_drain_probe_and_scale_as_the_code_expects():
 
 
 # -- the roles as plain processes --------------------------------------------------------------
-
-
-def expand_k8s_variables(argument: str, environment: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion of container commands."""
-    return re.sub(r"\$\((\w+)\)", lambda match: environment[match.group(1)], argument)
 
 
 def role_processes(source: str) -> list[tuple[str, list[str], dict[str, str]]]:
@@ -369,8 +372,13 @@ def deployment(
     frontend, backend = free_port(), free_port()
     keys_dir = tmp_path / "curve"
     make_curve_keys(source, keys_dir)
+    # The image's model directory under its own name, which clients name the model by
+    # (hard links: nothing copied).
+    image_model = tmp_path / "models" / Path(IMAGE_MODEL_DIR).name
+    shutil.copytree(model_dir, image_model, copy_function=os.link)
     substitutions = {
-        IMAGE_MODEL_DIR: str(model_dir),
+        "--device=cuda": "--device=cpu",  # the pod's worker holds a GPU; this machine has none
+        IMAGE_MODEL_DIR: str(image_model),
         IMAGE_CURVE_KEYS_DIR: str(keys_dir),
         "--host=0.0.0.0": "--host=127.0.0.1",
         WORKER_LIVENESS_FILE: str(tmp_path / "worker.alive"),

@@ -29,7 +29,12 @@ from api_server.metrics import (
     method_label,
 )
 from api_server.stats_tickets import STATS_MAX_AGE_S
-from interfaces.scheduler_to_api import MIGRATION_PAUSE_SECONDS_BUCKETS, SchedulerStats
+from interfaces.scheduler_to_api import (
+    MAX_GROUP_STATS,
+    MIGRATION_PAUSE_SECONDS_BUCKETS,
+    GroupStats,
+    SchedulerStats,
+)
 from tests.support.metrics import Samples, parse_samples, scrape
 from tests.support.serve_process import DEFAULT_MODEL_NAME, ServeProcess, chat_messages, long_chat
 
@@ -360,6 +365,7 @@ def test_the_migration_series_render_every_reason_and_leave_the_other_series_as_
         num_preemptions_total=2,
         num_requests_running_by_role={"hybrid": 3},
         num_requests_waiting_by_role={"hybrid": 1},
+        groups=[GroupStats("hybrid", "hybrid", 3, 1, 64, 16, 40, 8)],
     )
     counts = [0] * (len(MIGRATION_PAUSE_SECONDS_BUCKETS) + 1)
     counts[2], counts[-1] = 2, 1  # two pauses of (0.25, 0.5] s, one above every bound
@@ -406,6 +412,49 @@ def test_the_migration_series_render_every_reason_and_leave_the_other_series_as_
     }
     assert scheduler_families == set(SCHEDULER_METRIC_NAMES)
     assert sample("num_preemptions_total", "quiet") == 2
+
+
+def test_each_serving_group_has_its_series_and_the_totals_count_each_request_once():
+    """Per-group series carry ``group`` and ``role``; the unlabelled totals are the scheduler's
+    own (each request once), not a sum rendered again; no more than ``MAX_GROUP_STATS``."""
+    groups = [
+        GroupStats("prefill-0", "prefill", 2, 5, 100, 25, 900, 300),
+        GroupStats("decode-0", "decode", 7, 0, 200, 150),
+    ]
+    stats = SchedulerStats(
+        7, 5, 300, 175, workers_ready=True, prefix_cache_queries_total=900, groups=groups
+    )
+    metrics = ServerMetrics("m")
+    metrics.update_scheduler(stats)
+    samples = parse_samples(metrics.render().decode())
+
+    def sample(name: str, **labels: str) -> float:
+        return samples[(f"switchyard:{name}", frozenset({"model_name": "m", **labels}.items()))]
+
+    prefill, decode = (
+        {"group": "prefill-0", "role": "prefill"},
+        {"group": "decode-0", "role": "decode"},
+    )
+    assert (
+        sample("num_requests_running_by_group", **prefill),
+        sample("num_requests_running_by_group", **decode),
+    ) == (2, 7)
+    assert (
+        sample("num_requests_waiting_by_group", **prefill),
+        sample("num_requests_waiting_by_group", **decode),
+    ) == (5, 0)
+    assert sample("kv_cache_usage_perc_by_group", **prefill) == 0.25
+    assert sample("kv_cache_usage_perc_by_group", **decode) == 0.75
+    assert sample("prefix_cache_queries_by_group_total", **prefill) == 900
+    assert sample("prefix_cache_hits_by_group_total", **prefill) == 300
+    assert sample("prefix_cache_hits_by_group_total", **decode) == 0
+    assert (sample("num_requests_running"), sample("num_requests_waiting")) == (7, 5)
+
+    many = [GroupStats(f"g{i}", "hybrid", 1, 0, 10, 1) for i in range(MAX_GROUP_STATS + 5)]
+    metrics.update_scheduler(msgspec.structs.replace(stats, groups=many))
+    rendered = parse_samples(metrics.render().decode())
+    per_group = [key for key in rendered if key[0] == "switchyard:num_requests_running_by_group"]
+    assert len(per_group) == MAX_GROUP_STATS
 
 
 def family_of(sample_name: str) -> str:

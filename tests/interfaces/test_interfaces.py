@@ -50,6 +50,7 @@ from interfaces.scheduler_to_api import (
     WORKER_DIED,
     WORKER_STALLED,
     GroupAway,
+    GroupStats,
     SchedulerEmbeddingsResults,
     SchedulerResults,
     SchedulerStats,
@@ -234,6 +235,7 @@ def test_scheduler_stats_round_trip_with_every_field_set():
         migration_pause_seconds_counts=[2] * (len(MIGRATION_PAUSE_SECONDS_BUCKETS) + 1),
         migration_pause_seconds_sum=3.5,
         groups_away=[GroupAway("b", WORKER_DIED, 0.5), GroupAway("a", WORKER_STALLED, 12.0)],
+        groups=[GroupStats("prefill-0", "prefill", 1, 1, 50, 20, 300, 100)],
     )
     fields = msgspec.structs.fields(SchedulerStats)
     assert [f.name for f in fields if getattr(stats, f.name) == default_of(f)] == []

@@ -16,7 +16,7 @@ from interfaces.scheduler_to_api import MAX_GROUPS_AWAY, WORKER_DIED, WORKER_STA
 from interfaces.scheduler_to_worker import ScheduledStep
 from interfaces.worker_to_scheduler import WorkerOutput, WorkerReady
 from scheduler.block_hash import extend_block_hashes
-from scheduler.config import SchedulerConfig
+from scheduler.config import PlacementPolicy, SchedulerConfig
 from scheduler.counters import SchedulerCounters
 from scheduler.hybrid import HybridPlacement
 from scheduler.placement import NO_WORKER
@@ -51,9 +51,14 @@ def start_group(context, backend, monitor, name, num_groups, **options) -> FakeW
     return worker
 
 
+ALTERNATING = {"placement": PlacementPolicy.LEAST_LOADED}
+"""The placement ``spread_over_two_groups`` needs: requests alternate between the groups."""
+
+
 def spread_over_two_groups(system, die_after_steps):
     """Groups a (slow; it dies after ``die_after_steps`` steps) and b, and ``PROMPTS`` of 30
-    tokens each submitted; returns (client, monitor, a, b)."""
+    tokens each submitted, alternating (a system with ``ALTERNATING`` placement: r0 and r2 on
+    a, r1 and r3 on b); returns (client, monitor, a, b)."""
     _, context, frontend, backend = system
     client, monitor = api_client(context, frontend), api_client(context, frontend)
     doomed = start_group(context, backend, monitor, "a", 1, die_after_steps=die_after_steps)
@@ -73,6 +78,7 @@ def first_steps_of(worker: FakeWorkerThread) -> dict[str, list[int]]:
     return firsts
 
 
+@pytest.mark.parametrize("system", [ALTERNATING], indirect=True)
 def test_a_dead_groups_requests_complete_on_the_survivor_with_exactly_their_tokens(system):
     client, monitor, doomed, survivor = spread_over_two_groups(system, die_after_steps=5)
     tokens, finals = collect(client, list(PROMPTS))
@@ -97,7 +103,7 @@ def test_a_dead_groups_requests_complete_on_the_survivor_with_exactly_their_toke
     assert after.workers_ready
 
 
-@pytest.mark.parametrize("system", [{"migration_limit": 0}], indirect=True)
+@pytest.mark.parametrize("system", [{"migration_limit": 0, **ALTERNATING}], indirect=True)
 def test_with_a_migration_limit_of_0_a_dead_groups_requests_fail_as_before(system):
     client, monitor, doomed, _ = spread_over_two_groups(system, die_after_steps=5)
     tokens, finals = collect(client, list(PROMPTS))
@@ -309,12 +315,12 @@ def test_with_a_migration_limit_of_0_the_only_groups_requests_fail_at_once(syste
 
 class PlacementDriver:
     """A ``HybridPlacement`` driven directly: groups served and steps answered by hand, each
-    group's worker a fresh ``FakeTokenGenerator``; the results of client b"api" gathered."""
+    group's worker a fresh ``FakeTokenGenerator``; the results of client b"api" gathered.
+    Requests alternate between groups (``ALTERNATING``) unless ``config`` says otherwise."""
 
     def __init__(self, **config) -> None:
-        self.placement = HybridPlacement(
-            SchedulerConfig(max_num_batched_tokens=64, **config), SchedulerCounters()
-        )
+        config = {"max_num_batched_tokens": 64, **ALTERNATING, **config}
+        self.placement = HybridPlacement(SchedulerConfig(**config), SchedulerCounters())
         self.workers = WorkerGroups()
         self.generators: dict[str, FakeTokenGenerator] = {}
         self.tokens: dict[str, list[int]] = defaultdict(list)

@@ -20,7 +20,7 @@ from interfaces import (
     SharedMemoryArray,
 )
 from interfaces.api_to_scheduler import AbortRequests, StatsRequest, SubmitRequest
-from interfaces.scheduler_to_api import MIGRATION_REASONS, SchedulerStats
+from interfaces.scheduler_to_api import MIGRATION_REASONS, GroupStats, SchedulerStats
 from tests.support.hostile import hostile_frames
 from tests.support.scheduler_sockets import (
     FakeWorkerThread,
@@ -75,6 +75,7 @@ def test_requests_from_two_api_servers_are_routed_back_to_their_owner(system):
         num_requests_running_by_role={"hybrid": 0},
         num_requests_waiting_by_role={"hybrid": 0},
         request_migrations_total=NO_MIGRATIONS,
+        groups=[GroupStats(stats.groups[0].name, "hybrid", 0, 0, 64, 0, 5, 0)],
     )
     server.stop()
     assert worker.got_shutdown.wait(5)

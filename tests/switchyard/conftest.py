@@ -36,21 +36,24 @@ class Process:
 
 @pytest.fixture
 def make_launcher(tmp_path, monkeypatch) -> Iterator[Callable[..., Launcher]]:
-    """``make_launcher(**serve_config)``: a ready launcher of stand-ins (the scheduler, each
-    worker group's processes as ``serve`` names them, the API servers), at ``launcher.clock``
-    0. ``launcher.starts`` gets (name, argv, time) of each process started after that."""
+    """``make_launcher(gpus=None, **serve_config)``: a ready launcher of stand-ins (the
+    scheduler, each worker group's processes as ``serve`` names them, the API servers), on a
+    host whose visible CUDA devices are ``gpus`` (None: the workers run on the CPU), at
+    ``launcher.clock`` 0. ``launcher.starts`` gets (name, argv, time) of each process started
+    after that; ``launcher.environments`` the variables each process was last started with."""
     made: list[Launcher] = []
 
-    def make(**serve_config) -> Launcher:
+    def make(gpus: list[str] | None = None, **serve_config) -> Launcher:
         serve_config.setdefault("api_servers", 2)
         launcher = Launcher(ServeConfig(tmp_path, "model", **serve_config))
         made.append(launcher)
         launcher.clock = 0.0
-        launcher.starts, launcher.crashes = [], []
+        launcher.starts, launcher.crashes, launcher.environments = [], [], {}
 
-        def spawn(name: str, argv: list[str], *_args, **_variables) -> None:
+        def spawn(name: str, argv: list[str], *_args, **variables) -> None:
             launcher.children[name] = Process()
             launcher.starts.append((name, argv, launcher.clock))
+            launcher.environments[name] = variables
 
         def spawn_api_server(name: str) -> None:
             spawn(name, [])
@@ -59,6 +62,8 @@ def make_launcher(tmp_path, monkeypatch) -> Iterator[Callable[..., Launcher]]:
 
         monkeypatch.setattr(launcher, "_spawn", spawn)
         monkeypatch.setattr(launcher, "_spawn_api_server", spawn_api_server)
+        monkeypatch.setattr("switchyard.launcher.visible_cuda_devices", lambda device: gpus)
+        launcher.group_devices = launcher._devices_by_group()
         spawn("scheduler", [])
         for group in launcher._group_roles():
             launcher.worker_groups.start(group, launcher.clock)

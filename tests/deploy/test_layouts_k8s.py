@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
-import yaml
 
 from tests.support.deploy import (
     IMAGE_CURVE_KEYS_DIR,
@@ -25,6 +22,7 @@ from tests.support.deploy import (
     flag,
     k8s_copy,
     k8s_documents,
+    kubernetes_validate,
     options,
     pod_template,
     readme_command,
@@ -32,7 +30,6 @@ from tests.support.deploy import (
     split_layout,
 )
 
-KUBERNETES_VERSION = "1.33.0"
 LWS_SCHEMA = Path(__file__).with_name("schemas") / "leaderworkerset-v1.json"
 MODELS_MOUNT = "/models/extra"
 
@@ -64,32 +61,6 @@ def every_k8s_container(k8s_dir: Path = K8S_DIR) -> list[dict]:
         for _, pod in every_k8s_pod(k8s_dir)
         for container in pod.get("initContainers", []) + pod["containers"]
     ]
-
-
-def kubernetes_validate(manifests: list[Path], tmp_path: Path) -> None:
-    """``kubernetes-validate --strict`` passes every document of ``manifests``: a
-    LeaderWorkerSet (a CRD it does not know) as its pod template in a PodTemplate (the CRD's
-    own schema checks the rest: test_the_leader_worker_set_matches_its_crd)."""
-    checked = []
-    for path in manifests:
-        documents = k8s_documents(path)
-        if documents[0]["kind"] == "LeaderWorkerSet":
-            (lws,) = documents
-            template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "lws"}}
-            template["template"] = pod_template(lws)
-            path = tmp_path / f"{path.stem}-pod-template.yaml"
-            path.write_text(yaml.safe_dump(template))
-        checked.append(path)
-    validator = Path(sys.executable).with_name("kubernetes-validate")
-    completed = subprocess.run(
-        [str(validator), "--strict", "-k", KUBERNETES_VERSION, *map(str, checked)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stdout + completed.stderr
-    assert completed.stdout.count(" passed ") == len(k8s_documents(*checked))
-    assert "WARN" not in completed.stdout + completed.stderr
 
 
 def without_crds(paths: list[Path]) -> list[Path]:

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -48,6 +49,9 @@ COMPOSE_SECRETS = {"SWITCHYARD_API_KEY": "test-api-key", "GRAFANA_ADMIN_PASSWORD
 IMAGE_CURVE_KEYS_DIR = "/etc/switchyard/curve"
 K8S_SECRETS = {("switchyard-api-key", "api-key"): "test-api-key"}
 """The Secrets deployment.yaml's header tells the operator to create: (name, key) -> value."""
+
+KUBERNETES_VERSION = "1.33.0"
+"""The Kubernetes API version the manifests are validated against."""
 
 
 def run_compose_config(environment: dict[str, str], *files: Path) -> subprocess.CompletedProcess:
@@ -157,3 +161,29 @@ def flag(command: list[str], name: str) -> str:
 def expand_k8s_variables(argument: str, environment: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion of container commands."""
     return re.sub(r"\$\((\w+)\)", lambda match: environment[match.group(1)], argument)
+
+
+def kubernetes_validate(manifests: list[Path], tmp_path: Path) -> None:
+    """``kubernetes-validate --strict`` passes every document of ``manifests``: a
+    LeaderWorkerSet (a CRD it does not know) as its pod template in a PodTemplate (the CRD's
+    own schema checks the rest: test_the_leader_worker_set_matches_its_crd)."""
+    checked = []
+    for path in manifests:
+        documents = k8s_documents(path)
+        if documents[0]["kind"] == "LeaderWorkerSet":
+            (lws,) = documents
+            template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "lws"}}
+            template["template"] = pod_template(lws)
+            path = tmp_path / f"{path.stem}-pod-template.yaml"
+            path.write_text(yaml.safe_dump(template))
+        checked.append(path)
+    validator = Path(sys.executable).with_name("kubernetes-validate")
+    completed = subprocess.run(
+        [str(validator), "--strict", "-k", KUBERNETES_VERSION, *map(str, checked)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert completed.stdout.count(" passed ") == len(k8s_documents(*checked))
+    assert "WARN" not in completed.stdout + completed.stderr

@@ -50,6 +50,7 @@ from interfaces.scheduler_to_api import (
     GroupStats,
     SchedulerStats,
 )
+from interfaces.scheduler_to_worker import MAX_DRAFT_TOKENS
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -93,6 +94,10 @@ SCHEDULER_METRIC_NAMES = (
     "switchyard:kv_transfer_seconds",
     "switchyard:request_migrations_total",
     "switchyard:worker_restarts_total",
+    "switchyard:spec_decode_num_drafts_total",
+    "switchyard:spec_decode_num_draft_tokens_total",
+    "switchyard:spec_decode_num_accepted_tokens_total",
+    "switchyard:spec_decode_num_accepted_tokens_per_pos_total",
     "switchyard:migration_pause_seconds",
     "switchyard:num_requests_running_by_group",
     "switchyard:num_requests_waiting_by_group",
@@ -443,6 +448,7 @@ class SchedulerCollector(Collector):
         )
         yield from self._migrations(stats)
         yield from self._groups(stats)
+        yield from self._speculative(stats)
 
     def _groups(self, stats: SchedulerStats) -> Iterator[Metric]:
         """Each serving text generation group's series, labelled by ``group`` and ``role``
@@ -487,6 +493,30 @@ class SchedulerCollector(Collector):
             for group in groups:
                 metric.add_metric([self.model_name, group.name, group.role], value(group))
             yield metric
+
+    def _speculative(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """Speculative decoding, as vLLM names it: drafts, draft tokens, accepted tokens, and
+        accepted tokens by position (every position up to ``MAX_DRAFT_TOKENS``)."""
+        for name, documentation, value in (
+            ("drafts", "Request steps that verified drafts.", stats.spec_decode_num_drafts_total),
+            ("draft_tokens", "Draft tokens verified.", stats.spec_decode_num_draft_tokens_total),
+            ("accepted_tokens", "Drafts accepted.", stats.spec_decode_num_accepted_tokens_total),
+        ):  # fmt: skip
+            metric = CounterMetricFamily(
+                f"switchyard:spec_decode_num_{name}", documentation, labels=["model_name"]
+            )
+            metric.add_metric([self.model_name], value)
+            yield metric
+        per_position = CounterMetricFamily(
+            "switchyard:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a step's drafts (0: the first).",
+            labels=["model_name", "position"],
+        )
+        counts = stats.spec_decode_num_accepted_tokens_per_pos_total[:MAX_DRAFT_TOKENS]
+        counts += [0] * (MAX_DRAFT_TOKENS - len(counts))
+        for position, value in enumerate(counts):
+            per_position.add_metric([self.model_name, str(position)], value)
+        yield per_position
 
     def _migrations(self, stats: SchedulerStats) -> Iterator[Metric]:
         """Requests moved to another worker group, by reason (every one of

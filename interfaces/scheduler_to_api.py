@@ -139,6 +139,13 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     the newest first, at most ``MAX_GROUPS_AWAY``."""
     groups: list[GroupStats] = []
     """Every serving text generation group, by name, at most ``MAX_GROUP_STATS``."""
+    spec_decode_num_drafts_total: int = 0
+    """Speculative decoding: requests' steps that carried draft tokens, the drafts, the drafts
+    accepted, and those by position in the step (index 0: the first draft; at most
+    ``MAX_DRAFT_TOKENS`` entries)."""
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos_total: list[int] = []
 
     @property
     def kv_cache_usage(self) -> float:

@@ -12,6 +12,9 @@ import msgspec
 from interfaces.embeddings import EmbeddingsContext
 from interfaces.requests import RequestID, TextContext
 
+MAX_DRAFT_TOKENS = 16
+"""The most draft tokens one request carries in one step (speculative decoding)."""
+
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """A request the worker has not seen (or has released): its whole state."""
@@ -53,6 +56,11 @@ class ScheduledStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=T
     For each scheduled request the worker computes ``num_scheduled_tokens[id]`` tokens starting at
     ``num_computed_tokens``. When that reaches the end of the request's known tokens (prompt plus
     outputs so far), the worker samples one new token for it.
+
+    ``spec_token_ids[id]`` (speculative decoding) are up to ``MAX_DRAFT_TOKENS`` draft tokens
+    that follow a decoding request's known tokens: it is scheduled for its last token and its
+    drafts (1 + len(drafts) tokens), and the worker returns the drafts it accepted and one
+    token sampled after them (``scheduler.speculative``).
     """
 
     step_id: int
@@ -61,6 +69,7 @@ class ScheduledStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=T
     num_scheduled_tokens: dict[RequestID, int] = {}
     finished_request_ids: list[RequestID] = []
     kv_sends: list[KVSend] = []
+    spec_token_ids: dict[RequestID, list[int]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:

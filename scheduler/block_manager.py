@@ -127,10 +127,12 @@ class BlockManager:
         return new_block_ids
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Record by hash every block of ``request`` that is full of computed tokens."""
+        """Record by hash every block of ``request`` that is full of computed tokens it knows
+        (draft tokens in flight are computed but not known: ``scheduler.speculative``)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        num_known = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_known // self.block_size, len(request.block_ids))
         if num_full <= request.num_cached_blocks:
             return  # no block filled up since the last call (most decode steps)
         block_hashes = self._block_hashes(request)

@@ -4,10 +4,12 @@ their flags (``interfaces.settings``): ``SchedulerSettings`` is ``python -m sche
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from interfaces.settings import component, setting
 from interfaces.worker_to_scheduler import MAX_KV_BLOCKS
+from scheduler.speculative import SpeculativeConfig
 
 
 class PlacementPolicy(enum.Enum):
@@ -107,8 +109,27 @@ class SchedulerConfig:
         "prompt is cached and the queue is short, least-loaded where the fewest requests are",
         default_text="cache-aware",
     )
+    speculative_config: str | None = setting(
+        None,
+        "--speculative-config",
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts tokens by looking up the '
+        "context's last n-gram earlier in it",
+        metavar="JSON",
+        default_text="off",
+    )
+    """``SpeculativeConfig`` as JSON (``speculative`` parses it); None: no drafts."""
+
+    @functools.cached_property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config`` (checked on construction)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)  # ValueError: say what is wrong
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(
                 f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}"

@@ -15,6 +15,7 @@ from interfaces.scheduler_to_api import (
     MIGRATION_PAUSE_SECONDS_BUCKETS,
     MIGRATION_REASONS,
 )
+from interfaces.scheduler_to_worker import MAX_DRAFT_TOKENS
 
 
 @dataclass
@@ -56,6 +57,23 @@ class SchedulerCounters:
     """Moved requests per bucket of ``MIGRATION_PAUSE_SECONDS_BUCKETS`` of the time from their
     group leaving to their next token (not cumulative; the last: above all)."""
     migration_pause_seconds_sum: float = 0.0
+    spec_decode_num_drafts: int = 0
+    """Requests' steps that carried draft tokens (speculative decoding)."""
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(
+        default_factory=lambda: [0] * MAX_DRAFT_TOKENS
+    )
+    """Entry i: drafts accepted at position i (the i + 1-th draft of a step)."""
+
+    def observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one request's step that verified ``num_drafts`` drafts, the first
+        ``num_accepted`` of them accepted."""
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_drafts
+        self.spec_decode_num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.spec_decode_num_accepted_tokens_per_pos[position] += 1
 
     def observe_kv_transfer(self, num_bytes: int, seconds: float) -> None:
         """Count one finished transfer of a request's blocks."""

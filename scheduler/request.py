@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from interfaces import GenerationStatus, RequestID, TextContext
 from scheduler.block_hash import BlockHash
+from scheduler.speculative import SpecDecodingState
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +61,9 @@ class Request:
     first_scheduled_time: float | None = None
     """When the request was first admitted to the batch (``time.monotonic()``)."""
     waiting_for_grammar: bool = False
+    spec: SpecDecodingState | None = None
+    """Its speculative decoding state, from its first draft lookup (``scheduler.speculative``);
+    None without speculative decoding."""
     stop_token_ids: frozenset[int] = field(init=False)
     eos_token_ids: frozenset[int] = field(init=False)
 
@@ -92,6 +96,8 @@ class Request:
     def append_token(self, token_id: int) -> GenerationStatus:
         """Record a sampled token and decide whether the request is done."""
         self.all_token_ids.append(token_id)
+        if self.spec is not None:
+            self.spec.extend((token_id,))
         params = self.context.sampling_params
         num_output = self.num_output_tokens
         if num_output >= params.min_new_tokens and (

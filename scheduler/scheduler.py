@@ -28,6 +28,8 @@ from collections import defaultdict, deque
 
 from interfaces import (
     ErrorKind,
+    GenerationStatus,
+    LogProbabilities,
     RequestID,
     RequestTimings,
     SchedulerResult,
@@ -42,6 +44,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.counters import GroupCounters, SchedulerCounters
 from scheduler.request import Request, RequestStatus
+from scheduler.speculative import SpecDecodingState, propose_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,8 @@ STEP_FAILED = "the worker failed while running this request's batch"
 """What every request of a step that failed as a whole is told (the worker's error, which may
 name another request, goes to the logs only)."""
 MALFORMED_OUTPUT = "the worker sent a malformed output for this request"
-"""What a request is told whose output is not one token of its own."""
+"""What a request is told whose output is not the tokens of its own it could have: one, or
+with drafts 1 to 1 + drafts."""
 TextResult = SchedulerResult[TextGenerationOutput]
 ResultsByClient = dict[bytes, dict[RequestID, TextResult]]
 """Results to send, grouped by the ZeroMQ identity of the API server that owns each request."""
@@ -142,6 +146,8 @@ class Scheduler:
             request.waiting_for_grammar = False
             request.worker_has_state = False
             request.status = RequestStatus.WAITING
+            if request.spec is not None:
+                request.spec.draft_tokens_to_verify = []
         self.running, self.waiting, self.reserved, self.requests = [], deque(), {}, {}
         self.num_waiting_tokens = self.num_waiting_work = 0
         return requests
@@ -318,12 +324,18 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if len(produced.tokens) != 1 or produced.request_id != request_id:
+            drafts = request.spec.draft_tokens_to_verify if request.spec is not None else []
+            num_produced = len(produced.tokens)
+            if not 1 <= num_produced <= 1 + len(drafts) or produced.request_id != request_id:
                 self._finish(request)
                 results[request.client_id][request_id] = _malformed(request_id, produced)
                 continue
+            if drafts:  # rewind past the rejected drafts: their KV is recomputed later
+                request.num_computed_tokens -= 1 + len(drafts) - num_produced
+                request.spec.draft_tokens_to_verify = []
+                self.counters.observe_drafts(len(drafts), num_produced - 1)
             # The worker's output goes on to the API server, completed with the request's fate.
-            produced.final_status = status = request.append_token(produced.tokens[0])
+            produced.final_status = status = self._append_tokens(request, produced)
             self._observe_pause(request, now)
             timings = _first_token_timings(request, now) if request.num_output_tokens == 1 else None
             if status.is_done:
@@ -335,6 +347,19 @@ class Scheduler:
                     self._finish(request)
                     self._handoffs.append(request)
         return results
+
+    def _append_tokens(self, request: Request, produced: TextGenerationOutput) -> GenerationStatus:
+        """Append ``produced``'s tokens to ``request`` up to the first that ends it; the ones
+        after it (accepted drafts past a stop token, or past the length limit) are dropped from
+        ``produced`` too. Returns the request's status after the last one kept."""
+        for index, token_id in enumerate(produced.tokens):
+            status = request.append_token(token_id)
+            if status.is_done:
+                del produced.tokens[index + 1 :]
+                if produced.log_probabilities is not None:
+                    _keep_logprobs(produced, index + 1)
+                return status
+        return status
 
     def on_grammars(self, news: GrammarsReady) -> ResultsByClient:
         """The worker's news about parked requests: ready ones are scheduled again (their last
@@ -434,9 +459,19 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_block_ids = self._allocate_or_preempt(request, num_new)
+            drafts = self._drafts(request, budget) if num_new == 1 else []
+            new_block_ids = None
+            if drafts:  # drafts take free blocks only: speculation never preempts a request
+                new_block_ids = self.block_manager.allocate_slots(request, num_new + len(drafts))
+                drafts = drafts if new_block_ids is not None else []
+            if new_block_ids is None:
+                new_block_ids = self._allocate_or_preempt(request, num_new)
             if new_block_ids is None:
                 return budget, True
+            if drafts:
+                step.spec_token_ids[request.request_id] = drafts
+                request.spec.draft_tokens_to_verify = drafts
+                num_new += len(drafts)
             if request.worker_has_state:
                 step.cached_requests.append(
                     CachedRequestData(
@@ -499,6 +534,23 @@ class Scheduler:
             if victim is request:
                 return None
         return new_block_ids
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens to verify with ``request``'s next token (``scheduler.speculative``),
+        within the step's ``budget`` and the tokens it may still generate; none without
+        speculative decoding, for a request that follows a grammar, or when nothing recurs."""
+        config = self.config.speculative
+        if config is None or request.context.structured_output is not None:
+            return []
+        if request.num_output_tokens == 0:  # its first token may bring prompt log probabilities
+            return []
+        if request.spec is None:
+            request.spec = SpecDecodingState()
+            request.spec.extend(request.all_token_ids)
+        # Verified drafts and the token sampled after them are all outputs: leave room for it.
+        room = request.max_new_tokens - request.num_output_tokens - 1
+        limit = min(config.num_speculative_tokens, budget - 1, room)
+        return propose_drafts(request.spec, config, limit)
 
     def _park(self, request: Request) -> None:
         """The worker computed ``request``'s scheduled tokens but deferred its token until its
@@ -578,6 +630,12 @@ def counter_stats(
         worker_restarts_total=counters.worker_restarts,
         migration_pause_seconds_counts=list(counters.migration_pause_seconds_counts),
         migration_pause_seconds_sum=counters.migration_pause_seconds_sum,
+        spec_decode_num_drafts_total=counters.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens_total=counters.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens_total=counters.spec_decode_num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos_total=list(
+            counters.spec_decode_num_accepted_tokens_per_pos
+        ),
     )
 
 
@@ -589,9 +647,21 @@ def _failed(failure: RequestFailure) -> TextResult:
     return SchedulerResult.cancelled(failure.reason, ErrorKind.INTERNAL)
 
 
+def _keep_logprobs(produced: TextGenerationOutput, num_tokens: int) -> None:
+    """Cut ``produced``'s log probabilities to its first ``num_tokens`` tokens."""
+    kept = []
+    for entry in produced.log_probabilities:
+        if num_tokens <= 0:
+            break
+        values, tops = entry.token_log_probabilities, entry.top_log_probabilities
+        kept.append(LogProbabilities(values[:num_tokens], tops[:num_tokens]))
+        num_tokens -= len(values)
+    produced.log_probabilities = kept
+
+
 def _malformed(request_id: RequestID, output: TextGenerationOutput) -> TextResult:
-    """The result of a request whose output is not one token of its own (a worker sends one
-    per request per step, ``worker.request_sampler``)."""
+    """The result of a request whose output is not tokens of its own: one per request per
+    step, or with drafts 1 to 1 + drafts (``worker.request_sampler``)."""
     logger.warning(
         "request %s: the worker sent %d tokens for request %r; failing it",
         request_id,

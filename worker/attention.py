@@ -3,12 +3,17 @@
 A step's tokens are all requests' scheduled tokens concatenated (varlen). A request may prefill
 many tokens (a whole prompt, or a chunk starting after tokens already cached) while another
 decodes one. Every layer writes the new keys/values into their cache slots, then each request's
-queries attend to its cached keys through its block table: the blocks are gathered into a padded
-batch and one ``scaled_dot_product_attention`` call serves a whole group of requests, with a
-causal mask on absolute positions hiding both future tokens and padding.
+queries attend to its cached keys through its block table. Two ways, chosen once per model
+(``LlamaForCausalLM.attends_in_place``):
 
-Requests are grouped by kind, decodes (one query token) apart from prefills, so a step that
-mixes 64 decodes with one 448-token prefill chunk does not pad every decode to 448 queries.
+- **In place** (CPU, float32): ``worker.models.cpu_ops.paged_attention`` reads each request's
+  blocks where they lie, for decodes and prefills alike; the layout is one block table per
+  request and where each request's queries start.
+- **Gathered** (elsewhere): the blocks are gathered into a padded batch and one
+  ``scaled_dot_product_attention`` call serves a whole group of requests, with a causal mask on
+  absolute positions hiding both future tokens and padding. Requests are grouped by kind,
+  decodes (one query token) apart from prefills, so a step that mixes 64 decodes with one
+  448-token prefill chunk does not pad every decode to 448 queries.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kv_cache import slot_mapping
+from worker.models import cpu_ops
 
 
 @dataclass(frozen=True)
@@ -48,11 +54,23 @@ class AttentionMetadata:
     """Where a step's tokens sit, shared by every layer. Built once per step on the device.
 
     ``slot_mapping`` (num_tokens,): cache slot each new token's key/value is written to.
-    ``groups``: one or two ``AttentionGroup``s that together hold every token once.
+    In place: ``block_tables`` (num_requests, max_num_blocks), each request's blocks padded
+    with 0; ``query_starts`` (num_requests + 1,), each request's first token in the flat batch
+    and then num_tokens; ``context_starts`` (num_requests,), each request's first position.
+    Gathered: ``groups``, one or two ``AttentionGroup``s that together hold every token once
+    (empty in place, and the three tensors above are then None).
     """
 
     slot_mapping: torch.Tensor
     groups: tuple[AttentionGroup, ...]
+    block_tables: torch.Tensor | None = None
+    query_starts: torch.Tensor | None = None
+    context_starts: torch.Tensor | None = None
+
+    @property
+    def in_place(self) -> bool:
+        """Whether this step reads the cache in place (``cpu_ops.paged_attention``)."""
+        return self.block_tables is not None
 
 
 @dataclass(frozen=True)
@@ -74,8 +92,10 @@ def build_batch_layout(
     block_ids: Sequence[Sequence[int]],
     block_size: int,
     device: torch.device,
+    in_place: bool = False,
 ) -> BatchLayout:
-    """Lay out requests that compute [num_computed, num_computed + num_scheduled) tokens each.
+    """Lay out requests that compute [num_computed, num_computed + num_scheduled) tokens each,
+    for attention in place or gathered (module docstring).
 
     ``block_ids[i]`` must cover request i's tokens up to its new end; the caller checks that.
     """
@@ -89,13 +109,23 @@ def build_batch_layout(
         for ids, start, end in zip(block_ids, starts, ends, strict=True)
     ]
     query_starts = np.cumsum(query_lens) - query_lens
-    is_decode = query_lens == 1
-    groups = tuple(
-        _group(members, starts, query_lens, query_starts, block_ids, block_size, device)
-        for members in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode))
-        if len(members)
-    )
-    metadata = AttentionMetadata(_tensor(np.concatenate(slots), device), groups)
+    slot_tensor = _tensor(np.concatenate(slots), device)
+    if in_place:
+        metadata = AttentionMetadata(
+            slot_tensor,
+            groups=(),
+            block_tables=_tensor(_block_tables(block_ids, -(-ends // block_size)), device),
+            query_starts=_tensor(np.append(query_starts, len(positions)), device),
+            context_starts=_tensor(starts, device),
+        )
+    else:
+        is_decode = query_lens == 1
+        groups = tuple(
+            _group(members, starts, query_lens, query_starts, block_ids, block_size, device)
+            for members in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode))
+            if len(members)
+        )
+        metadata = AttentionMetadata(slot_tensor, groups)
     last_token_indices = _tensor(query_starts + query_lens - 1, device)
     return BatchLayout(_tensor(positions, device), metadata, last_token_indices)
 
@@ -183,6 +213,16 @@ def paged_attention(
 
     The step's own keys/values must already be written (``write_kv``).
     """
+    if metadata.in_place:
+        return cpu_ops.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.query_starts,
+            metadata.context_starts,
+            scale,
+        )
     if len(metadata.groups) == 1:
         return _group_attention(query, key_cache, value_cache, metadata.groups[0], scale)
     output = torch.empty_like(query)

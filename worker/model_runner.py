@@ -15,7 +15,8 @@ Tensor-parallel, every rank runs the same step on its share of the model (``work
 Before the forward pass the ranks agree on which new requests are refused and whether the step
 failed, so their batches stay identical; after it, rank 0 alone samples (and alone compiles
 grammars) and sends the tokens to the others, which need them as the next step's inputs
-(``NO_TOKEN`` for a request that got none). A collective that fails leaves the ranks out of
+(none for a request that got none; with speculative decoding, the drafts it accepted and the
+token after them, ``worker.request_sampler``). A collective that fails leaves the ranks out of
 step, which no step can repair: it raises ``GroupBroken`` and the worker exits.
 """
 
@@ -27,7 +28,7 @@ import msgspec
 import torch
 
 from interfaces import RequestID, TextGenerationOutput
-from interfaces.scheduler_to_worker import NewRequestData, ScheduledStep
+from interfaces.scheduler_to_worker import MAX_DRAFT_TOKENS, NewRequestData, ScheduledStep
 from interfaces.worker_to_scheduler import GrammarsReady, KVLayout, RequestFailure
 from worker import parallel
 from worker.attention import build_batch_layout
@@ -43,7 +44,7 @@ from worker.parallel import tensor_parallel
 from worker.prompt_logprobs import plan_prompt_logprob_rows, record_prompt_logprobs
 from worker.request_sampler import RequestSampler
 from worker.request_state import RequestState
-from worker.sampler import NO_TOKEN, Sampler, check_supported
+from worker.sampler import Sampler, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +221,10 @@ class ModelRunner:
             self._check_block_ids(cached.request_id, cached.new_block_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for request_id, drafts in scheduler_output.spec_token_ids.items():
+            state = self._state(request_id)
+            self._check_drafts(state, drafts, scheduler_output.num_scheduled_tokens)
+            state.drafts = list(drafts)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         """State for a request the scheduler sends in full; one the worker cannot serve gets a
@@ -291,14 +296,21 @@ class ModelRunner:
             [state.block_ids for state in states],
             self.block_size,
             self.device,
+            in_place=self.model.attends_in_place,
         )
         sampling = [
             i
             for i, (s, n) in enumerate(zip(states, counts, strict=True))
             if _reaches_end(s, n) and s.refusal is None
         ]
+        # Each sampling request's last token, and with drafts the drafts before it too.
+        last = layout.last_token_indices.tolist()
+        rows = [
+            last[i] - len(states[i].drafts) + k
+            for i in sampling
+            for k in range(1 + len(states[i].drafts))
+        ]
         prompt_rows = plan_prompt_logprob_rows(states, counts)
-        prompt_indices = torch.tensor(prompt_rows.flat_indices, dtype=torch.int64)
         input_ids = self._input_ids(states, counts)
         with parallel.group_breaks_on_error("run a forward pass"):
             logits = self.model(
@@ -306,34 +318,44 @@ class ModelRunner:
                 layout.positions,
                 self.kv_cache,
                 layout.metadata,
-                torch.cat([layout.last_token_indices[sampling], prompt_indices.to(self.device)]),
+                torch.tensor(rows + prompt_rows.flat_indices, dtype=torch.int64).to(self.device),
                 input_embeddings(
                     self.model, input_ids, [state.images for state in states], num_computed, counts
                 ),
-            )  # (len(sampling) + len(prompt_indices), vocab_size)
+            )  # (len(rows) + len(prompt_rows.flat_indices), vocab_size)
         for state, count in zip(states, counts, strict=True):
             state.num_computed_tokens += count
         sampled = [states[i] for i in sampling]
-        if not self.tensor_parallel.is_driver:
-            return self._follow(sampled)
+        capacities = [1 + len(state.drafts) for state in sampled]
         try:
-            record_prompt_logprobs(logits[len(sampling) :], prompt_rows)
-            outputs = self.request_sampler.sample(logits[: len(sampling)], sampled)
-        except Exception:
-            parallel.share_tokens(None, len(sampled))
-            raise
-        tokens = [_token_of(outputs.get(state.request_id)) for state in sampled]
-        parallel.share_tokens(tokens, len(sampled))
-        return outputs
+            if not self.tensor_parallel.is_driver:
+                return self._follow(sampled, capacities)
+            try:
+                record_prompt_logprobs(logits[len(rows) :], prompt_rows)
+                outputs = self.request_sampler.sample(logits[: len(rows)], sampled)
+            except Exception:
+                parallel.share_tokens(None, capacities)
+                raise
+            produced = [outputs.get(state.request_id) for state in sampled]
+            parallel.share_tokens([o.tokens if o else [] for o in produced], capacities)
+            for state, output in zip(sampled, produced, strict=True):
+                _rewind_rejected(state, output.tokens if output else [])
+            return outputs
+        finally:
+            for state in states:
+                state.drafts = []  # this step's only
 
-    def _follow(self, sampled: list[RequestState]) -> dict[RequestID, TextGenerationOutput]:
+    def _follow(
+        self, sampled: list[RequestState], capacities: list[int]
+    ) -> dict[RequestID, TextGenerationOutput]:
         """Ranks other than 0: take rank 0's tokens for the states it sampled; no outputs."""
-        tokens = parallel.share_tokens(None, len(sampled))
-        if tokens is None:
+        token_lists = parallel.share_tokens(None, capacities)
+        if token_lists is None:
             raise RuntimeError("rank 0 failed to sample this step")
-        for state, token in zip(sampled, tokens, strict=True):
-            if token != NO_TOKEN:
+        for state, tokens in zip(sampled, token_lists, strict=True):
+            for token in tokens:
                 state.append_output(token)
+            _rewind_rejected(state, tokens)
         return {}
 
     def _input_ids(self, states: list[RequestState], counts: list[int]) -> torch.Tensor:
@@ -341,6 +363,8 @@ class ModelRunner:
         for state, count in zip(states, counts, strict=True):
             start = state.num_computed_tokens
             input_ids.extend(state.token_ids[start : start + count])
+            if state.drafts:  # a decode: its last token, then its drafts
+                input_ids.extend(state.drafts)
         return torch.tensor(input_ids, dtype=torch.int64, device=self.device)
 
     def _state(self, request_id: RequestID) -> RequestState:
@@ -355,12 +379,34 @@ class ModelRunner:
                 f"request {request_id!r} names block ids outside [0, {self.num_kv_blocks})"
             )
 
+    def _check_drafts(
+        self, state: RequestState, drafts: list[int], num_scheduled: dict[RequestID, int]
+    ) -> None:
+        """``ValueError`` unless ``drafts`` may follow ``state``'s tokens in this step: a
+        decode (its one known token left to compute) scheduled for that token and the drafts,
+        without a grammar or prompt log probabilities to follow, drafts in the vocabulary."""
+        problem = None
+        if not 1 <= len(drafts) <= MAX_DRAFT_TOKENS:
+            problem = f"{len(drafts)} draft tokens (1 to {MAX_DRAFT_TOKENS} allowed)"
+        elif num_scheduled.get(state.request_id) != 1 + len(drafts):
+            problem = f"{len(drafts)} drafts, but {num_scheduled.get(state.request_id)} tokens"
+        elif state.num_computed_tokens + 1 != state.num_tokens:
+            problem = "drafts for a request that is not decoding"
+        elif state.grammar is not None or state.pending_grammar is not None:
+            problem = "drafts for a request that follows a grammar"
+        elif state.prompt_logprobs is not None:
+            problem = "drafts before the first token of a request with prompt log probabilities"
+        elif not all(0 <= token < self.model_config.vocab_size for token in drafts):
+            problem = "draft tokens outside the vocabulary"
+        if problem is not None:
+            raise ValueError(f"request {state.request_id!r}: {problem}")
+
     def _check_schedulable(self, state: RequestState, count: int) -> None:
         end = state.num_computed_tokens + count
         problem = None
         if count < 1:
             problem = f"{count} tokens scheduled"
-        elif end > state.num_tokens:
+        elif end > state.num_tokens + len(state.drafts):
             problem = f"tokens up to {end} scheduled but only {state.num_tokens} are known"
         elif end > self.max_model_len:
             problem = f"tokens up to {end} exceed max_model_len {self.max_model_len}"
@@ -370,12 +416,16 @@ class ModelRunner:
             raise ValueError(f"request {state.request_id!r}: {problem}")
 
 
-def _token_of(output: TextGenerationOutput | None) -> int:
-    return output.tokens[0] if output is not None else NO_TOKEN
-
-
 def _reaches_end(state: RequestState, count: int) -> bool:
-    return state.num_computed_tokens + count == state.num_tokens
+    return state.num_computed_tokens + count == state.num_tokens + len(state.drafts)
+
+
+def _rewind_rejected(state: RequestState, tokens: list[int]) -> None:
+    """After verifying ``state``'s drafts (``tokens``: the accepted ones and the token sampled
+    after them, appended already): only the accepted drafts' keys and values count as
+    computed; the rejected ones' slots are written again later."""
+    if state.drafts:  # no tokens: the request failed; its last known token was computed
+        state.num_computed_tokens = state.num_tokens - (1 if tokens else 0)
 
 
 def _named_request_ids(scheduler_output: ScheduledStep) -> set[RequestID]:

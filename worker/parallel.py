@@ -246,21 +246,36 @@ def agree_on_step(failed: bool, refused: list[bool]) -> tuple[bool, list[bool]]:
     return anyone_failed, anyone_refused
 
 
-def share_tokens(tokens: list[int] | None, num_tokens: int) -> list[int] | None:
-    """After a step: rank 0's sampled ``tokens`` (``num_tokens`` of them; None if its sampling
-    failed) on every rank; other ranks' ``tokens`` are ignored. ``GroupBroken`` if the ranks
-    cannot exchange them."""
+def share_tokens(
+    token_lists: list[list[int]] | None, capacities: list[int]
+) -> list[list[int]] | None:
+    """After a step: rank 0's sampled tokens, a list per sampled request of at most
+    ``capacities[i]`` tokens (None if its sampling failed), on every rank; other ranks'
+    ``token_lists`` are ignored. ``GroupBroken`` if the ranks cannot exchange them."""
     if _current.world_size == 1:
-        return tokens
+        return token_lists
+    size = 1 + sum(1 + capacity for capacity in capacities)  # failed, then (count, tokens...)
+    message = [0] * size
     if _current.is_driver:
-        message = [0, *tokens] if tokens is not None else [1] * (num_tokens + 1)
-    else:
-        message = [0] * (num_tokens + 1)
+        if token_lists is None:
+            message[0] = 1
+        else:
+            at = 1
+            for tokens, capacity in zip(token_lists, capacities, strict=True):
+                message[at : at + 1 + len(tokens)] = [len(tokens), *tokens]
+                at += 1 + capacity
     values = torch.tensor(message, dtype=torch.int64)
     with group_breaks_on_error("share the sampled tokens"):
         dist.broadcast(values, src=0, group=_current.control)
     failed, *shared = values.tolist()
-    return None if failed else shared
+    if failed:
+        return None
+    shared_lists, at = [], 0
+    for capacity in capacities:
+        count = min(max(shared[at], 0), capacity)
+        shared_lists.append(shared[at + 1 : at + 1 + count])
+        at += 1 + capacity
+    return shared_lists
 
 
 def all_reduce_min(value: int) -> int:

@@ -76,39 +76,72 @@ class RequestSampler:
     def sample(
         self, logits: torch.Tensor, states: list[RequestState]
     ) -> dict[RequestID, TextGenerationOutput]:
-        """Sample one token per state whose grammar is ready from ``logits`` (len(states),
-        vocab_size), raw from the model; advance each state (tokens, grammar) and build its
-        output. Others are deferred (grammar compiling) or failed alone."""
-        rows = [i for i, state in enumerate(states) if self._grammar_ready(state)]
-        states = [states[i] for i in rows]
-        if not states:
+        """Sample for each state whose grammar is ready from ``logits``, raw from the model:
+        one row per state, or, for a state with drafts (speculative decoding), 1 + drafts rows
+        (after its last known token, then after each draft). Advance each state (tokens,
+        grammar) and build its output; others are deferred (grammar compiling) or failed alone.
+
+        A state with drafts gets the drafts up to the first that differs from the token sampled
+        at its position, and that sampled token (or, all accepted, the one after them): each
+        position is sampled as it would be alone (``RequestState.at_draft``), so the tokens are
+        those that decoding one at a time gives."""
+        ready: list[tuple[RequestState, int]] = []  # each with its first row in ``logits``
+        first_row = 0
+        for state in states:
+            if self._grammar_ready(state):
+                ready.append((state, first_row))
+            first_row += 1 + len(state.drafts)
+        if not ready:
             return {}
-        logits = logits[rows]
-        tokens = self._sample_isolated(logits, states)
+        row_states = [
+            state.at_draft(index) if index else state
+            for state, _ in ready
+            for index in range(1 + len(state.drafts))
+        ]
+        logits = logits[[first + i for state, first in ready for i in range(1 + len(state.drafts))]]
+        tokens = self._sample_isolated(logits, row_states)
         sampled = [i for i, token in enumerate(tokens) if token != NO_TOKEN]
-        logprobs = self._logprobs_isolated(logits[sampled], tokens, [states[i] for i in sampled])
+        logprobs = self._logprobs_isolated(
+            logits[sampled], tokens, [row_states[i] for i in sampled]
+        )
+        row_logprobs = dict(zip(sampled, logprobs, strict=True))
         outputs = {}
-        for i, log_probabilities in zip(sampled, logprobs, strict=True):
-            state = states[i]
+        row = 0
+        for state, _ in ready:
+            rows = range(row, row + 1 + len(state.drafts))
+            row = rows.stop
             if state.request_id in self._failures:
                 continue
+            kept = _verified(rows, tokens, state.drafts)
+            output = self._output(state, [tokens[r] for r in kept], [row_logprobs[r] for r in kept])
+            if output is not None:
+                outputs[state.request_id] = output
+        return outputs
+
+    def _output(
+        self,
+        state: RequestState,
+        tokens: list[int],
+        logprobs: list[list[LogProbabilities] | None],
+    ) -> TextGenerationOutput | None:
+        """Append ``tokens`` to ``state`` and build its output; None when that fails it."""
+        for token in tokens:
             try:
-                state.append_output(tokens[i])  # the grammar may reject it: the request's own
+                state.append_output(token)  # the grammar may reject it: the request's own
             except Exception as error:
                 self._fail(state, error, invalid_request=state.grammar is not None)
-                continue
-            try:
-                prompt_logprobs = state.take_prompt_logprobs()
-            except Exception as error:
-                self._fail(state, error)
-                continue
-            outputs[state.request_id] = TextGenerationOutput(
-                state.request_id,
-                [tokens[i]],
-                log_probabilities=log_probabilities,
-                prompt_log_probabilities=prompt_logprobs,
-            )
-        return outputs
+                return None
+        try:
+            prompt_logprobs = state.take_prompt_logprobs()
+        except Exception as error:
+            self._fail(state, error)
+            return None
+        return TextGenerationOutput(
+            state.request_id,
+            tokens,
+            log_probabilities=_joined(logprobs),
+            prompt_log_probabilities=prompt_logprobs,
+        )
 
     def _grammar_ready(self, state: RequestState) -> bool:
         """Whether ``state`` may sample now: its grammar (if any) compiled; otherwise it is
@@ -210,6 +243,30 @@ def _sampled_logprobs(
     for row, entry in zip(rows, entries, strict=True):
         results[row] = [as_log_probabilities([entry])]
     return results
+
+
+def _verified(rows: range, tokens: list[int], drafts: list[int]) -> list[int]:
+    """The rows whose sampled tokens a request keeps: its drafts up to the first that differs
+    from the token sampled in its place, and that token (or the one after all the drafts)."""
+    kept = []
+    for index, row in enumerate(rows):
+        kept.append(row)
+        if index == len(drafts) or tokens[row] != drafts[index]:
+            break
+    return kept
+
+
+def _joined(logprobs: list[list[LogProbabilities] | None]) -> list[LogProbabilities] | None:
+    """One step's log probabilities, one entry covering every token kept (None: not asked)."""
+    if logprobs[0] is None:
+        return None
+    entries = [entry for entries in logprobs for entry in entries]
+    return [
+        LogProbabilities(
+            [value for entry in entries for value in entry.token_log_probabilities],
+            [top for entry in entries for top in entry.top_log_probabilities],
+        )
+    ]
 
 
 def _attach(state: RequestState, grammar: RequestGrammar) -> str | None:

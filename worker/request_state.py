@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,8 @@ class RequestState:
     tokens are computed so shared KV blocks stay valid, but it is never sampled.
     ``images`` are a vision-language request's images, their features kept once computed
     (``worker.images``).
+    ``drafts`` are the draft tokens to verify in the step being run (speculative decoding:
+    ``scheduler.speculative``), empty otherwise: they follow ``token_ids`` in that step's input.
     """
 
     request_id: RequestID
@@ -62,6 +65,7 @@ class RequestState:
     edits: RequestEdits | None = None
     refusal: str | None = None
     images: list[RequestImage] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
 
     @classmethod
     def from_new_request(
@@ -104,6 +108,14 @@ class RequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def at_draft(self, index: int) -> RequestState:
+        """This request as it will be once its first ``index`` drafts are accepted: the
+        sampling position after draft ``index`` sees them as outputs (penalties, min tokens,
+        the seeded noise of that output index). A view for sampling only."""
+        return dataclasses.replace(
+            self, token_ids=[*self.token_ids, *self.drafts[:index]], drafts=[]
+        )
 
     def next_noise_key(self) -> int | None:
         """The sampler's noise key for the next output token: ``noise_key`` of the seed and

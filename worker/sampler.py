@@ -25,6 +25,7 @@ token its grammar forbids. Temperatures below 1e-5 are greedy (``SamplingParams.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,8 +72,7 @@ def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     mix64(keys[r] + (v + 1) * gamma): output v of a splitmix64 stream whose state starts at
     the row's key. It depends on nothing else, and every entry is finite and positive.
     """
-    counters = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=keys.device)
-    counters *= _as_int64(_GOLDEN_GAMMA)  # wraps modulo 2^64, as splitmix64 does
+    counters = _vocab_counters(vocab_size, keys.device)
     noise = torch.empty(len(keys), vocab_size, device=keys.device)
     rows_per_chunk = max(1, len(keys))
     if keys.device.type == "cpu":
@@ -81,6 +81,14 @@ def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
         chunk = slice(start, start + rows_per_chunk)
         noise[chunk] = _rows_noise(keys[chunk], counters)
     return noise
+
+
+@functools.cache
+def _vocab_counters(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(v + 1) * gamma for every vocab id v, int64: built once per vocabulary and device, and
+    only read (every step's noise adds its keys to it)."""
+    counters = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device)
+    return counters.mul_(_as_int64(_GOLDEN_GAMMA))  # wraps modulo 2^64, as splitmix64 does
 
 
 def _rows_noise(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:

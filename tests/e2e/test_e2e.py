@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api_server.stats_tickets import STATS_MAX_AGE_S
+from tests.support.metrics import scrape
 from tests.support.serve_process import ServeProcess, alive, chat_messages, long_chat
 
 pytestmark = pytest.mark.slow
@@ -29,10 +30,18 @@ CHAT_PROMPTS = [
 ]
 
 
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'  # noqa: E501
+"""This server decodes speculatively, so every parity test here checks that drafts change no
+token (the other end-to-end servers decode one token at a time)."""
+
+
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("e2e") / "serve.log"
-    serve = ServeProcess("--api-servers", "2", "--log-format", "json", log_path=log_path)
+    serve = ServeProcess(
+        "--api-servers", "2", "--log-format", "json", "--speculative-config", NGRAM,
+        log_path=log_path,
+    )  # fmt: skip
     yield serve
     serve.kill()
 
@@ -117,6 +126,27 @@ def test_repetition_penalty_matches_transformers(client, reference):
         extra_body={"repetition_penalty": 1.5},
     )
     assert response.choices[0].text == expected_text
+
+
+def test_drafts_are_verified_and_change_no_token(server, client, reference):
+    def counts() -> tuple[float, float]:
+        time.sleep(STATS_MAX_AGE_S + 0.1)  # a scheduler snapshot taken after the request
+        samples = scrape(server.base_url)
+        labels = frozenset({"model_name": MODEL}.items())
+        return tuple(
+            samples[(f"switchyard:spec_decode_num_{name}_total", labels)]
+            for name in ("draft_tokens", "accepted_tokens")
+        )
+
+    drafted, accepted = counts()
+    expected_text, _ = reference[1](REPETITIVE_PROMPT, 24)
+    response = client.completions.create(
+        model=MODEL, prompt=REPETITIVE_PROMPT, max_tokens=24, temperature=0
+    )
+    assert response.choices[0].text == expected_text
+    now_drafted, now_accepted = counts()
+    assert now_accepted > accepted  # red, blue, red, ... is drafted right
+    assert now_drafted - drafted >= now_accepted - accepted
 
 
 def test_logit_bias_and_min_tokens_match_transformers(client, reference, default_model_dir):

@@ -24,7 +24,14 @@ BLOCK_SIZE = 16
 class Engine:
     """Scheduler + ModelRunner without sockets; records every step for the assertions."""
 
-    def __init__(self, model_dir: Path, num_blocks: int, max_model_len: int, budget: int):
+    def __init__(
+        self,
+        model_dir: Path,
+        num_blocks: int,
+        max_model_len: int,
+        budget: int,
+        speculative_config: str | None = None,
+    ):
         model = ModelConfig.from_dir(model_dir)
         block_bytes = bytes_per_block(
             model.num_hidden_layers, BLOCK_SIZE, model.num_key_value_heads, model.head_dim,
@@ -40,21 +47,35 @@ class Engine:
         )
         assert self.runner.num_kv_blocks == num_blocks
         kv_cache = KVCacheConfig(num_blocks, BLOCK_SIZE, max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(8, budget), kv_cache)
+        config = SchedulerConfig(8, budget, speculative_config=speculative_config)
+        self.scheduler = Scheduler(config, kv_cache)
         self.steps: list[ScheduledStep] = []
+        self.logprobs: dict[str, list[float]] = {}
+        """Each request's sampled tokens' log probabilities, when it asked for them."""
 
-    def generate(self, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    def generate(
+        self,
+        prompts: dict[str, list[int]],
+        params: SamplingParams | None = None,
+        num_new_tokens: int = NUM_NEW_TOKENS,
+        logprobs: int | None = None,
+    ) -> dict[str, list[int]]:
+        """Each prompt's tokens, greedy unless ``params`` say otherwise."""
         tokens = {request_id: [] for request_id in prompts}
+        params = params or SamplingParams(top_k=1, ignore_eos=True)
         for request_id, prompt in prompts.items():
-            params = SamplingParams(top_k=1, ignore_eos=True)
-            context = TextContext(request_id, prompt, len(prompt) + NUM_NEW_TOKENS, [2], params)
+            max_length = len(prompt) + num_new_tokens
+            context = TextContext(request_id, prompt, max_length, [2], params, logprobs=logprobs)
             assert self.scheduler.add_request(context, b"test") is None
+            self.logprobs[request_id] = []
         while self.scheduler.has_unfinished_requests():
             step = self.scheduler.schedule()
             self.steps.append(step)
             output = WorkerOutput(step.step_id, self.runner.next_token(step))
             for request_id, result in self.scheduler.update_from_output(output)[b"test"].items():
                 tokens[request_id] += result.result.tokens
+                for entry in result.result.log_probabilities or []:
+                    self.logprobs[request_id] += entry.token_log_probabilities
             self.scheduler.check_integrity()
         return tokens
 

@@ -24,7 +24,7 @@ from worker.kv_cache import (
 )
 from worker.model_files import DEFAULT_MODEL_NAME, model_name_for, resolve_model
 from worker.model_runner import ModelRunner
-from worker.models import panel_gemm
+from worker.models import cpu_ops, panel_gemm
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear, prepacking
 from worker.sampler import Sampler, SamplingBatch, check_supported, noise_key
@@ -434,12 +434,13 @@ def test_linear_rows_read_the_weight_by_row(packing):
     torch.testing.assert_close(linear.rows(indices), weight[indices], rtol=0, atol=0)
 
 
-def test_panel_kernel_build_failure_falls_back_with_a_log(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("kernels", [panel_gemm, cpu_ops], ids=["panel_gemm", "cpu_ops"])
+def test_kernel_build_failure_falls_back_with_a_log(kernels, tmp_path, monkeypatch, caplog):
     """A compiler that fails (or none at all) leaves the worker on torch's kernels."""
     monkeypatch.setenv("SWITCHYARD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # exits 1, like a compiler that cannot build the source
-    with caplog.at_level("WARNING", logger="worker.models.panel_gemm"):
-        assert panel_gemm.library.__wrapped__() is None
-    assert "CPU matrix kernel unavailable" in caplog.text
+    with caplog.at_level("WARNING", logger="worker.models.native"):
+        assert kernels.library.__wrapped__() is None
+    assert f"CPU kernels of {kernels.SOURCE.name} unavailable (false failed" in caplog.text
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert panel_gemm.library.__wrapped__() is None
+    assert kernels.library.__wrapped__() is None

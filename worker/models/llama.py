@@ -21,23 +21,34 @@ from torch import nn
 
 from worker.attention import AttentionMetadata, paged_attention, write_kv
 from worker.kv_cache import KVCache
+from worker.models import cpu_ops
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear, Split, VocabEmbedding, prepack_linears
 from worker.models.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32."""
+    """x / rms(x) * weight, computed in float32; with a residual, the add that precedes it too."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); ``residual`` (like ``x``) may be updated in
+        place, so the caller passes one it owns. Without a residual: (norm(x), x)."""
+        if cpu_ops.applies(x):
+            if residual is None:
+                return cpu_ops.add_rms_norm(None, x, self.weight, self.eps), x
+            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+        if residual is not None:
+            x = x + residual
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.weight * normed.to(x.dtype), x
 
 
 class Attention(nn.Module):
@@ -66,13 +77,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
-        qk = qkv[:, : -self.qkv_sizes[2]].view(-1, num_heads + num_kv_heads, head_dim)
-        # (num_tokens, num_heads + num_kv_heads, head_dim): queries and keys rotate together
-        q, k = RotaryEmbedding.rotate(qk, *cos_sin).split([num_heads, num_kv_heads], dim=1)
-        v = qkv[:, -self.qkv_sizes[2] :].view(-1, num_kv_heads, head_dim)
-        # (num_tokens, num_kv_heads, head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
-        write_kv(key_cache, value_cache, k, v, metadata.slot_mapping)
+        if metadata.in_place:  # one kernel rotates, and writes the cache
+            q = cpu_ops.rope_write_kv(
+                qkv, *cos_sin, metadata.slot_mapping, key_cache, value_cache, num_heads
+            )  # (num_tokens, num_heads, head_dim)
+        else:
+            qk = qkv[:, : -self.qkv_sizes[2]].view(-1, num_heads + num_kv_heads, head_dim)
+            # (num_tokens, num_heads + num_kv_heads, head_dim): queries and keys rotate together
+            q, k = RotaryEmbedding.rotate(qk, *cos_sin).split([num_heads, num_kv_heads], dim=1)
+            v = qkv[:, -self.qkv_sizes[2] :].view(-1, num_kv_heads, head_dim)
+            # (num_tokens, num_kv_heads, head_dim)
+            write_kv(key_cache, value_cache, k, v, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, scale=head_dim**-0.5)
         out = out.flatten(1)  # (num_tokens, num_heads * head_dim)
         return self.o_proj(out)
@@ -89,12 +105,18 @@ class MLP(nn.Module):
         self.down_proj = Linear.row(inner, hidden, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (num_tokens, intermediate_size) each
+        gate_up = self.gate_up_proj(x)  # (num_tokens, 2 * intermediate_size)
+        if cpu_ops.applies(gate_up):
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # (num_tokens, intermediate_size) each
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream travels beside the block's output and is added inside the next norm
+    (``RMSNorm`` with a residual), one pass instead of two."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -106,12 +128,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this block's output, the residual stream before it): their sum is the block's
+        result in the textbook form. The first block gets the embeddings and no residual."""
+        hidden, residual = self.input_layernorm(x, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -138,6 +165,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.rotary_emb = RotaryEmbedding(config)
         self.lm_head = Linear.vocab(config.hidden_size, config.vocab_size)
+        self.attends_in_place = False
+        """Whether attention reads the paged cache in place (``worker.attention``); set by
+        ``finish_loading``."""
 
     @classmethod
     def empty(
@@ -165,6 +195,12 @@ class LlamaForCausalLM(nn.Module):
         prepack_linears(self)
         if self.config.tie_word_embeddings and self.lm_head.packing == "panels":
             self.model.embed_tokens = None  # lookups read the LM head's panels: one copy, not two
+        attention = self.model.layers[0].self_attn
+        self.attends_in_place = cpu_ops.applies(self.model.norm.weight) and (
+            cpu_ops.supports_attention(
+                attention.num_heads, attention.num_kv_heads, attention.head_dim
+            )
+        )
         return self.eval()
 
     @property
@@ -193,11 +229,14 @@ class LlamaForCausalLM(nn.Module):
         Returns float32 logits (len(logits_indices), vocab_size) for the flat-batch rows in
         ``logits_indices`` only: the tokens that are followed by a sampled token.
         """
-        x = self.embed(input_ids) if input_embeddings is None else input_embeddings
+        # x becomes the residual stream, which the norms add into in place: it must be ours
+        x = self.embed(input_ids) if input_embeddings is None else input_embeddings.clone()
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos_sin, kv_cache, metadata)
-        x = self.model.norm(x[logits_indices])  # (num_sampled, hidden_size)
+            x, residual = layer(x, residual, cos_sin, kv_cache, metadata)
+        # (num_sampled, hidden_size): x[i] + residual[i] are fresh rows, safe to add into
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()  # (num_sampled, vocab_size)
 
 

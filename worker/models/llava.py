@@ -71,6 +71,11 @@ class LlavaForConditionalGeneration(nn.Module):
         """Key-value heads per layer in this worker's KV cache."""
         return self.language_model.num_kv_heads
 
+    @property
+    def attends_in_place(self) -> bool:
+        """Whether attention reads the paged cache in place (``worker.attention``)."""
+        return self.language_model.attends_in_place
+
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` (num_images, channels, height, width), any dtype and device →
         projected features (num_images, num_image_tokens, hidden_size), one per image token.

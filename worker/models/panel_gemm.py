@@ -1,34 +1,22 @@
 """The CPU float32 matrix product of ``panel_gemm.c``: build, load, pack, multiply.
 
-The C source is compiled on first use with the system C compiler (``$CC``, else ``cc`` or
-``gcc``; ``-O3 -march=native -fopenmp``) into ``<cache dir>/kernels/``, keyed by a hash of the
-source, the compiler and this CPU's model and flags, so a later start loads it in
-milliseconds. Without a compiler, or if the build fails, ``library()`` logs why once and
-returns None, and linear layers fall back to oneDNN's packed kernel or ``F.linear``.
+The C source is compiled on first use (``worker.models.native``). Without a compiler, or if
+the build fails, ``library()`` logs why once and returns None, and linear layers fall back to
+oneDNN's packed kernel or ``F.linear``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from interfaces import envs
-
-logger = logging.getLogger(__name__)
+from worker.models import native
 
 SOURCE = Path(__file__).with_name("panel_gemm.c")
 PANEL = 32  # output features per panel; must match panel_gemm.c
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-BUILD_TIMEOUT_S = 120
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -76,11 +64,8 @@ def linear(
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel library, or None (logged once) where it cannot be built here."""
-    try:
-        # torch is imported (above), so the library's libgomp.so.1 resolves to torch's copy.
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.SubprocessError) as error:
-        logger.warning("CPU matrix kernel unavailable (%s); using torch's kernels", error)
+    lib = native.load(SOURCE)
+    if lib is None:
         return None
     lib.sy_panel_linear.argtypes = [
         ctypes.c_void_p,  # x
@@ -93,41 +78,3 @@ def library() -> ctypes.CDLL | None:
     ]
     lib.sy_panel_linear.restype = None
     return lib
-
-
-def _build() -> Path:
-    """Compile the source unless this CPU's build is cached; return the shared library."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (set CC, or install gcc)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode() + _cpu_identity())
-    path = envs.cache_dir() / "kernels" / f"panel_gemm-{key.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: workers starting together never load half a file.
-    with tempfile.TemporaryDirectory(dir=path.parent) as build_dir:
-        built = Path(build_dir) / path.name
-        result = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE)],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-        )
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(built, path)
-    logger.info("built the CPU matrix kernel at %s", path)
-    return path
-
-
-def _cpu_identity() -> bytes:
-    """This CPU's model and feature flags (``-march=native`` depends on them)."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return os.uname().machine.encode()
-    fields = ("model name", "flags", "Features", "CPU part")
-    lines = {line for line in cpuinfo.splitlines() if line.split(":")[0].strip() in fields}
-    return "\n".join(sorted(lines)).encode()

@@ -1,0 +1,179 @@
+"""Decode-step time against context length, in-process, beside the bytes-read floor.
+
+Loads the model as a worker does, fills a KV cache with random keys and values, and times one
+decode step (the forward pass of ``--batch-sizes`` requests, one new token each, every request
+``context`` tokens long; blocks shuffled over the pool as a busy server leaves them) for each
+context length. Each step is timed two ways in the same run: attention reading the paged cache
+in place (``worker/models/cpu_ops.c``, what the server uses on the CPU) and the gathered torch
+path (every request's blocks copied into a padded batch, then ``scaled_dot_product_attention``;
+the fused small ops off too). The floor is the bytes a step must read (every weight once, plus
+every request's keys and values at every layer) over this machine's read bandwidth (``sum()`` of
+1 GiB, roofline.py's measure), measured in the same run.
+
+Run alone (nothing else on the cores):
+  python benchmarks/context_bench.py [--contexts 128,256,...] [--batch-sizes 1,16] \
+      [--output-json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from roofline import measure_read_bandwidth, model_costs
+from workload import num_cores, resolve_model_dir, write_json
+
+DEFAULT_CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
+DEFAULT_BATCH_SIZES = (1, 16)
+BLOCK_SIZE = 16
+REPEATS = 10
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of keys and values one token holds over all layers (what a decode reads of it)."""
+    config = model.config
+    return 2 * config.num_hidden_layers * model.num_kv_heads * config.head_dim * 4
+
+
+@contextlib.contextmanager
+def gathered(model) -> Iterator[None]:
+    """Within the block, the model runs its torch code: gathered attention, unfused small ops."""
+    from worker.models import cpu_ops
+
+    applies, in_place = cpu_ops.applies, model.attends_in_place
+    cpu_ops.applies = lambda tensor: False
+    model.attends_in_place = False
+    try:
+        yield
+    finally:
+        cpu_ops.applies, model.attends_in_place = applies, in_place
+
+
+def time_decode_step(model, batch_size: int, context: int, in_place: bool) -> list[float]:
+    """Seconds of ``REPEATS`` decode steps of ``batch_size`` requests at ``context`` tokens."""
+    import numpy as np
+    import torch
+
+    from worker.attention import build_batch_layout
+    from worker.kv_cache import KVCache
+
+    config = model.config
+    blocks_per_request = -(-context // BLOCK_SIZE)
+    num_blocks = batch_size * blocks_per_request
+    cache = KVCache(
+        config.num_hidden_layers,
+        num_blocks,
+        BLOCK_SIZE,
+        model.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
+    for tensor in (*cache.key_caches, *cache.value_caches):
+        tensor.normal_()
+    pool = np.random.default_rng(0).permutation(num_blocks).reshape(batch_size, -1).tolist()
+    layout = build_batch_layout(
+        [context - 1] * batch_size,
+        [1] * batch_size,
+        pool,
+        BLOCK_SIZE,
+        torch.device("cpu"),
+        in_place=in_place,
+    )
+    input_ids = torch.randint(100, config.vocab_size, (batch_size,))
+    logits_indices = torch.arange(batch_size)
+
+    def step() -> None:
+        model(input_ids, layout.positions, cache, layout.metadata, logits_indices)
+
+    samples = []
+    with torch.no_grad():
+        for _ in range(2):
+            step()
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - start)
+    return samples
+
+
+def measure(model_dir: Path, contexts: list[int], batch_sizes: list[int]) -> dict:
+    import torch
+
+    from worker.models.loader import load_model
+
+    torch.set_num_threads(num_cores())
+    model = load_model(model_dir, torch.device("cpu"), torch.float32)
+    bandwidth = statistics.median(measure_read_bandwidth())
+    weight_bytes = model_costs(model_dir)["weight_bytes_per_decode_step"]
+    rows = []
+    for batch_size in batch_sizes:
+        for context in contexts:
+            in_place = statistics.median(time_decode_step(model, batch_size, context, True))
+            with gathered(model):
+                torch_path = statistics.median(time_decode_step(model, batch_size, context, False))
+            kv_bytes = batch_size * context * kv_bytes_per_token(model)
+            rows.append(
+                {
+                    "batch_size": batch_size,
+                    "context": context,
+                    "in_place_ms": in_place * 1e3,
+                    "gathered_ms": torch_path * 1e3,
+                    "kv_bytes": kv_bytes,
+                    "floor_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3,
+                }
+            )
+            print(format_row(rows[-1]), flush=True)
+    return {
+        "model_dir": str(model_dir),
+        "num_threads": torch.get_num_threads(),
+        "read_bandwidth_bytes_per_s_median": bandwidth,
+        "weight_bytes_per_decode_step": weight_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token(model),
+        "repeats": REPEATS,
+        "rows": rows,
+    }
+
+
+HEADER = (
+    "| batch | context | KV read (MB) | in place (ms) | gathered (ms) | floor (ms) "
+    "| in place / floor |"
+)
+
+
+def format_row(row: dict) -> str:
+    return (
+        f"| {row['batch_size']} | {row['context']} | {row['kv_bytes'] / 1e6:.0f} "
+        f"| {row['in_place_ms']:.1f} | {row['gathered_ms']:.1f} | {row['floor_ms']:.1f} "
+        f"| {row['in_place_ms'] / row['floor_ms']:.2f} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path", help="directory or .gguf (default: the default model)")
+    parser.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)))
+    parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)))
+    parser.add_argument("--output-json", help="write every measurement here")
+    args = parser.parse_args(argv)
+    contexts = [int(value) for value in args.contexts.split(",")]
+    batch_sizes = [int(value) for value in args.batch_sizes.split(",")]
+    if min(contexts) < 1 or min(batch_sizes) < 1:
+        parser.error("contexts and batch sizes must be positive")
+    print(HEADER)
+    print("|---" * 7 + "|")
+    results = measure(resolve_model_dir(args.model_path), contexts, batch_sizes)
+    bandwidth = results["read_bandwidth_bytes_per_s_median"]
+    print(f"read bandwidth (median of 10): {bandwidth / 1e9:.1f} GB/s")
+    if args.output_json:
+        write_json(args.output_json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

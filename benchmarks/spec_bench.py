@@ -74,7 +74,10 @@ from peer_compare import (
     READY_TIMEOUT_S,
     format_table,
     machine_info,
+    number,
+    scaled_prompts,
     served_model,
+    server_problems,
     versions,
     warm_up,
 )
@@ -195,10 +198,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def selected_workloads(args: argparse.Namespace) -> list[Workload]:
     return [workload for workload in WORKLOADS if workload.name in args.workloads]
-
-
-def scaled_prompts(workload: Workload, scale: float) -> int:
-    return max(1, round(workload.num_prompts * scale))
 
 
 # -- the edit prompts ------------------------------------------------------------------------
@@ -533,15 +532,7 @@ def text_differences(result: dict) -> dict[str, list[dict]]:
 
 
 def problems(result: dict) -> list[str]:
-    found = []
-    for config, record in result["configs"].items():
-        if "error" in record:
-            found.append(f"{config}: {record['error']}")
-        for name, run in record["runs"].items():
-            if "error" in run:
-                found.append(f"{config} {name}: {run['error']}")
-            elif run["metrics"]["failed"]:
-                found.append(f"{config} {name}: {run['metrics']['failed']} requests failed")
+    found = server_problems(result["configs"])
     for name, differing in result["text_differences"].items():
         if name.startswith("edit"):
             found.append(f"{name}: {len(differing)} outputs differ with speculation (a bug)")
@@ -590,13 +581,13 @@ def table_rows(result: dict) -> list[list[str]]:
                 [
                     workload["name"],
                     config,
-                    _number(throughput),
-                    _number(ratio, "{:.2f}x") if config == "spec" else "",
-                    _number(metrics.get("median_tpot_ms")),
-                    _number(metrics.get("median_itl_ms")),
-                    _number(metrics.get("median_ttft_ms")),
+                    number(throughput),
+                    number(ratio, "{:.2f}x") if config == "spec" else "",
+                    number(metrics.get("median_tpot_ms")),
+                    number(metrics.get("median_itl_ms")),
+                    number(metrics.get("median_ttft_ms")),
                     f"{metrics.get('completed', '-')}/{metrics.get('failed', '-')}",
-                    _number(run.get("copied_fraction"), "{:.0%}"),
+                    number(run.get("copied_fraction"), "{:.0%}"),
                     *_acceptance(run.get("spec_decode")),
                 ]
             )
@@ -612,11 +603,7 @@ def _acceptance(delta: dict | None) -> list[str]:
         return ["-", "-"]
     rate = f"{delta['accepted_tokens']:.0f} / {delta['draft_tokens']:.0f}"
     rate += f" ({delta['acceptance_rate']:.0%})"
-    return [rate, _number(delta["mean_accepted_per_draft"], "{:.2f}")]
-
-
-def _number(value: float | None, pattern: str = "{:.1f}") -> str:
-    return "-" if value is None else pattern.format(value)
+    return [rate, number(delta["mean_accepted_per_draft"], "{:.2f}")]
 
 
 def report(result: dict) -> tuple[str, bool]:

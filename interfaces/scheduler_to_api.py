@@ -8,6 +8,7 @@ from interfaces.embeddings import EmbeddingsOutput
 from interfaces.handshake import HandshakeRefused
 from interfaces.outputs import SchedulerResult, TextGenerationOutput
 from interfaces.requests import RequestID
+from interfaces.scheduler_to_worker import MAX_DRAFT_TOKENS
 
 
 class SchedulerResults(msgspec.Struct, tag="results", array_like=True):
@@ -145,7 +146,9 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     ``MAX_DRAFT_TOKENS`` entries)."""
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
-    spec_decode_num_accepted_tokens_per_pos_total: list[int] = []
+    spec_decode_num_accepted_tokens_per_pos_total: list[int] = msgspec.field(
+        default_factory=lambda: [0] * MAX_DRAFT_TOKENS
+    )
 
     @property
     def kv_cache_usage(self) -> float:

@@ -44,7 +44,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.counters import GroupCounters, SchedulerCounters
 from scheduler.request import Request, RequestStatus
-from scheduler.speculative import SpecDecodingState, propose_drafts
+from scheduler.speculative import MAX_TOKEN_ID, SpecDecodingState, propose_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             drafts = request.spec.draft_tokens_to_verify if request.spec is not None else []
             num_produced = len(produced.tokens)
-            if not 1 <= num_produced <= 1 + len(drafts) or produced.request_id != request_id:
+            if not _produced_well(produced, request_id, drafts):
                 self._finish(request)
                 results[request.client_id][request_id] = _malformed(request_id, produced)
                 continue
@@ -461,9 +461,11 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts(request, budget) if num_new == 1 else []
             new_block_ids = None
-            if drafts:  # drafts take free blocks only: speculation never preempts a request
+            num_behind = len(self.running) - index - 1
+            if drafts and self._blocks_to_spare(request, len(drafts), num_behind):
                 new_block_ids = self.block_manager.allocate_slots(request, num_new + len(drafts))
-                drafts = drafts if new_block_ids is not None else []
+            if new_block_ids is None:
+                drafts = []
             if new_block_ids is None:
                 new_block_ids = self._allocate_or_preempt(request, num_new)
             if new_block_ids is None:
@@ -535,13 +537,22 @@ class Scheduler:
                 return None
         return new_block_ids
 
+    def _blocks_to_spare(self, request: Request, num_drafts: int, num_behind: int) -> bool:
+        """Whether ``request``'s next token and ``num_drafts`` drafts may take the free blocks
+        they need while one stays free for each of the ``num_behind`` running requests still
+        to be scheduled this step: speculation never makes the scheduler preempt a request."""
+        manager = self.block_manager
+        num_tokens = request.num_computed_tokens + 1 + num_drafts
+        needed = manager.num_blocks_for(num_tokens) - len(request.block_ids)
+        return manager.num_free_blocks >= needed + num_behind
+
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens to verify with ``request``'s next token (``scheduler.speculative``),
         within the step's ``budget`` and the tokens it may still generate; none without
         speculative decoding, for a request that follows a grammar, or when nothing recurs."""
         config = self.config.speculative
-        if config is None or request.context.structured_output is not None:
-            return []
+        if config is None or self.prefill_only or request.context.structured_output is not None:
+            return []  # a prefill group hands its request over after one token
         if request.num_output_tokens == 0:  # its first token may bring prompt log probabilities
             return []
         if request.spec is None:
@@ -645,6 +656,22 @@ def _failed(failure: RequestFailure) -> TextResult:
     if failure.invalid_request:
         return SchedulerResult.rejected_request(failure.reason)
     return SchedulerResult.cancelled(failure.reason, ErrorKind.INTERNAL)
+
+
+def _produced_well(
+    produced: TextGenerationOutput, request_id: RequestID, drafts: list[int]
+) -> bool:
+    """Whether ``produced`` is what the worker may send for request ``request_id`` after a step
+    that verified ``drafts``: its own, 1 to 1 + len(drafts) token ids, the drafts it kept
+    unchanged (their KV was computed from them; anything else would enter the prefix cache
+    under the wrong tokens)."""
+    tokens = produced.tokens
+    return (
+        produced.request_id == request_id
+        and 1 <= len(tokens) <= 1 + len(drafts)
+        and all(0 <= token <= MAX_TOKEN_ID for token in tokens)
+        and tokens[:-1] == drafts[: len(tokens) - 1]
+    )
 
 
 def _keep_logprobs(produced: TextGenerationOutput, num_tokens: int) -> None:

@@ -24,8 +24,34 @@ from dataclasses import dataclass, field, fields
 
 from interfaces.scheduler_to_worker import MAX_DRAFT_TOKENS
 
-TOKEN_BYTES = 4
-"""Bytes per token in a ``SpecDecodingState``'s history (token ids are below 2^31)."""
+TOKEN_BYTES = 5
+"""Bytes per token in a ``SpecDecodingState``'s history: 4 bits, then 7 bits in each of four
+bytes, the first byte marked by its high bit, so that a byte pattern of whole tokens can only
+match on a token boundary (``rfind`` never returns a match straddling two tokens)."""
+MAX_TOKEN_ID = (1 << 32) - 1
+"""The largest token id the history holds (the scheduler fails an output with a larger one)."""
+
+
+def encode_token(token_id: int) -> bytes:
+    """``token_id`` (0 to ``MAX_TOKEN_ID``) as ``TOKEN_BYTES`` history bytes."""
+    return bytes(
+        (
+            0x80 | token_id >> 28,
+            token_id >> 21 & 0x7F,
+            token_id >> 14 & 0x7F,
+            token_id >> 7 & 0x7F,
+            token_id & 0x7F,
+        )
+    )
+
+
+def decode_token(encoded: bytes | bytearray) -> int:
+    """The token id of ``TOKEN_BYTES`` history bytes (``encode_token``'s inverse)."""
+    first, *rest = encoded
+    token_id = first & 0x0F
+    for byte in rest:
+        token_id = token_id << 7 | byte
+    return token_id
 
 
 @dataclass(frozen=True)
@@ -68,16 +94,16 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config is not JSON: {error}") from None
         if not isinstance(values, dict):
             raise ValueError("--speculative-config must be a JSON object")
-        known = {item.name: item.type for item in fields(cls)}
+        known = [item.name for item in fields(cls)]
         unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ValueError(
-                f"--speculative-config has unknown fields {unknown}; known: {sorted(known)}"
-            )
+            raise ValueError(f"--speculative-config has unknown fields {unknown}; known: {known}")
         for name, value in values.items():
             wanted = str if name == "method" else int
-            if value is not None and (type(value) is not wanted):
+            if type(value) is not wanted:
                 raise ValueError(f"--speculative-config field {name} must be {wanted.__name__}")
+            if wanted is int and value < 1:
+                raise ValueError(f"--speculative-config field {name} must be at least 1")
         return cls(**values)
 
 
@@ -86,8 +112,8 @@ class SpecDecodingState:
     """A request's speculative decoding state (MAX's ``SpecDecodingState``).
 
     ``draft_tokens_to_verify``: the drafts scheduled in the step in flight (empty when none).
-    ``history``: its tokens, 4 little-endian bytes each, so that n-gram lookup is one
-    ``bytearray.rfind`` in C rather than a Python loop; kept in step with the request's tokens.
+    ``history``: its tokens, ``TOKEN_BYTES`` each (``encode_token``), so that n-gram lookup is
+    one ``bytearray.rfind`` in C rather than a Python loop; kept in step with its tokens.
     """
 
     draft_tokens_to_verify: list[int] = field(default_factory=list)
@@ -95,8 +121,7 @@ class SpecDecodingState:
 
     def extend(self, token_ids: list[int]) -> None:
         """Append tokens the request now holds (its context first, then each output)."""
-        for token_id in token_ids:
-            self.history += token_id.to_bytes(TOKEN_BYTES, "little")
+        self.history += b"".join(map(encode_token, token_ids))
 
 
 def propose_drafts(state: SpecDecodingState, config: SpeculativeConfig, limit: int) -> list[int]:
@@ -111,22 +136,11 @@ def propose_drafts(state: SpecDecodingState, config: SpeculativeConfig, limit: i
         width = n * TOKEN_BYTES
         if width > end:
             continue
-        pattern = bytes(history[-width:])
-        start = _aligned_rfind(history, pattern, end)
+        start = history.rfind(history[-width:], 0, end)  # on a token boundary: TOKEN_BYTES
         if start >= 0:
             follow = history[start + width : start + width + limit * TOKEN_BYTES]
             return [
-                int.from_bytes(follow[i : i + TOKEN_BYTES], "little")
+                decode_token(follow[i : i + TOKEN_BYTES])
                 for i in range(0, len(follow), TOKEN_BYTES)
             ]
     return []
-
-
-def _aligned_rfind(history: bytearray, pattern: bytes, end: int) -> int:
-    """The start of the last occurrence of ``pattern`` in ``history[:end]`` that begins on a
-    token boundary, or -1."""
-    while True:
-        start = history.rfind(pattern, 0, end)
-        if start < 0 or start % TOKEN_BYTES == 0:
-            return start
-        end = start + len(pattern) - 1  # look further back, short of this misaligned match

@@ -236,6 +236,10 @@ def test_scheduler_stats_round_trip_with_every_field_set():
         migration_pause_seconds_sum=3.5,
         groups_away=[GroupAway("b", WORKER_DIED, 0.5), GroupAway("a", WORKER_STALLED, 12.0)],
         groups=[GroupStats("prefill-0", "prefill", 1, 1, 50, 20, 300, 100)],
+        spec_decode_num_drafts_total=9,
+        spec_decode_num_draft_tokens_total=30,
+        spec_decode_num_accepted_tokens_total=17,
+        spec_decode_num_accepted_tokens_per_pos_total=[9, 5, 3, 0],
     )
     fields = msgspec.structs.fields(SchedulerStats)
     assert [f.name for f in fields if getattr(stats, f.name) == default_of(f)] == []

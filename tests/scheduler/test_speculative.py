@@ -15,7 +15,15 @@ from interfaces import (
 )
 from interfaces.worker_to_scheduler import WorkerOutput
 from scheduler.scheduler import MALFORMED_OUTPUT
-from scheduler.speculative import SpecDecodingState, SpeculativeConfig, propose_drafts
+from scheduler.speculative import (
+    MAX_TOKEN_ID,
+    TOKEN_BYTES,
+    SpecDecodingState,
+    SpeculativeConfig,
+    decode_token,
+    encode_token,
+    propose_drafts,
+)
 from tests.support.scheduler_steps import CLIENT, EOS, context, make_scheduler
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'  # noqa: E501
@@ -46,13 +54,15 @@ def test_config_defaults_follow_vllm():
         ("ngram", "not JSON"),
         ("[1]", "must be a JSON object"),
         ('{"method": "eagle"}', "only ngram"),
-        ('{"num_speculative_tokens": 0}', "must be 1 to 16"),
+        ('{"num_speculative_tokens": 0}', "must be at least 1"),
         ('{"num_speculative_tokens": 17}', "must be 1 to 16"),
         ('{"num_speculative_tokens": "4"}', "must be int"),
         ('{"num_speculative_tokens": true}', "must be int"),
         ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "1 <= min <= max <= 64"),
         ('{"prompt_lookup_max": 65}', "1 <= min <= max <= 64"),
         ('{"model": "draft"}', "unknown fields ['model']"),
+        ('{"num_speculative_tokens": null}', "must be int"),
+        ('{"prompt_lookup_min": 0}', "must be at least 1"),
     ],
 )
 def test_bad_configs_say_what_is_wrong(text, message):
@@ -95,10 +105,15 @@ def test_matches_never_straddle_token_boundaries():
     # misaligned match that only whole-token matching skips.
     a, b = 0x02010000, 0
     tokens = [a, b, 9, 5, 513, 0x70000, a, b]
-    history = SpecDecodingState()
-    history.extend(tokens)
-    assert bytes(history.history).rfind(bytes(history.history[-8:]), 0, 7 * 4) == 14
+    four_bytes = b"".join(token.to_bytes(4, "little") for token in tokens)
+    assert four_bytes.rfind(four_bytes[-8:], 0, 7 * 4) == 14  # what plain bytes would match
     assert drafts_for(tokens, low=2, high=2) == [9, 5, 513]
+
+
+def test_token_ids_round_trip_through_the_history():
+    for token_id in (0, 1, 127, 128, 49151, 1 << 28, MAX_TOKEN_ID):
+        assert decode_token(encode_token(token_id)) == token_id
+        assert len(encode_token(token_id)) == TOKEN_BYTES
 
 
 # -- a scheduler with drafts ---------------------------------------------------------------------
@@ -243,7 +258,36 @@ def test_drafts_never_preempt_another_request_for_their_blocks():
     start(scheduler, ("a", REPEATING, 10, {}), ("b", other, 10, {}))
     assert scheduler.block_manager.num_free_blocks == 1
     step = scheduler.schedule()
-    # "a" drafts into the free block; "b" would need another: it decodes one token, alone
-    assert step.spec_token_ids == {"a": [13, 10, 11]}
-    assert step.num_scheduled_tokens == {"a": 4, "b": 1}
+    # The free block would hold "a"'s drafts, but "b" comes after "a" and may need it: "a"
+    # decodes one token; "b", the last to be scheduled, takes it for its drafts.
+    assert step.spec_token_ids == {"b": [13, 14, 15]}
+    assert step.num_scheduled_tokens == {"a": 1, "b": 4}
     assert scheduler.num_preemptions == 0
+
+
+def test_a_prefill_group_never_drafts():
+    scheduler = make_scheduler(block_size=4, speculative_config=NGRAM)
+    scheduler.prefill_only = True
+    moved = replace(context("a", REPEATING, 20), generated_token_ids=[12])  # it generated one
+    assert scheduler.add_request(moved, CLIENT) is None
+    step = scheduler.schedule()
+    assert step.num_scheduled_tokens == {"a": 11} and step.spec_token_ids == {}
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[13, 99, 11], [-1], [1 << 32], []],  # changed a draft, out of range, nothing
+)
+def test_an_output_that_is_not_drafts_kept_fails_that_request_alone(tokens):
+    scheduler = make_scheduler(block_size=4, speculative_config=NGRAM)
+    start(scheduler, ("bad", REPEATING, 20, {}), ("innocent", REPEATING, 20, {"seed": 1}))
+    step = scheduler.schedule()
+    outputs = {"bad": output("bad", tokens), "innocent": output("innocent", [13, 10, 7])}
+    results = scheduler.update_from_output(WorkerOutput(step.step_id, outputs))[CLIENT]
+    assert results["bad"].error == MALFORMED_OUTPUT
+    assert results["innocent"].result.tokens == [13, 10, 7]
+    assert "bad" not in scheduler.requests
+    scheduler.check_integrity()
+    step = scheduler.schedule()  # hashes the blocks "innocent" filled: its third
+    assert set(step.num_scheduled_tokens) == {"innocent"}
+    assert scheduler.block_manager.num_cached_blocks == 3

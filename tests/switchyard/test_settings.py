@@ -52,6 +52,9 @@ SAMPLE_LEAVES = {
 }
 """The flags ``serve_argv`` leaves at their default, and why."""
 
+SPECULATIVE = '{"num_speculative_tokens": 3}'
+"""A non-default --speculative-config for the samples."""
+
 
 def worker_parser() -> argparse.ArgumentParser:
     from worker.__main__ import build_parser  # torch: only in the tests that need it
@@ -104,6 +107,7 @@ def serve_argv(tmp_path: Path) -> list[str]:
         *("--max-queued-requests", "5", "--max-queued-tokens", "500", "--migration-limit", "1"),
         *("--restart-limit", "2", "--worker-return-timeout", "9", "--stall-timeout", "8"),
         *("--kv-transfer-timeout", "2.5", "--placement", "least-loaded"),
+        *("--speculative-config", SPECULATIVE),
         *("--device", "cpu", "--kv-cache-memory", "64MiB"),
         *("--dtype", "float16", "--block-size", "32", "--max-model-len", "100"),
         *("--tensor-parallel-size", "2", "--grammar-compile-timeout", "3.5"),
@@ -197,7 +201,7 @@ def test_the_values_given_to_serve_reach_the_roles(served):
     scheduler = scheduler_parser().parse_args(commands["scheduler"][1:])
     assert from_args(SchedulerSettings, scheduler).scheduling == config.scheduler
     assert config.scheduler == SchedulerConfig(
-        7, 99, False, 5, 500, 2.5, 1, 9, 8, PlacementPolicy.LEAST_LOADED
+        7, 99, False, 5, 500, 2.5, 1, 9, 8, PlacementPolicy.LEAST_LOADED, SPECULATIVE
     )
     assert from_args(WorkerSettings, args, SERVE_WORKER_SETTINGS) == config.worker
     for name in ("prefill-0-0", "prefill-0-1", "decode-1-1"):
@@ -259,7 +263,9 @@ def role_samples(media_dir: Path) -> dict[str, object]:
         "scheduler": SchedulerSettings(
             "ipc://frontend",
             "tcp://127.0.0.1:5556",
-            SchedulerConfig(7, 99, False, 5, 500, 2.5, 1, 9, 8, PlacementPolicy.LEAST_LOADED),
+            SchedulerConfig(
+                7, 99, False, 5, 500, 2.5, 1, 9, 8, PlacementPolicy.LEAST_LOADED, SPECULATIVE
+            ),
             WorkerLimits(64),
         ),
         "worker": WorkerSettings(

@@ -430,7 +430,7 @@ int sy_paged_attention(const float* q, const float* key_cache, const float* valu
     const int64_t* table = block_tables + r * max_blocks;
     const int64_t num_tokens = query_starts[r + 1] - query_starts[r];
     if (num_tokens == 1 && whole_decodes) {
-      Softmax s; /* 65 KB of this thread's stack */
+      Softmax s; /* with run_row_task's Rows, ~130 KB of this thread's stack (of 8 MB) */
       run_row_task(&c, q, table, query_starts[r], 1, context_starts[r], 0, num_kv_heads, 0,
                    context_starts[r] + 1, &s, out);
       continue;

@@ -229,8 +229,12 @@ class LlamaForCausalLM(nn.Module):
         Returns float32 logits (len(logits_indices), vocab_size) for the flat-batch rows in
         ``logits_indices`` only: the tokens that are followed by a sampled token.
         """
-        # x becomes the residual stream, which the norms add into in place: it must be ours
-        x = self.embed(input_ids) if input_embeddings is None else input_embeddings.clone()
+        # x becomes the residual stream, which the norms add into in place: it must be ours,
+        # and contiguous for the CPU kernels
+        if input_embeddings is None:
+            x = self.embed(input_ids).contiguous()
+        else:
+            x = input_embeddings.clone(memory_format=torch.contiguous_format)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
         residual = None
         for layer in self.model.layers:

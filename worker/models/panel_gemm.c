@@ -7,9 +7,12 @@
  *
  *     for i in 0..k:  acc[r][0..32] += x[r][i] * panel[i][0..32]    for the block's rows r
  *
- * On the 2-core AVX-512 machine this project is benchmarked on, this streams weights at
- * ~30 GB/s for one to four rows (oneDNN's kernels: 19-23, MKL's: 8-12) and reaches 194-215
- * GFLOP/s for 64-512 rows, about what oneDNN reaches; see benchmarks/gemv_bench.py and
+ * Each pass fetches the panel rows it will need next with software prefetches, and with 9 to
+ * 48 rows the panel goes in chunks of 64 input features that every row block multiplies while
+ * the chunk is in L1, so reading the weights overlaps the arithmetic (chunked_rows). On the
+ * 2-core AVX-512 machine this project is benchmarked on, this streams weights at ~29 GB/s for
+ * one row, sum()'s rate (oneDNN's kernels: 23, MKL's: 8-12), and reaches ~165 GFLOP/s for
+ * 16 rows and 225-260 for 64 to 512 (oneDNN: 115, 208-255). See benchmarks/gemv_bench.py and
  * docs/performance.md.
  *
  * Plain C with GCC/Clang vector extensions (16 x float, lowered to whatever -march=native
@@ -22,6 +25,11 @@
 #define PANEL 32     /* output features per panel: two 16-float vectors */
 #define BLOCK 8      /* input rows per register block */
 #define CHUNK 64     /* input rows per parallel task, a multiple of BLOCK */
+#define LINE 16      /* floats per 64-byte cache line */
+#define LINES_PER_ROW (PANEL / LINE)
+#define AHEAD 32     /* panel rows (128 B each) a one-block pass fetches ahead */
+#define CHUNKED_MAX 48 /* most rows of a product that chunked_rows computes */
+#define KC 64        /* input features per chunk of a panel (8 KB) when rows > BLOCK */
 
 typedef float vec16 __attribute__((vector_size(64)));
 
@@ -33,10 +41,12 @@ static inline vec16 load(const float* p) {
 
 static inline void store(float* p, vec16 v) { memcpy(p, &v, sizeof v); }
 
-/* y[r][0..cols) = x[r] . panel + bias for rows r < ROWS (a constant after inlining). */
+/* y[r][0..cols) = x[r] . panel + bias for rows r < ROWS (a constant after inlining),
+ * fetching the panel AHEAD rows ahead of its use, within the `lines` cache lines that follow
+ * the panel's start. */
 static inline __attribute__((always_inline)) void block(
     const float* x, int64_t k, const float* panel, const float* bias, float* y, int64_t n,
-    int64_t cols, const int rows) {
+    int64_t cols, int64_t lines, const int rows) {
   vec16 acc[BLOCK][2];
   const vec16 b0 = load(bias), b1 = load(bias + 16);
   for (int r = 0; r < rows; r++) {
@@ -44,6 +54,10 @@ static inline __attribute__((always_inline)) void block(
     acc[r][1] = b1;
   }
   for (int64_t i = 0; i < k; i++) {
+    if ((i + AHEAD) * LINES_PER_ROW < lines) {
+      __builtin_prefetch(panel + (i + AHEAD) * PANEL, 0, 3);
+      __builtin_prefetch(panel + (i + AHEAD) * PANEL + LINE, 0, 3);
+    }
     const vec16 w0 = load(panel + i * PANEL), w1 = load(panel + i * PANEL + 16);
     for (int r = 0; r < rows; r++) {
       const float xi = x[r * k + i];
@@ -64,22 +78,91 @@ static inline __attribute__((always_inline)) void block(
   }
 }
 
-/* Rows [start, end) of y against one panel, in blocks of BLOCK rows. */
+/* acc[r][0..32) += x[r][0..len) . panel rows 0..len for rows r < ROWS (a constant after
+ * inlining), where the panel rows are already in cache; meanwhile fetch into L1, one per
+ * step, the cache lines first, first + 1, ... after the panel's start that are below lines. */
+static inline __attribute__((always_inline)) void chunk_block(
+    const float* x, int64_t k, const float* panel, int64_t len, float* acc, int64_t first,
+    int64_t lines, const int rows) {
+  vec16 a[BLOCK][2];
+  for (int r = 0; r < rows; r++) {
+    a[r][0] = load(acc + r * PANEL);
+    a[r][1] = load(acc + r * PANEL + 16);
+  }
+  for (int64_t i = 0; i < len; i++) {
+    if (first + i < lines) __builtin_prefetch(panel + (first + i) * LINE, 0, 3);
+    const vec16 w0 = load(panel + i * PANEL), w1 = load(panel + i * PANEL + 16);
+    for (int r = 0; r < rows; r++) {
+      const float xi = x[r * k + i];
+      a[r][0] += xi * w0;
+      a[r][1] += xi * w1;
+    }
+  }
+  for (int r = 0; r < rows; r++) {
+    store(acc + r * PANEL, a[r][0]);
+    store(acc + r * PANEL + 16, a[r][1]);
+  }
+}
+
+/* Rows xr[0..rows) (9 to CHUNKED_MAX of them) of y against one panel, where `lines` cache lines
+ * from the panel's start on may be fetched (the panels after it included): the panel in
+ * chunks of KC input features (8 KB), each multiplied by every block of BLOCK rows while it is
+ * in L1, the accumulators kept in a small table between chunks. The block passes over a chunk
+ * fetch the next chunk (the first pass its first half, the second pass the rest, later passes
+ * further ahead), so reading the weights from memory overlaps the arithmetic instead of
+ * preceding it: one block's pass alone is memory-bound, every further pass compute-bound. */
+static void chunked_rows(const float* xr, int64_t rows, int64_t k, const float* panel,
+                         const float* bias, float* yr, int64_t n, int64_t cols, int64_t lines) {
+  float acc[CHUNK][PANEL] __attribute__((aligned(64)));
+  for (int64_t r = 0; r < rows; r++) memcpy(acc[r], bias, sizeof acc[r]);
+  for (int64_t kc = 0; kc < k; kc += KC) {
+    const int64_t len = k - kc < KC ? k - kc : KC;
+    const float* w = panel + kc * PANEL;
+    for (int64_t r = 0, pass = 0; r < rows; r += BLOCK, pass++) {
+      const float* xb = xr + r * k + kc;
+      const int64_t first = KC * LINES_PER_ROW + pass * len; /* from the next chunk on */
+      const int64_t fetchable = lines - kc * LINES_PER_ROW;
+      switch (rows - r < BLOCK ? rows - r : BLOCK) {
+        case 1: chunk_block(xb, k, w, len, acc[r], first, fetchable, 1); break;
+        case 2: chunk_block(xb, k, w, len, acc[r], first, fetchable, 2); break;
+        case 3: chunk_block(xb, k, w, len, acc[r], first, fetchable, 3); break;
+        case 4: chunk_block(xb, k, w, len, acc[r], first, fetchable, 4); break;
+        case 5: chunk_block(xb, k, w, len, acc[r], first, fetchable, 5); break;
+        case 6: chunk_block(xb, k, w, len, acc[r], first, fetchable, 6); break;
+        case 7: chunk_block(xb, k, w, len, acc[r], first, fetchable, 7); break;
+        default: chunk_block(xb, k, w, len, acc[r], first, fetchable, 8); break;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; r++) memcpy(yr + r * n, acc[r], (size_t)cols * sizeof(float));
+}
+
+/* Rows [start, end) of y against one panel. Up to BLOCK rows, and more when the product has
+ * more than CHUNKED_MAX rows (where the block passes measured faster: the more passes over a
+ * panel, the smaller the share of the first, memory-bound one): blocks that each make one pass
+ * over the panel, fetching AHEAD panel rows ahead. Otherwise chunked_rows. */
 static void rows_of_panel(const float* x, int64_t start, int64_t end, int64_t k,
                           const float* panel, const float* bias, float* y, int64_t n,
-                          int64_t cols) {
-  int64_t r = start;
-  for (; r + BLOCK <= end; r += BLOCK) block(x + r * k, k, panel, bias, y + r * n, n, cols, BLOCK);
-  const float* xr = x + r * k;
-  float* yr = y + r * n;
-  switch (end - r) { /* one specialised copy per remainder */
-    case 1: block(xr, k, panel, bias, yr, n, cols, 1); break;
-    case 2: block(xr, k, panel, bias, yr, n, cols, 2); break;
-    case 3: block(xr, k, panel, bias, yr, n, cols, 3); break;
-    case 4: block(xr, k, panel, bias, yr, n, cols, 4); break;
-    case 5: block(xr, k, panel, bias, yr, n, cols, 5); break;
-    case 6: block(xr, k, panel, bias, yr, n, cols, 6); break;
-    case 7: block(xr, k, panel, bias, yr, n, cols, 7); break;
+                          int64_t cols, int64_t lines, int chunked) {
+  const float* xr = x + start * k;
+  float* yr = y + start * n;
+  const int64_t rows = end - start;
+  if (rows > BLOCK && chunked) {
+    chunked_rows(xr, rows, k, panel, bias, yr, n, cols, lines);
+    return;
+  }
+  int64_t r = 0;
+  for (; r + BLOCK <= rows; r += BLOCK) {
+    block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, BLOCK);
+  }
+  switch (rows - r) { /* one specialised copy per remainder */
+    case 1: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 1); break;
+    case 2: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 2); break;
+    case 3: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 3); break;
+    case 4: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 4); break;
+    case 5: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 5); break;
+    case 6: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 6); break;
+    case 7: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 7); break;
     default: break;
   }
 }
@@ -97,6 +180,7 @@ void sy_panel_linear(const float* x, int64_t m, int64_t k, const float* panels, 
     const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
     float panel_bias[PANEL] = {0};
     if (bias) memcpy(panel_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
-    rows_of_panel(x, start, end, k, panels + p * k * PANEL, panel_bias, y + p * PANEL, n, cols);
+    rows_of_panel(x, start, end, k, panels + p * k * PANEL, panel_bias, y + p * PANEL, n, cols,
+                  (num_panels - p) * k * LINES_PER_ROW, m <= CHUNKED_MAX);
   }
 }

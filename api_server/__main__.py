@@ -31,6 +31,7 @@ from api_server.config import (
     EngineClientConfig,
     resolve_max_model_len,
 )
+from api_server.generation_config import AUTO, NO_DEFAULTS, load_generation_defaults
 from api_server.limits import uvicorn_options
 from api_server.shutdown import DrainingServer
 from interfaces import envs
@@ -65,12 +66,20 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
     envs.shm_namespace()  # a malformed SWITCHYARD_SHM_NAMESPACE fails here, not per image
     model, embedding = settings.model, settings.embedding
     model_dir = served_model_name = max_model_len = None
+    generation_defaults = NO_DEFAULTS
     if model.path is not None:
         model_dir = _generation_model_dir(model.path)
         served_model_name = model.served_model_name or model_dir.resolve().name
         max_model_len = resolve_max_model_len(model_dir, model.max_model_len)
+        generation_defaults = load_generation_defaults(
+            model_dir, settings.generation_config, log=True
+        )
     elif model.served_model_name is not None or model.max_model_len is not None:
         raise ValueError("--served-model-name and --max-model-len describe --model; give it")
+    elif settings.generation_config != AUTO:
+        raise ValueError("--generation-config describes --model; give it")
+    elif settings.reasoning_parser is not None:
+        raise ValueError("--reasoning-parser parses --model's output; give it")
     embedding_model_dir = None
     if embedding.path is not None:
         embedding_model_dir = Path(embedding.path).expanduser()
@@ -95,6 +104,8 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
         limits=settings.limits,
         media=settings.media,
         request_limits=settings.request_limits,
+        generation_defaults=generation_defaults,
+        reasoning_parser=settings.reasoning_parser,
     )
 
 

@@ -114,10 +114,18 @@ def render_chat_template(
     variables["messages"] = messages
     variables["tools"] = tools
     try:
-        return compile_template(source).render(**variables)
+        return compile_template(source).render(variables)  # a dict: any name, even self
     except ChatTemplateError:
         raise
-    except (jinja2.TemplateError, TypeError, KeyError, AttributeError, RecursionError) as error:
+    except (
+        jinja2.TemplateError,
+        TypeError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        ArithmeticError,  # a request's chat_template_kwargs are values the template computes with
+        RecursionError,
+    ) as error:
         raise ChatTemplateError(f"the chat template failed to render: {error}") from error
 
 

@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from api_server.generation_config import (
+    AUTO,
+    NO_DEFAULTS,
+    SamplingParamsGenerationConfigDefaults,
+    generation_config_source,
+)
+from api_server.reasoning import REASONING_PARSER_NAMES, reasoning_parser_name
 from interfaces import envs
 from interfaces.settings import component, setting, split_commas
 from interfaces.shared_settings import ModelSettings, SchedulerAddress
@@ -247,6 +254,11 @@ class ApiServerConfig:
     embedding_model_name: str | None = None
     media: MediaConfig = field(default_factory=MediaConfig)
     """Where chat images may come from (api_server.images)."""
+    generation_defaults: SamplingParamsGenerationConfigDefaults = NO_DEFAULTS
+    """Sampling defaults of requests that leave fields out (``--generation-config``)."""
+    reasoning_parser: str | None = None
+    """Splits chat output into ``reasoning_content`` and ``content`` (``api_server.reasoning``;
+    ``--reasoning-parser``); None: no reasoning parsing."""
 
     @property
     def embedding_name(self) -> str | None:
@@ -411,3 +423,21 @@ class ApiServerSettings:
         metavar="SECONDS",
     )
     media: MediaConfig = component(MediaConfig)
+    generation_config: str = setting(
+        AUTO,
+        "--generation-config",
+        "sampling defaults of requests that leave fields out: 'auto' takes the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens), 'vllm' ignores it, a directory takes its generation_config.json",
+        parse=generation_config_source,
+        metavar="auto|vllm|DIR",
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "--reasoning-parser",
+        "split chat output into message.reasoning_content and content at <think>...</think>: "
+        f"{' or '.join(REASONING_PARSER_NAMES)} (vLLM's names)",
+        parse=reasoning_parser_name,
+        metavar="NAME",
+        default_text="none",
+    )

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from api_server.choices import ChoiceDelta, ChoiceOutput
 from api_server.logprobs import TokenLogprob, TokenTexts, chat_logprobs, completion_logprobs
+from api_server.reasoning import ReasoningParser, ReasoningParsing
 from api_server.responses import (
     AssistantMessage,
     ChatChoice,
@@ -70,9 +71,11 @@ class _FormatBase:
 
 
 class ChatFormat(_FormatBase):
-    """``chat.completion`` and ``chat.completion.chunk`` objects. With ``tools``, each choice's
-    text goes through its own tool parser: tool calls become ``tool_calls``, the rest
-    ``content``, and a choice that called tools finishes with ``tools.finish_reason``."""
+    """``chat.completion`` and ``chat.completion.chunk`` objects. With ``reasoning``, each
+    choice's text first goes through its own reasoning parser: the reasoning becomes
+    ``reasoning_content``, the rest goes on as the text. With ``tools``, that text goes through
+    the choice's tool parser: tool calls become ``tool_calls``, the rest ``content``, and a
+    choice that called tools finishes with ``tools.finish_reason``."""
 
     def __init__(
         self,
@@ -81,10 +84,13 @@ class ChatFormat(_FormatBase):
         num_logprobs: int | None,
         texts: TokenTexts,
         tools: ToolCalling | None = None,
+        reasoning: ReasoningParsing | None = None,
     ) -> None:
         super().__init__(response_id, model, num_logprobs, texts)
         self.tools = tools
+        self.reasoning = reasoning
         self._parsers: dict[int, ToolParser] = {}
+        self._reasoning_parsers: dict[int, ReasoningParser] = {}
         self._called_tools: set[int] = set()
 
     def opening_chunks(self, indexes: list[int]) -> list[BaseModel]:
@@ -92,20 +98,42 @@ class ChatFormat(_FormatBase):
 
     def delta_chunk(self, delta: ChoiceDelta) -> BaseModel | None:
         logprobs = self._logprobs(delta.logprobs)
-        if self.tools is None:
+        if self.tools is None and self.reasoning is None:
             if not delta.text and not delta.logprobs:
                 return None
             return self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs=logprobs)
-        if delta.index not in self._parsers:
-            self._parsers[delta.index] = self.tools.new_parser()
-        parser = self._parsers[delta.index]
-        parsed = parser.parse_delta(delta.text)
-        if delta.finish_reason is not None:
-            parsed += parser.finish()
-        message = self._delta_message(delta.index, parsed)
+        reasoning, text = self._stream_reasoning(delta)
+        if self.tools is None:
+            message = DeltaMessage(content=text or None, reasoning_content=reasoning or None)
+            message = message if text or reasoning else None
+        else:
+            message = self._delta_message(delta.index, self._stream_tools(delta, text), reasoning)
         if message is None and not delta.logprobs:
             return None
         return self._chunk(delta.index, message or DeltaMessage(), logprobs=logprobs)
+
+    def _stream_reasoning(self, delta: ChoiceDelta) -> tuple[str, str]:
+        """(reasoning, the rest) of the delta's text; no reasoning without a parser."""
+        if self.reasoning is None:
+            return "", delta.text
+        if delta.index not in self._reasoning_parsers:
+            self._reasoning_parsers[delta.index] = self.reasoning.new_parser()
+        parser = self._reasoning_parsers[delta.index]
+        parsed = parser.stream(delta.text)
+        reasoning, text = parsed.reasoning, parsed.content
+        if delta.finish_reason is not None:
+            rest = parser.finish()
+            reasoning, text = reasoning + rest.reasoning, text + rest.content
+        return reasoning, text
+
+    def _stream_tools(self, delta: ChoiceDelta, text: str) -> list[ParsedToolCallDelta]:
+        if delta.index not in self._parsers:
+            self._parsers[delta.index] = self.tools.new_parser()
+        parser = self._parsers[delta.index]
+        parsed = parser.parse_delta(text)
+        if delta.finish_reason is not None:
+            parsed += parser.finish()
+        return parsed
 
     def finish_chunk(self, index: int, finish_reason: FinishReason) -> BaseModel:
         return self._chunk(index, DeltaMessage(), self._finish_reason(index, finish_reason))
@@ -134,11 +162,17 @@ class ChatFormat(_FormatBase):
         )
 
     def _message(self, choice: ChoiceOutput) -> AssistantMessage:
+        reasoning, text = "", choice.text
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.new_parser().parse_complete(choice.text)
+        reasoning_content = reasoning or None
         if self.tools is None:
-            return AssistantMessage(content=choice.text)
-        parsed = self.tools.new_parser().parse_complete(choice.text)
+            return AssistantMessage(content=text, reasoning_content=reasoning_content)
+        parsed = self.tools.new_parser().parse_complete(text)
         if not parsed.tool_calls:
-            return AssistantMessage(content=parsed.content or "")
+            return AssistantMessage(
+                content=parsed.content or "", reasoning_content=reasoning_content
+            )
         self._called_tools.add(choice.index)
         tool_calls = [
             ResponseToolCall(
@@ -146,9 +180,13 @@ class ChatFormat(_FormatBase):
             )
             for call in parsed.tool_calls
         ]
-        return AssistantMessage(content=parsed.content, tool_calls=tool_calls)
+        return AssistantMessage(
+            content=parsed.content, reasoning_content=reasoning_content, tool_calls=tool_calls
+        )
 
-    def _delta_message(self, index: int, parsed: list[ParsedToolCallDelta]) -> DeltaMessage | None:
+    def _delta_message(
+        self, index: int, parsed: list[ParsedToolCallDelta], reasoning: str = ""
+    ) -> DeltaMessage | None:
         content = "".join(delta.content for delta in parsed if delta.content)
         tool_calls = [
             DeltaToolCall(
@@ -162,9 +200,13 @@ class ChatFormat(_FormatBase):
         ]
         if tool_calls:
             self._called_tools.add(index)
-        if not content and not tool_calls:
+        if not content and not tool_calls and not reasoning:
             return None
-        return DeltaMessage(content=content or None, tool_calls=tool_calls or None)
+        return DeltaMessage(
+            content=content or None,
+            reasoning_content=reasoning or None,
+            tool_calls=tool_calls or None,
+        )
 
     def _finish_reason(self, index: int, finish_reason: FinishReason) -> FinishReason:
         if self.tools is not None and finish_reason == "stop" and index in self._called_tools:

@@ -12,6 +12,7 @@ an operator sets (prompt text, schemas, choices x tokens) are checked by
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -40,6 +41,13 @@ MAX_TOOLS = 128
 """OpenAI's bound on the functions one request may define."""
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 """OpenAI's rule for function names."""
+MAX_CHAT_TEMPLATE_KWARGS_BYTES = 16 * 1024
+"""``chat_template_kwargs`` as JSON: switches such as ``enable_thinking``, not documents."""
+CHAT_TEMPLATE_RESERVED = frozenset(
+    {"messages", "tools", "raise_exception", "strftime_now", "namespace", "range", "dict"}
+    | {"lipsum", "cycler", "joiner"}
+)
+"""Template variables the server sets from the request itself, and the template's functions."""
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -241,6 +249,33 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     echo: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template, e.g. ``{"enable_thinking": false}`` (vLLM's
+    extension); names are identifiers, at most ``MAX_CHAT_TEMPLATE_KWARGS_BYTES`` as JSON."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _bounded_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if kwargs is None:
+            return None
+        for name in kwargs:
+            if not name.isidentifier() or name in CHAT_TEMPLATE_RESERVED:
+                raise ValueError(
+                    f"chat_template_kwargs may not set {name!r}: names are identifiers other "
+                    f"than {', '.join(sorted(CHAT_TEMPLATE_RESERVED))}"
+                )
+        try:
+            num_bytes = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8", "replace"))
+        except RecursionError as error:
+            raise ValueError("chat_template_kwargs is nested too deeply") from error
+        except ValueError as error:  # e.g. an integer of more digits than Python converts
+            raise ValueError(f"chat_template_kwargs cannot be written as JSON: {error}") from error
+        if num_bytes > MAX_CHAT_TEMPLATE_KWARGS_BYTES:
+            raise ValueError(
+                f"chat_template_kwargs takes {num_bytes} bytes as JSON; the limit is "
+                f"{MAX_CHAT_TEMPLATE_KWARGS_BYTES}"
+            )
+        return kwargs
 
     @property
     def max_new_tokens(self) -> int | None:

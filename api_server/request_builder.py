@@ -2,8 +2,10 @@
 
 Fields OpenAI defines that Switchyard does not support yet are refused here with a 400 that
 names them, rather than silently ignored. Sampling follows OpenAI's defaults (temperature 1.0,
-no top-k limit): a request that sets nothing is sampled, ``temperature=0`` is greedy. Checks
-that need the vocabulary (``logit_bias`` keys, ``stop_token_ids``) take its size.
+no top-k limit): a request that sets nothing is sampled, ``temperature=0`` is greedy. The model's
+generation_config.json may change those defaults (``api_server.generation_config``, applied to
+the request before it gets here). Checks that need the vocabulary (``logit_bias`` keys,
+``stop_token_ids``) take its size.
 """
 
 from __future__ import annotations
@@ -267,6 +269,7 @@ def chat_generation_request(
         sampling_params=params,
         structured_output=constraint,
         cache_salt=request.cache_salt,
+        chat_template_options=request.chat_template_kwargs,
     )
 
 

@@ -83,13 +83,16 @@ class AssistantMessage(BaseModel):
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
+    """The model's reasoning (``--reasoning-parser``; vLLM's name); left out when there is none."""
     tool_calls: list[ResponseToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_tool_calls(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for name in ("reasoning_content", "tool_calls"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
 
@@ -129,6 +132,7 @@ class DeltaMessage(_OmitsNone):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

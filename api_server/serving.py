@@ -38,11 +38,18 @@ from api_server.errors import (
     service_unavailable,
 )
 from api_server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from api_server.generation_config import with_default_max_new_tokens, with_generation_defaults
 from api_server.image_segments import ImageSegments
 from api_server.images import check_images_accepted, image_inputs, load_images
 from api_server.logprobs import TokenTexts
 from api_server.metrics import ServerMetrics
 from api_server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from api_server.reasoning import (
+    REASONING_TAGS,
+    ReasoningParsing,
+    prompt_tail_token_ids,
+    reasoning_parsing,
+)
 from api_server.request_builder import (
     chat_generation_request,
     check_supported,
@@ -110,18 +117,19 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     arrival_time = time.monotonic()
     state.check_model(request.model)
     state.check_accepting()
+    request = with_generation_defaults(request, state.config.generation_defaults)
     check_request_limits(request, state.request_limits, state.tokenizer.max_model_len)
     response_id = f"chatcmpl-{current_request_id()}"
     tools, prompt = await state.tokenizer.run_in_thread(
         _checked_chat_request, request, state, engine_request_id(response_id)
     )
     options = _text_options(request)
-    if tools is not None and state.tokenizer.special_token_texts & set(tools.markers):
-        # The parser must see tool-call tags that are special tokens (vLLM does the same).
+    markers = set(tools.markers if tools is not None else ())
+    if state.config.reasoning_parser is not None:
+        markers.update(REASONING_TAGS)
+    if state.tokenizer.special_token_texts & markers:
+        # The parsers must see tags that are special tokens (vLLM does the same).
         options = dataclasses.replace(options, skip_special_tokens=False)
-    response_format = ChatFormat(
-        response_id, state.model_name, request.num_logprobs, state.token_texts, tools
-    )
     inputs = image_inputs(request.messages)
     check_images_accepted(inputs, state.tokenizer.why_no_images, state.model_name)
     vision, max_model_len = state.tokenizer.vision, state.tokenizer.max_model_len
@@ -129,8 +137,21 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     if images:
         prompt = msgspec.structs.replace(prompt, images=images)
     generation = await _generation(state, request, [prompt], options, arrival_time)
-    # No await between the two: from here on ``Generation.deltas``, which ``_respond`` starts
-    # at once, closes the generation's image segments however it ends.
+    # No await until ``_respond``: from there on ``Generation.deltas``, which it starts at
+    # once, closes the generation's image segments however it ends; before, this does.
+    try:
+        response_format = ChatFormat(
+            response_id,
+            state.model_name,
+            request.num_logprobs,
+            state.token_texts,
+            tools,
+            _reasoning_parsing(state, generation, prompt),
+        )
+    except BaseException:
+        for choice in generation.choices:
+            choice.stream.images.close()
+        raise
     return await _respond(request, generation, response_format)
 
 
@@ -139,6 +160,7 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
     arrival_time = time.monotonic()
     state.check_model(request.model)
     state.check_accepting()
+    request = with_generation_defaults(request, state.config.generation_defaults)
     check_request_limits(request, state.request_limits, state.tokenizer.max_model_len)
     response_id = f"cmpl-{current_request_id()}"
     request_id = engine_request_id(response_id)
@@ -166,6 +188,25 @@ def _checked_chat_request(
     params = sampling_params(request, state.tokenizer.vocab_size)
     prompt_tools = None if tools is None else tools.tools
     return tools, chat_generation_request(request, request_id, params, prompt_tools, constraint)
+
+
+def _reasoning_parsing(
+    state: ServerState, generation: Generation, prompt: TextGenerationRequest
+) -> ReasoningParsing | None:
+    """How the choices parse reasoning (None: ``--reasoning-parser`` is not set, or the output
+    is constrained); whether the output starts inside the reasoning depends on the end of the
+    prompt, which they share.
+
+    A constrained output (``response_format``, a required or named tool, ``guided_*``) follows
+    its grammar from the first token, so the model writes no reasoning: all of it is content
+    (vLLM instead lets the grammar start after the reasoning, which this engine cannot yet)."""
+    if state.config.reasoning_parser is None or prompt.structured_output is not None:
+        return None
+    prompt_token_ids = generation.choices[0].stream.context.prompt_token_ids
+    tail = state.tokenizer.backend.decode(
+        prompt_tail_token_ids(prompt_token_ids), skip_special_tokens=False
+    )
+    return reasoning_parsing(state.config.reasoning_parser, tail)
 
 
 def _checked_completion_requests(
@@ -240,10 +281,11 @@ async def _new_context(
     state: ServerState, request: TextGenerationRequest, images: ImageSegments
 ) -> TextContext:
     try:
-        return await state.tokenizer.new_context(request, images)
+        context = await state.tokenizer.new_context(request, images)
     except ValueError as error:
         param = "messages" if request.messages is not None else "prompt"
         raise invalid_request(str(error), param=param) from error
+    return with_default_max_new_tokens(context, state.config.generation_defaults)
 
 
 def _echo_text(state: ServerState, request: TextGenerationRequest, context: TextContext) -> str:

@@ -226,7 +226,7 @@ class HuggingFaceTokenizer:
         hold exactly ``num_images`` image tokens. No length check."""
         if request.messages is not None:
             tools = [template_tool(tool) for tool in request.tools] if request.tools else None
-            prompt = self.render_messages(request.messages, tools)
+            prompt = self.render_messages(request.messages, tools, request.chat_template_options)
             token_ids = self.encode_now(prompt, add_special_tokens=False)
         elif isinstance(request.prompt, str):
             token_ids = self.encode_now(request.prompt, add_special_tokens=True)

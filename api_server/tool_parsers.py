@@ -96,7 +96,7 @@ class HermesToolParser(_StreamParser):
         if not self._in_call:
             # Send what can no longer become a tool call: not a partial tag at the end, and
             # not trailing whitespace, which is dropped if a tool call follows it.
-            end = len(self._buffer) - _held_back_length(self._buffer, TOOL_CALL_START)
+            end = len(self._buffer) - held_back_length(self._buffer, TOOL_CALL_START)
             text = self._buffer[:end].rstrip()
             self._buffer = self._buffer[len(text) :]
             deltas += self._content(text)
@@ -218,7 +218,7 @@ def _json_text(value: Any) -> str:
     return text
 
 
-def _held_back_length(text: str, tag: str) -> int:
+def held_back_length(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``tag``."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-length:]):

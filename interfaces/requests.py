@@ -111,6 +111,8 @@ class TextGenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     structured_output: StructuredOutput | None = None
     cache_salt: str | None = None
     """Keeps this tenant's prefix-cache entries apart from everyone else's (vLLM's extension)."""
+    chat_template_options: dict[str, Any] | None = None
+    """Extra variables for the chat template (chat only), e.g. ``{"enable_thinking": False}``."""
 
     @property
     def prompt_logprobs(self) -> int | None:

@@ -3,7 +3,8 @@
     from switchyard import pipeline, GenerationConfig
 
     with pipeline() as pipe:                       # the default model; or pipeline("DIR")
-        print(pipe(["Hello", "The capital of France is"]))
+        print(pipe(["Hello", "What is the capital of France?"]))  # chat template applied
+        print(pipe("The capital of France is", do_preprocess=False))  # text as it is
         for response in pipe.stream_infer("Tell me a story"):
             print(response.text, end="")
 
@@ -13,11 +14,14 @@ API server does: the same tokenizer, chat template, continuous batching, detoken
 strings. Its asyncio client runs in a thread of its own, so the API is synchronous. ``close()``
 (or leaving the ``with`` block) stops every process it started.
 
-Where lmdeploy differs from the OpenAI server, the pipeline follows lmdeploy: a
-``ChatTemplateConfig`` renders prompts, ``max_new_tokens`` is cut to the room the context leaves
-(with lmdeploy's warning) instead of refusing the request, a prompt that leaves no room at all
-gets an empty response with finish reason "length", and a response's ``token_ids`` stop before
-the token that stopped generation.
+Where lmdeploy differs from the OpenAI server, the pipeline follows lmdeploy: a text prompt is
+one user turn of the chat template unless ``do_preprocess=False``, a ``ChatTemplateConfig``
+renders prompts, ``max_new_tokens`` is cut to the room the context leaves (with lmdeploy's
+warning) instead of refusing the request, a prompt that leaves no room at all gets an empty
+response with finish reason "length", and a response's ``token_ids`` stop before the token that
+stopped generation. ``(text, image)`` tuples give a vision-language model images
+(``switchyard.offline_images``); a prompt whose image cannot be used fails alone, with finish
+reason "error" and the reason as its text, as lmdeploy reports a failed request.
 """
 
 from __future__ import annotations
@@ -34,13 +38,15 @@ from queue import Queue
 
 from api_server.config import EngineClientConfig, resolve_max_model_len
 from api_server.engine_client import EngineClient
+from api_server.image_segments import ImageSegments
 from api_server.text_stream import GenerationStream, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
 from interfaces.logs import LogSettings
 from interfaces.scheduler_to_api import SchedulerStats
 from scheduler.config import SchedulerConfig
 from switchyard.launcher import Launcher
-from switchyard.offline_prompts import Prompt, PromptBuilder
+from switchyard.offline_images import image_prompt
+from switchyard.offline_prompts import ImageError, Prompt, PromptBuilder
 from switchyard.offline_types import (
     ChatTemplateConfig,
     EngineConfig,
@@ -71,7 +77,7 @@ class Pipeline:
         """Start the engine for ``model_path`` (a Hugging Face directory or .gguf file; None:
         the default model), or connect to the scheduler at ``scheduler_addr`` serving it.
         ``chat_template_config`` (see ``ChatTemplateConfig``) renders every prompt; without it
-        message lists go through the model's chat template and text goes in as it is."""
+        prompts go through the model's chat template."""
         from worker.model_files import model_name_for, resolve_model
 
         config = backend_config or EngineConfig()
@@ -110,23 +116,33 @@ class Pipeline:
         self,
         prompts: Prompt | list[Prompt],
         gen_config: GenerationConfig | list[GenerationConfig] | None = None,
+        do_preprocess: bool = True,
+        adapter_name: str | None = None,
         use_tqdm: bool = False,
     ) -> Response | list[Response]:
-        return self.infer(prompts, gen_config, use_tqdm)
+        return self.infer(prompts, gen_config, do_preprocess, adapter_name, use_tqdm)
 
     def infer(
         self,
         prompts: Prompt | list[Prompt],
         gen_config: GenerationConfig | list[GenerationConfig] | None = None,
+        do_preprocess: bool = True,
+        adapter_name: str | None = None,
         use_tqdm: bool = False,
     ) -> Response | list[Response]:
         """Every prompt's final ``Response``, in input order (one for a single prompt). All of
-        them run at once, batched by the engine; ``use_tqdm`` shows a progress bar."""
+        them run at once, batched by the engine; ``use_tqdm`` shows a progress bar.
+
+        ``do_preprocess`` (lmdeploy's): text is one user turn rendered with the chat template,
+        generation prompt included; False sends text as it is (with the tokenizer's BOS) and
+        message lists as their contents run together. ``adapter_name`` names a LoRA adapter
+        (``ValueError``: none are loaded)."""
+        _check_adapter(adapter_name)
         single, batch = _as_batch(prompts)
         configs = _configs(gen_config, len(batch))
         progress = _progress_bar(len(batch)) if use_tqdm else None
         finals: list[Response | None] = [None] * len(batch)
-        for response in self._stream(batch, configs):
+        for response in self._stream(batch, configs, do_preprocess):
             if response.finish_reason is not None:
                 finals[response.index] = response
                 if progress is not None:
@@ -139,19 +155,27 @@ class Pipeline:
         self,
         prompts: Prompt | list[Prompt],
         gen_config: GenerationConfig | list[GenerationConfig] | None = None,
+        do_preprocess: bool = True,
+        adapter_name: str | None = None,
     ) -> Iterator[Response]:
         """Incremental ``Response``s as tokens arrive, each with its prompt's ``index``: the
-        text and tokens new since that prompt's previous one."""
+        text and tokens new since that prompt's previous one (prompts as ``infer`` takes
+        them)."""
+        _check_adapter(adapter_name)
         _, batch = _as_batch(prompts)
-        yield from self._stream(batch, _configs(gen_config, len(batch)), incremental=True)
+        configs = _configs(gen_config, len(batch))
+        yield from self._stream(batch, configs, do_preprocess, incremental=True)
 
     def chat(
         self,
         prompt: str,
         session: Session | None = None,
         gen_config: GenerationConfig | None = None,
+        adapter_name: str | None = None,
     ) -> Session:
-        """One turn of a multi-turn chat; returns the session, with this turn's ``response``."""
+        """One turn of a multi-turn chat; returns the session, with this turn's ``response``.
+        As in lmdeploy, every turn goes through the chat template."""
+        _check_adapter(adapter_name)
         session = session or Session(next(self._session_ids))
         turn = {"role": "user", "content": prompt}
         response = self.infer([[*session.messages, turn]], gen_config)[0]
@@ -211,16 +235,28 @@ class Pipeline:
         raise TimeoutError(f"the engine was not ready within {READY_TIMEOUT_S:.0f} s")
 
     def _stream(
-        self, prompts: list[Prompt], configs: list[GenerationConfig], incremental: bool = False
+        self,
+        prompts: list[Prompt],
+        configs: list[GenerationConfig],
+        do_preprocess: bool,
+        incremental: bool = False,
     ) -> Iterator[Response]:
         """Responses of every prompt as they come: cumulative, or only what is new."""
         if self._closed:
             raise RuntimeError("the pipeline is closed")
+        if any(isinstance(prompt, tuple) for prompt in prompts):
+            if self.tokenizer.vision is None:
+                why = self.tokenizer.why_no_images
+                raise ValueError(f"the model {self.model_name!r} takes no images: {why}")
+            for prompt in prompts:
+                if isinstance(prompt, tuple):
+                    image_prompt(prompt)  # a malformed one fails the call before any runs
         updates: Queue[Response | BaseException | None] = Queue()
         futures: list[Future] = []
         try:
             for index, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-                coroutine = self._generate(index, prompt, config, incremental, updates)
+                request = (index, prompt, config, do_preprocess, incremental)
+                coroutine = self._generate(*request, updates)
                 futures.append(self._submit(coroutine))
             remaining = len(futures)
             while remaining:
@@ -240,11 +276,13 @@ class Pipeline:
         index: int,
         prompt: Prompt,
         config: GenerationConfig,
+        do_preprocess: bool,
         incremental: bool,
         updates: Queue,
     ) -> None:
         try:
-            async for response in self._responses(index, prompt, config, incremental):
+            responses = self._responses(index, prompt, config, do_preprocess, incremental)
+            async for response in responses:
                 updates.put(response)
         except BaseException as error:  # handed to the caller's thread
             updates.put(error)
@@ -252,26 +290,43 @@ class Pipeline:
             updates.put(None)
 
     async def _responses(
-        self, index: int, prompt: Prompt, config: GenerationConfig, incremental: bool
+        self,
+        index: int,
+        prompt: Prompt,
+        config: GenerationConfig,
+        do_preprocess: bool,
+        incremental: bool,
     ) -> AsyncIterator[Response]:
         config = self.prompts.with_stop_words(config)
-        request = await self.tokenizer.run_in_thread(self.prompts.request, prompt, config)
-        num_prompt_tokens = len(request.prompt)
+        try:
+            request, num_prompt_tokens = await self.tokenizer.run_in_thread(
+                self.prompts.request, prompt, config, do_preprocess
+            )
+        except ImageError as error:  # this prompt fails, as lmdeploy fails one: the others run
+            logger.warning("prompt %d failed: %s", index, error)
+            yield Response(str(error), 0, 0, "error", index=index)
+            return
         if num_prompt_tokens >= self.tokenizer.max_model_len:
             # lmdeploy answers a prompt that leaves no room with an empty "length" response.
             logger.info("run out of tokens: the prompt has %d tokens", num_prompt_tokens)
             yield Response("", 0, num_prompt_tokens, "length", index=index)
             return
-        context = await self.tokenizer.new_context(request)
-        options = TextOptions(
-            stop=tuple(config.stop_words or ()),
-            skip_special_tokens=config.skip_special_tokens,
-            include_stop_str_in_output=config.include_stop_str_in_output,
-        )
+        with ImageSegments() as images:  # unlinks the image segments unless the engine got them
+            context = await self.tokenizer.new_context(request, images)
+            stream = GenerationStream(
+                self._engine, context, self.tokenizer.backend, _text_options(config), images=images
+            )
+            async for response in self._results(index, stream, config, incremental):
+                yield response
+
+    async def _results(
+        self, index: int, stream: GenerationStream, config: GenerationConfig, incremental: bool
+    ) -> AsyncIterator[Response]:
+        """The responses of one submitted request, as it generates."""
+        context = stream.context
         stop_ids = {*context.eos_token_ids, *(config.stop_token_ids or ())}
         total = Response("", 0, context.num_prompt_tokens, index=index)
         total.logprobs = [] if config.logprobs is not None else None
-        stream = GenerationStream(self._engine, context, self.tokenizer.backend, options)
         async for delta in stream.deltas():
             token_ids = self.prompts.reported_tokens(delta, total.token_ids, config, stop_ids)
             logprobs = [_logprob_entry(entry) for entry in delta.logprobs or ()][: len(token_ids)]
@@ -331,11 +386,27 @@ def _serve_config(model_dir: Path, name: str, config: EngineConfig, log_level: s
 
 def _as_batch(prompts: Prompt | list[Prompt]) -> tuple[bool, list[Prompt]]:
     """(whether ``prompts`` is one prompt, the prompts as a list)."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, tuple)):  # text, or (text, images)
         return True, [prompts]
     if prompts and isinstance(prompts[0], dict):
         return True, [prompts]  # one conversation
     return False, list(prompts)
+
+
+def _check_adapter(adapter_name: str | None) -> None:
+    """LoRA adapters are not loaded yet: naming one is an error, never silently ignored."""
+    if adapter_name is not None:
+        raise ValueError(
+            f"adapter_name {adapter_name!r}: no LoRA adapters are loaded in this pipeline"
+        )
+
+
+def _text_options(config: GenerationConfig) -> TextOptions:
+    return TextOptions(
+        stop=tuple(config.stop_words or ()),
+        skip_special_tokens=config.skip_special_tokens,
+        include_stop_str_in_output=config.include_stop_str_in_output,
+    )
 
 
 def _configs(

@@ -195,7 +195,9 @@ class Response:
     ``include_stop_str_in_output`` keeps that token (and the stop word). ``logprobs`` has one
     ``{token_id: logprob}`` per token in ``token_ids`` (the chosen token and the top ones) when
     ``GenerationConfig.logprobs`` asked. ``finish_reason`` is "stop", "length" or "abort" once
-    done, else None; ``index`` the prompt's position.
+    done, else None; ``index`` the prompt's position. A prompt that could not run (an image
+    that cannot be used) gets finish reason "error" with the reason as its ``text``, as
+    lmdeploy reports a failed request.
     """
 
     text: str

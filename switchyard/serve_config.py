@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from api_server.config import ApiServerSettings, EmbeddingModelSettings, HttpBind
+from api_server.generation_config import AUTO, load_generation_defaults
 from interfaces.logs import LogSettings
 from interfaces.settings import component, setting, to_argv
 from interfaces.shared_settings import ModelSettings
@@ -30,7 +31,8 @@ SERVE_WORKER_SETTINGS = (
 """The ``WorkerSettings`` fields ``serve`` takes flags for."""
 SERVE_API_SERVER_SETTINGS = (
     *("api_key", "allowed_origins", "shutdown_timeout_s", "limits", "request_limits"),
-    *("max_stream_backlog", "scheduler_return_timeout_s", "media"),
+    *("max_stream_backlog", "scheduler_return_timeout_s", "media", "generation_config"),
+    "reasoning_parser",
 )
 """The ``ApiServerSettings`` fields ``serve`` takes flags for."""
 
@@ -146,8 +148,8 @@ class ServeConfig:
 
     def _generation_only_flags(self) -> list[str]:
         """The flags given that only a text generation model uses: the worker's but
-        ``--device`` (the embedding worker's too), the context length, disaggregation and
-        prefix caching."""
+        ``--device`` (the embedding worker's too), the context length, disaggregation, prefix
+        caching, generation-config defaults and reasoning parsing."""
         worker = replace(self.worker, device=WorkerSettings.device)
         given = [arg for arg in to_argv(worker) if arg.startswith("--")]
         if self.max_model_len is not None:
@@ -158,6 +160,10 @@ class ServeConfig:
             given.append("--data-parallel-size")
         if not self.scheduler.enable_prefix_caching:
             given.append("--no-prefix-caching")
+        if self.api_server.generation_config != AUTO:
+            given.append("--generation-config")
+        if self.api_server.reasoning_parser is not None:
+            given.append("--reasoning-parser")
         return given
 
     def __post_init__(self) -> None:
@@ -185,6 +191,8 @@ class ServeConfig:
                 f"(got {self.prefill_workers} and {self.decode_workers})"
             )
         self._check_worker_groups()
+        if self.model_dir is not None:  # a bad file stops serve here, not each API server
+            load_generation_defaults(self.model_dir, self.api_server.generation_config)
         if not 0 <= self.bind.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.bind.port}")
         if not self.api_server.shutdown_timeout_s >= 0:

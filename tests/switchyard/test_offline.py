@@ -14,6 +14,7 @@ import shutil
 
 import httpx
 import pytest
+from PIL import Image
 
 from api_server.text_stream import TextDelta
 from switchyard import ChatTemplateConfig, EngineConfig, GenerationConfig, Response, pipeline
@@ -54,7 +55,7 @@ def server(tiny_llama_dir):
 
 
 def test_infer_returns_the_servers_greedy_outputs_in_input_order(pipe, server):
-    responses = pipe.infer(PROMPTS, GREEDY, use_tqdm=True)
+    responses = pipe.infer(PROMPTS, GREEDY, do_preprocess=False, use_tqdm=True)
     body = {"model": "tiny-llama0", "prompt": PROMPTS, "max_tokens": NUM_NEW_TOKENS}
     body |= {"temperature": 0, "ignore_eos": True}
     reply = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300)
@@ -66,7 +67,8 @@ def test_infer_returns_the_servers_greedy_outputs_in_input_order(pipe, server):
         assert (response.finish_reason, response.generate_token_len) == ("length", 8)
         assert len(response.token_ids) == NUM_NEW_TOKENS
         assert pipe.tokenizer.backend.decode(response.token_ids) == response.text
-    assert pipe(PROMPTS[0], GREEDY) == responses[0]  # a single prompt: a single Response
+    # A single prompt: a single Response.
+    assert pipe(PROMPTS[0], GREEDY, do_preprocess=False) == responses[0]
 
 
 def test_stream_infer_pieces_add_up_to_infer(pipe):
@@ -139,7 +141,8 @@ def test_a_prompt_longer_than_the_context_gets_an_empty_length_response(pipe):
     prompt = "word " * 5000
     num_tokens = len(pipe.tokenizer.encode_now(prompt))
     assert num_tokens > 512
-    assert pipe(prompt, GREEDY) == Response("", 0, num_tokens, "length")  # as in lmdeploy
+    expected = Response("", 0, num_tokens, "length")  # as in lmdeploy
+    assert pipe(prompt, GREEDY, do_preprocess=False) == expected
 
 
 def test_close_stops_every_process_it_started(tiny_llama_dir):
@@ -147,7 +150,7 @@ def test_close_stops_every_process_it_started(tiny_llama_dir):
     pipe = pipeline(str(tiny_llama_dir), backend_config=engine)
     children = [process.pid for process in pipe._launcher.children.values()]
     assert len(children) == 2 and all(alive(pid) for pid in children)  # scheduler, worker
-    assert pipe("Hi", GenerationConfig(max_new_tokens=2)).generate_token_len == 2
+    assert pipe("Hi", GenerationConfig(max_new_tokens=2, ignore_eos=True)).generate_token_len == 2
     pipe.close()
     assert not any(alive(pid) for pid in children)
     pipe.close()  # idempotent
@@ -201,8 +204,10 @@ def test_chat_template_pieces_render_text_and_messages_for_the_engine(pipe, tiny
         with pipeline(
             str(tiny_llama_dir), chat_template_config=completion, scheduler_addr=pipe.scheduler_addr
         ) as raw_text:
-            assert raw_text("Hello there", GREEDY) == pipe("Hello there", GREEDY)
-    references = pipe(list(expected.values()), GREEDY)
+            assert raw_text("Hello there", GREEDY) == pipe(
+                "Hello there", GREEDY, do_preprocess=False
+            )
+    references = pipe(list(expected.values()), GREEDY, do_preprocess=False)
     assert responses == references  # text, token ids, lengths: the rendered text, encoded as text
     for response, text in zip(responses, expected.values(), strict=True):
         assert response.input_token_len == len(pipe.tokenizer.encode_now(text))
@@ -210,7 +215,7 @@ def test_chat_template_pieces_render_text_and_messages_for_the_engine(pipe, tiny
 
 def test_chat_template_stop_words_apply_when_the_request_has_none(pipe, tiny_llama_dir):
     prompt = "<<S>>Be brief.<</S>>\n[U]Tell me[/U]\n[A]"
-    free = pipe(prompt, GREEDY)
+    free = pipe(prompt, GREEDY, do_preprocess=False)
     word = free.text[4:7]
     assert len(word) == 3 and free.text.index(word) == 4
     config = dataclasses.replace(PIECES, stop_words=[word, "<|im_start|>"])
@@ -228,12 +233,14 @@ def test_chat_template_stop_words_apply_when_the_request_has_none(pipe, tiny_lla
 
 def test_chat_template_without_pieces_is_the_models_own(pipe, tiny_llama_dir, no_template_dir):
     as_chat = pipe([{"role": "user", "content": "Hi there"}], GREEDY)
+    as_text = pipe("Hi there", GREEDY, do_preprocess=False)
+    assert pipe("Hi there", GREEDY) == as_chat  # do_preprocess: one user turn
     cases = [
         (tiny_llama_dir, ChatTemplateConfig("hf"), as_chat),
         (tiny_llama_dir, ChatTemplateConfig("qwen2"), as_chat),  # an lmdeploy template's name
         (no_template_dir, ChatTemplateConfig("hf", model_path=str(tiny_llama_dir)), as_chat),
-        (no_template_dir, ChatTemplateConfig("qwen2"), pipe("Hi there", GREEDY)),  # no template
-        (tiny_llama_dir, ChatTemplateConfig("base"), pipe("Hi there", GREEDY)),  # empty pieces
+        (no_template_dir, ChatTemplateConfig("qwen2"), as_text),  # no template
+        (tiny_llama_dir, ChatTemplateConfig("base"), as_text),  # empty pieces
     ]
     for model_dir, config, expected in cases:
         with pipeline(
@@ -248,17 +255,17 @@ def test_max_new_tokens_is_cut_to_the_room_the_context_leaves(pipe, caplog):
     prompt = "word" + " word" * 504  # 505 tokens of the 512 the tiny model has
     assert len(pipe.tokenizer.encode_now(prompt)) == 505
     with caplog.at_level(logging.WARNING, logger="switchyard.offline"):
-        response = pipe(prompt, GenerationConfig(max_new_tokens=100, ignore_eos=True))
+        response = pipe(prompt, GenerationConfig(max_new_tokens=100, ignore_eos=True), False)
     assert (response.finish_reason, response.input_token_len) == ("length", 505)
     assert response.generate_token_len == len(response.token_ids) == 7
     assert "total sequence length (505 + 100) exceeds `session_len` (512), `max_new_tokens` " \
         "is truncated to 7" in caplog.text  # fmt: skip
     full, fits = "word" + " word" * 511, "word"  # 512 tokens: no room for any output
-    responses = pipe([full, fits], GenerationConfig(max_new_tokens=1, ignore_eos=True))
+    responses = pipe([full, fits], GenerationConfig(max_new_tokens=1, ignore_eos=True), False)
     assert responses[0] == Response("", 0, 512, "length", index=0)  # as lmdeploy answers it
     assert (responses[1].finish_reason, responses[1].generate_token_len) == ("length", 1)
     at_least = GenerationConfig(max_new_tokens=100, min_new_tokens=50)  # both cut to the room
-    assert pipe(prompt, at_least).generate_token_len == 7
+    assert pipe(prompt, at_least, do_preprocess=False).generate_token_len == 7
 
 
 def test_a_stop_word_that_is_a_special_token_stops_on_its_id(pipe):
@@ -266,10 +273,10 @@ def test_a_stop_word_that_is_a_special_token_stops_on_its_id(pipe):
     assert (config.stop_words, config.stop_token_ids) == (["x"], [2])
 
 
-def _stream(pipe, prompt, config) -> Response:
+def _stream(pipe, prompt, config, do_preprocess=True) -> Response:
     """The pieces of ``stream_infer`` added up (each counting the tokens so far)."""
     total = Response("", 0, 0)
-    for piece in pipe.stream_infer(prompt, config):
+    for piece in pipe.stream_infer(prompt, config, do_preprocess):
         total.text += piece.text
         total.token_ids += piece.token_ids
         assert piece.generate_token_len == len(total.token_ids)
@@ -278,7 +285,7 @@ def _stream(pipe, prompt, config) -> Response:
 
 
 def test_a_stop_reports_the_tokens_before_the_one_that_stopped(pipe):
-    free = pipe(PROMPTS[7], GenerationConfig(max_new_tokens=8))
+    free = pipe(PROMPTS[7], GenerationConfig(max_new_tokens=8), do_preprocess=False)
     ids, decode = free.token_ids, pipe.tokenizer.backend.decode
     assert free.finish_reason == "length" and len(ids) == 8
     k = next(i for i in range(2, 8) if ids[i] not in ids[:i])
@@ -288,13 +295,13 @@ def test_a_stop_reports_the_tokens_before_the_one_that_stopped(pipe):
     for stop in ({"stop_token_ids": [ids[k]]}, {"stop_words": [word]}):
         for keep in (False, True):
             config = GenerationConfig(max_new_tokens=8, include_stop_str_in_output=keep, **stop)
-            response = pipe(PROMPTS[7], config)
+            response = pipe(PROMPTS[7], config, do_preprocess=False)
             token_ids = ids[: k + keep]
             assert (response.finish_reason, response.token_ids, response.text) == (
                 "stop", token_ids, text if keep else before,
             ), (stop, keep)  # fmt: skip
             assert response.generate_token_len == len(token_ids)
-            streamed = _stream(pipe, PROMPTS[7], config)
+            streamed = _stream(pipe, PROMPTS[7], config, do_preprocess=False)
             assert (streamed.text, streamed.token_ids, streamed.finish_reason) == (
                 response.text, response.token_ids, "stop",
             )  # fmt: skip
@@ -305,3 +312,71 @@ def test_a_stop_reports_the_tokens_before_the_one_that_stopped(pipe):
     for keep in (False, True):
         config = GenerationConfig(stop_words=[word], include_stop_str_in_output=keep)
         assert pipe.prompts.reported_tokens(delta, ids[:2], config, {2}) == ids[2 : k + keep]
+
+
+QUESTIONS = ["What is the capital of France?", "Name a fruit."]
+
+
+def _record_sent_prompts(pipe) -> list[list[int]]:
+    """The token ids of every prompt ``pipe`` sends from now on, in the order they are built."""
+    sent: list[list[int]] = []
+    build = pipe.prompts.request
+
+    def request(*args):
+        built, num_prompt_tokens = build(*args)
+        sent.append(list(built.prompt))
+        return built, num_prompt_tokens
+
+    pipe.prompts.request = request
+    return sent
+
+
+def test_text_prompts_are_one_user_turn_of_the_chat_template(pipe, default_model_dir):
+    """lmdeploy's ``do_preprocess=True``, on the default model's tokenizer and chat template
+    (the module's engine, whose tiny model shares them, answers)."""
+    with pipeline(str(default_model_dir), scheduler_addr=pipe.scheduler_addr) as default:
+        tokenizer = default.tokenizer
+        sent = _record_sent_prompts(default)
+        responses = default.infer(QUESTIONS, GREEDY)
+        rendered = []
+        for question in QUESTIONS:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+            assert text.endswith(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+            rendered.append(tokenizer.encode_now(text, add_special_tokens=False))
+        assert sorted(sent) == sorted(rendered)
+        for response, token_ids in zip(responses, rendered, strict=True):
+            assert response.input_token_len == len(token_ids)
+            assert response.generate_token_len == NUM_NEW_TOKENS and response.text
+        del sent[:]
+        # __call__ and stream_infer render the same; do_preprocess=False sends the text as it is.
+        assert default(QUESTIONS[0], GREEDY) == responses[0]
+        streamed = _stream(default, QUESTIONS[1], GREEDY)
+        assert (streamed.text, streamed.token_ids) == (responses[1].text, responses[1].token_ids)
+        raw = default(QUESTIONS[0], GREEDY, do_preprocess=False)
+        raw_streamed = _stream(default, QUESTIONS[1], GREEDY, do_preprocess=False)
+        assert raw.input_token_len == len(tokenizer.encode_now(QUESTIONS[0]))
+        assert raw_streamed.token_ids == default(QUESTIONS[1], GREEDY, False).token_ids
+    as_text = [tokenizer.encode_now(question) for question in QUESTIONS]
+    assert sent == [*rendered, as_text[0], as_text[1], as_text[1]]
+    # Message lists without do_preprocess: their contents run together (lmdeploy's base template).
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " there"}]
+    request, _ = pipe.prompts.request(messages, GREEDY, False)
+    assert request.prompt == pipe.tokenizer.encode_now("Hi there")
+
+
+def test_adapter_name_is_refused_while_no_adapters_are_loaded(pipe):
+    calls = [
+        lambda: pipe("Hi", adapter_name="my-lora"),
+        lambda: pipe.infer(["Hi"], GREEDY, adapter_name="my-lora"),
+        lambda: list(pipe.stream_infer("Hi", adapter_name="my-lora")),
+        lambda: pipe.chat("Hi", adapter_name="my-lora"),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="adapter_name 'my-lora': no LoRA adapters are loaded"):
+            call()
+
+
+def test_images_need_a_vision_model(pipe):
+    image = Image.new("RGB", (32, 32))
+    with pytest.raises(ValueError, match="takes no images: it is not a vision-language model"):
+        pipe(("Describe this image.", image))

@@ -120,6 +120,7 @@ def serve_argv(tmp_path: Path) -> list[str]:
         *("--scheduler-return-timeout", "6"),
         *("--allowed-local-media-path", str(tmp_path), "--allowed-media-domains", "x.com"),
         *("--max-images-per-prompt", "2", "--log-level", "DEBUG", "--log-format", "json"),
+        *("--generation-config", "vllm", "--reasoning-parser", "qwen3"),
     ]
 
 
@@ -287,6 +288,8 @@ def role_samples(media_dir: Path) -> dict[str, object]:
             8,
             6,
             MediaConfig(media_dir, ("x.com", "y"), max_images_per_prompt=2),
+            generation_config=str(media_dir),
+            reasoning_parser="deepseek_r1",
         ),
     }
 

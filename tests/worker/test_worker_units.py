@@ -371,9 +371,9 @@ def test_packed_linear_matches_the_plain_one(packing, monkeypatch):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_kernel_matches_f_linear_for_awkward_shapes(bias):
-    """Row counts around the 8-row register block and 64-row task, output counts that are not
-    multiples of the 32-wide panel, input sizes around the 64-feature chunks that more than 8
-    rows go through, and a strided input."""
+    """Row counts around the 8-row register block, the 9 to 48 rows that go through 64-feature
+    chunks, and the 64-row task; output counts that are not multiples of the 32-wide panel;
+    input sizes around the chunks; a strided input."""
     if panel_gemm.library() is None:
         pytest.skip("no C compiler for the panel kernel")
     generator = torch.Generator().manual_seed(0)
@@ -383,7 +383,7 @@ def test_panel_kernel_matches_f_linear_for_awkward_shapes(bias):
         b = torch.randn(out_features, generator=generator) if bias else None
         panels = panel_gemm.pack(weight)
         assert panels.shape == (-(-out_features // panel_gemm.PANEL), in_features, 32)
-        for rows in [0, 1, 7, 8, 9, 16, 17, 63, 64, 65, 200]:
+        for rows in [0, 1, 7, 8, 9, 16, 17, 48, 49, 63, 64, 65, 200]:
             x = torch.randn(in_features, rows, generator=generator).t()  # not contiguous
             torch.testing.assert_close(
                 panel_gemm.linear(x, panels, b, out_features),

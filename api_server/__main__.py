@@ -106,6 +106,7 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
         request_limits=settings.request_limits,
         generation_defaults=generation_defaults,
         reasoning_parser=settings.reasoning_parser,
+        logits_processor_names=settings.logits_processors.names,
     )
 
 

@@ -23,7 +23,7 @@ from api_server.generation_config import (
 from api_server.reasoning import REASONING_PARSER_NAMES, reasoning_parser_name
 from interfaces import envs
 from interfaces.settings import component, setting, split_commas
-from interfaces.shared_settings import ModelSettings, SchedulerAddress
+from interfaces.shared_settings import LogitsProcessorSettings, ModelSettings, SchedulerAddress
 from interfaces.transport import TransportSecurity
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -259,6 +259,9 @@ class ApiServerConfig:
     reasoning_parser: str | None = None
     """Splits chat output into ``reasoning_content`` and ``content`` (``api_server.reasoning``;
     ``--reasoning-parser``); None: no reasoning parsing."""
+    logits_processor_names: tuple[str, ...] = ()
+    """The user logits processors requests may name (``--logits-processors``): the workers
+    load them by the same flag."""
 
     @property
     def embedding_name(self) -> str | None:
@@ -441,3 +444,7 @@ class ApiServerSettings:
         metavar="NAME",
         default_text="none",
     )
+    logits_processors: LogitsProcessorSettings = component(
+        LogitsProcessorSettings, group="logits processors"
+    )
+    """Only their names: requests may name these; the workers load them."""

@@ -13,11 +13,12 @@ an operator sets (prompt text, schemas, choices x tokens) are checked by
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from interfaces.requests import MAX_LOGPROBS
+from interfaces.sampling import MAX_LOGITS_PROCESSOR_NAME_CHARS, MAX_LOGITS_PROCESSORS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
@@ -158,6 +159,18 @@ class StructuredOutputsParams(OpenAIBaseModel):
     choice: list[str] | None = Field(default=None, max_length=MAX_GUIDED_CHOICES)
 
 
+ProcessorName = Annotated[str, Field(min_length=1, max_length=MAX_LOGITS_PROCESSOR_NAME_CHARS)]
+
+
+class LogitsProcessorUse(OpenAIBaseModel):
+    """One entry of Switchyard's ``logits_processors``: a processor the server loaded
+    (``--logits-processors``), by name, and the JSON object its processor reads as ``args``.
+    A bare name in the list means no args."""
+
+    name: ProcessorName
+    args: dict[str, Any] | None = None
+
+
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by chat and completions requests (OpenAI's plus vLLM's extensions)."""
 
@@ -193,6 +206,10 @@ class SamplingFields(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = Field(default=None, max_length=MAX_GUIDED_CHOICES)
+    logits_processors: list[ProcessorName | LogitsProcessorUse] | None = Field(
+        default=None, max_length=MAX_LOGITS_PROCESSORS
+    )
+    """User logits processors to apply, by name, in the order the server loaded them."""
 
     @field_validator("stop")
     @classmethod

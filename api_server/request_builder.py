@@ -10,7 +10,7 @@ the request before it gets here). Checks that need the vocabulary (``logit_bias`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from pydantic import BaseModel
@@ -21,6 +21,7 @@ from api_server.protocol import (
     ChatMessage,
     CompletionRequest,
     ContentPart,
+    LogitsProcessorUse,
     SamplingFields,
 )
 from interfaces import (
@@ -31,6 +32,7 @@ from interfaces import (
     TextGenerationRequestTool,
 )
 from interfaces.requests import PreparedImage
+from interfaces.sampling import LogitsProcessorCall
 
 Check = Callable[[Any], bool]
 Prompt = str | list[int]
@@ -172,10 +174,14 @@ def _check_part(param: str, part: ContentPart, role: str) -> None:
         raise invalid_request(f"{param}.text is required", param=f"{param}.text")
 
 
-def sampling_params(request: SamplingFields, vocab_size: int) -> SamplingParams:
+def sampling_params(
+    request: SamplingFields, vocab_size: int, processor_names: Collection[str] = ()
+) -> SamplingParams:
     """SamplingParams with OpenAI's defaults; every invalid value is a 400 naming its field.
 
     ``max_tokens`` 0 (completions' echo only) generates one token, which is then discarded.
+    ``processor_names`` are the user logits processors the workers load: a request that
+    names another is a 400.
     """
     max_new_tokens = request.max_new_tokens
     min_new_tokens = request.min_tokens or 0
@@ -200,6 +206,7 @@ def sampling_params(request: SamplingFields, vocab_size: int) -> SamplingParams:
             stop_token_ids=_stop_token_ids(request.stop_token_ids, vocab_size),
             seed=request.seed,
             logit_bias=_logit_bias(request.logit_bias, vocab_size),
+            logits_processors=_logits_processors(request.logits_processors, processor_names),
         )
     except ValueError as error:
         raise invalid_request(str(error), param=_param_of(str(error))) from error
@@ -236,6 +243,29 @@ def _logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[in
             )
         parsed[token_id] = bias
     return parsed
+
+
+def _logits_processors(
+    uses: list[str | LogitsProcessorUse] | None, loaded: Collection[str]
+) -> list[LogitsProcessorCall] | None:
+    """The request's ``logits_processors`` for the wire; 400 for names the workers do not load."""
+    if not uses:
+        return None
+    calls = [
+        LogitsProcessorCall(use)
+        if isinstance(use, str)
+        else LogitsProcessorCall(use.name, use.args)
+        for use in uses
+    ]
+    unknown = [call.name for call in calls if call.name not in loaded]
+    if unknown:
+        offered = ", ".join(sorted(loaded)) if loaded else "none (see --logits-processors)"
+        raise invalid_request(
+            f"logits_processors names processors this server does not load: {unknown}; it loads "
+            f"{offered}",
+            param="logits_processors",
+        )
+    return calls
 
 
 def _stop_token_ids(token_ids: list[int] | None, vocab_size: int) -> list[int] | None:

@@ -185,7 +185,9 @@ def _checked_chat_request(
     max_bytes = state.request_limits.max_structured_output_bytes
     tools = tool_calling(request, max_bytes)
     constraint = chat_constraint(request, tools, max_bytes)
-    params = sampling_params(request, state.tokenizer.vocab_size)
+    params = sampling_params(
+        request, state.tokenizer.vocab_size, state.config.logits_processor_names
+    )
     prompt_tools = None if tools is None else tools.tools
     return tools, chat_generation_request(request, request_id, params, prompt_tools, constraint)
 
@@ -214,7 +216,9 @@ def _checked_completion_requests(
 ) -> list[TextGenerationRequest]:
     """One request per prompt, as ``_checked_chat_request`` checks it."""
     check_supported(request)
-    params = sampling_params(request, state.tokenizer.vocab_size)
+    params = sampling_params(
+        request, state.tokenizer.vocab_size, state.config.logits_processor_names
+    )
     constraint = structured_output(request, state.request_limits.max_structured_output_bytes)
     return completion_generation_requests(request, request_id, params, constraint)
 

@@ -75,5 +75,15 @@ def msgpack_numpy_encoder() -> Callable[[Any], bytes]:
 
 
 def msgpack_numpy_decoder(type_: type[T]) -> Callable[[bytes], T]:
-    """Return ``decode(bytes) -> type_``; raises ``msgspec.DecodeError`` on a bad frame."""
-    return msgspec.msgpack.Decoder(type_, dec_hook=_decode_hook).decode
+    """Return ``decode(bytes) -> type_``; raises ``msgspec.DecodeError`` on a bad frame, one
+    nested too deeply for the decoder's recursion (free-form fields such as tool parameters
+    or a logits processor's args) included."""
+    decoder = msgspec.msgpack.Decoder(type_, dec_hook=_decode_hook)
+
+    def decode(frame: bytes) -> T:
+        try:
+            return decoder.decode(frame)
+        except RecursionError:
+            raise msgspec.DecodeError("the frame is nested too deeply") from None
+
+    return decode

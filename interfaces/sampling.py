@@ -8,11 +8,32 @@ negative temperature.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+MAX_LOGITS_PROCESSORS = 8
+"""The most user logits processors one request may ask for."""
+MAX_LOGITS_PROCESSOR_NAME_CHARS = 128
+MAX_LOGITS_PROCESSOR_ARGS_BYTES = 4096
+"""The bound on one processor's ``args``, as JSON."""
+MAX_LOGITS_PROCESSOR_ARGS_DEPTH = 16
+"""How deep one processor's ``args`` may nest (an object in an object: 2)."""
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by a smaller
 one overflows float32 (``1e-300`` is 0.0 there) and turns them into infinities and NaN."""
+
+
+class LogitsProcessorCall(
+    msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True
+):
+    """A request's use of one user logits processor that the workers loaded
+    (``--logits-processors``): its ``name`` and the ``args`` the processor reads from its
+    context (a small JSON object; None: none)."""
+
+    name: str
+    args: dict[str, Any] | None = None
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -31,6 +52,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     for every token, so such a request, once moved, continues with different ones.
     ``logit_bias`` (OpenAI's, keyed by token id) is added to the logits before sampling; it is
     not one of MAX's fields.
+    ``logits_processors`` names the user logits processors to apply to this request's logits
+    (``worker.user_processors``), each at most once; None: none.
     """
 
     top_k: int = 1
@@ -48,6 +71,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     detokenize: bool = True
     seed: int | None = None
     logit_bias: dict[int, float] | None = None
+    logits_processors: list[LogitsProcessorCall] | None = None
 
     def __post_init__(self) -> None:
         problem = next(_problems(self), None)
@@ -94,3 +118,59 @@ def _problems(params: SamplingParams):
             yield "logit_bias keys must be non-negative token ids"
         if any(not -100.0 <= bias <= 100.0 for bias in params.logit_bias.values()):
             yield "logit_bias values must be in [-100, 100]"
+    if params.logits_processors is not None:
+        yield from _logits_processor_problems(params.logits_processors)
+
+
+def _logits_processor_problems(calls: list[LogitsProcessorCall]):
+    if len(calls) > MAX_LOGITS_PROCESSORS:
+        yield f"logits_processors may name at most {MAX_LOGITS_PROCESSORS} processors"
+    names = [call.name for call in calls]
+    if len(set(names)) != len(names):
+        yield "logits_processors names a processor more than once"
+    if any(not 0 < len(name) <= MAX_LOGITS_PROCESSOR_NAME_CHARS for name in names):
+        yield (
+            f"logits_processors names must have 1 to {MAX_LOGITS_PROCESSOR_NAME_CHARS} characters"
+        )
+    for call in calls:
+        size = _args_size(call.args)
+        if size is None:
+            yield (
+                f"logits_processors args of {call.name!r} must be a JSON object (string keys, "
+                f"integers of 64 bits, nested at most {MAX_LOGITS_PROCESSOR_ARGS_DEPTH} deep)"
+            )
+        elif size > MAX_LOGITS_PROCESSOR_ARGS_BYTES:
+            yield (
+                f"logits_processors args of {call.name!r} exceed "
+                f"{MAX_LOGITS_PROCESSOR_ARGS_BYTES} bytes as JSON"
+            )
+
+
+def _args_size(args: object) -> int | None:
+    """Bytes of ``args`` as JSON, or None if it is not a JSON object that the wire (msgpack)
+    carries: string keys, integers of 64 bits, at most ``MAX_LOGITS_PROCESSOR_ARGS_DEPTH``
+    levels (measured without recursion, so no input can exhaust the stack here)."""
+    if args is None:
+        return 0
+    if not isinstance(args, dict):
+        return None
+    stack: list[tuple[object, int]] = [(args, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > MAX_LOGITS_PROCESSOR_ARGS_DEPTH:
+                return None
+            if isinstance(value, dict):
+                if not all(isinstance(key, str) for key in value):
+                    return None
+                value = value.values()
+            stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**64:
+                return None
+        elif not (value is None or isinstance(value, str | float | bool)):
+            return None
+    try:
+        return len(msgspec.json.encode(args))
+    except (TypeError, ValueError, msgspec.EncodeError):
+        return None

@@ -1,9 +1,11 @@
 """Settings more than one role takes, each flag declared once (``interfaces.settings``):
-``ModelSettings`` (the worker, the API server and ``switchyard serve``) and
-``SchedulerAddress`` (the worker and the API server, which connect to the scheduler)."""
+``ModelSettings`` (the worker, the API server and ``switchyard serve``),
+``SchedulerAddress`` (the worker and the API server, which connect to the scheduler) and
+``LogitsProcessorSettings`` (the worker loads them, the API server checks requests' names)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from interfaces.settings import setting
@@ -49,3 +51,41 @@ class SchedulerAddress:
         "for an API server",
         required=True,
     )
+
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+def logits_processor_name(path: str) -> str:
+    """The name requests use for the processor at ``path`` (``pkg.module:Name`` → ``Name``);
+    ``ValueError`` unless ``path`` has that form."""
+    if not _IMPORT_PATH.fullmatch(path):
+        raise ValueError(f"--logits-processors: {path!r} is not an import path pkg.module:Name")
+    return path.rpartition(":")[2]
+
+
+@dataclass(frozen=True)
+class LogitsProcessorSettings:
+    """User logits processors, by import path: each worker imports them at start
+    (``worker.user_processors``); the API server only checks that requests name loaded ones,
+    by the name after the colon, and imports nothing."""
+
+    paths: tuple[str, ...] = setting(
+        (),
+        "--logits-processors",
+        "user logits processors to load, as pkg.module:Name (comma-separated or repeated); a "
+        "request applies those it names in logits_processors",
+        metavar="MODULE:NAME",
+        default_text="none",
+    )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names requests use, in load order."""
+        return tuple(logits_processor_name(path) for path in self.paths)
+
+    def __post_init__(self) -> None:
+        names = self.names
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"--logits-processors: two processors are named {twice[0]!r}")

@@ -76,8 +76,8 @@ class Handshakes:
         logger.warning("dropped a malformed frame from an API server: %s", error)
         try:
             request_id = self._decode_submitted_id.decode(payload).context.request_id
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return None  # nothing to answer: its id cannot be had
         rejection = SchedulerResult.rejected_request(f"the request is malformed: {error}")
         return SchedulerResults({request_id: rejection})
 

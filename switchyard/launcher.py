@@ -331,6 +331,7 @@ class Launcher:
             scheduler=SchedulerAddress(frontend),
             fd=fd,
             embedding=config.embedding,
+            logits_processors=config.worker.logits_processors,
             scheduler_return_timeout_s=(
                 config.api_server.scheduler_return_timeout_s if self.worker_groups.enabled else 0.0
             ),

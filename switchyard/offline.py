@@ -43,6 +43,7 @@ from api_server.text_stream import GenerationStream, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
 from interfaces.logs import LogSettings
 from interfaces.scheduler_to_api import SchedulerStats
+from interfaces.shared_settings import LogitsProcessorSettings
 from scheduler.config import SchedulerConfig
 from switchyard.launcher import Launcher
 from switchyard.offline_images import image_prompt
@@ -368,6 +369,7 @@ def _serve_config(model_dir: Path, name: str, config: EngineConfig, log_level: s
         block_size=config.block_size,
         device=config.device_type or WorkerSettings.device,
         dtype=config.dtype,
+        logits_processors=LogitsProcessorSettings(tuple(config.logits_processors or ())),
     )
     scheduler = SchedulerConfig(
         max_num_seqs=config.max_batch_size,

@@ -9,13 +9,16 @@ from typing import Any, Literal
 
 from interfaces import SamplingParams
 from interfaces.requests import StructuredOutput
+from interfaces.sampling import LogitsProcessorCall
 from scheduler.config import SchedulerConfig
 
 
 @dataclass
 class GenerationConfig:
     """lmdeploy's generation parameters. ``do_sample=False`` (the default) is greedy whatever
-    the temperature; ``top_k`` 0 means no top-k cut."""
+    the temperature; ``top_k`` 0 means no top-k cut. ``logits_processors`` takes names, not
+    callables as lmdeploy does (code never goes to the workers): each a processor that
+    ``EngineConfig.logits_processors`` loads, or ``{"name": ..., "args": {...}}``."""
 
     n: int = 1
     max_new_tokens: int | None = 512
@@ -35,6 +38,7 @@ class GenerationConfig:
     logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     include_stop_str_in_output: bool = False
+    logits_processors: list[str | dict[str, Any]] | None = None
 
     def sampling_params(self) -> SamplingParams:
         """These parameters for the engine; ``ValueError`` names the one that is invalid."""
@@ -55,6 +59,7 @@ class GenerationConfig:
             stop=self.stop_words or None,
             stop_token_ids=self.stop_token_ids or None,
             seed=self.random_seed,
+            logits_processors=_logits_processor_calls(self.logits_processors),
         )
 
     def structured_output(self) -> StructuredOutput | None:
@@ -77,6 +82,32 @@ class GenerationConfig:
         raise ValueError(f"unsupported response_format: {response_format!r}")
 
 
+def _logits_processor_calls(
+    uses: list[str | dict[str, Any]] | None,
+) -> list[LogitsProcessorCall] | None:
+    """``GenerationConfig.logits_processors`` for the wire; ``ValueError`` for a bad entry."""
+    calls = []
+    for use in uses or ():
+        if isinstance(use, str):
+            calls.append(LogitsProcessorCall(use))
+        elif (
+            isinstance(use, dict)
+            and isinstance(use.get("name"), str)
+            and set(use)
+            <= {
+                "name",
+                "args",
+            }
+        ):
+            calls.append(LogitsProcessorCall(use["name"], use.get("args")))
+        else:
+            raise ValueError(
+                "logits_processors entries are processor names or {'name': ..., 'args': {...}}, "
+                f"got {use!r}"[:300]
+            )
+    return calls or None
+
+
 def _json_schema(schema: Any) -> StructuredOutput:
     from api_server.errors import OpenAIError
     from api_server.structured_output import json_schema_output
@@ -94,7 +125,9 @@ class EngineConfig:
     ``session_len`` is the context length (prompt plus output; default: the model's);
     ``max_batch_size`` the most requests per step; ``max_prefill_token_num`` the token budget
     per step; ``cache_max_entry_count`` the KV cache size, as a fraction of free memory or as
-    bytes with a unit ("2GiB"); ``tp`` the tensor-parallel size.
+    bytes with a unit ("2GiB"); ``tp`` the tensor-parallel size. ``logits_processors`` are user
+    logits processors' import paths (``pkg.module:Name``, as ``--logits-processors``) the
+    workers load; a ``GenerationConfig`` applies those it names.
     """
 
     tp: int = 1
@@ -106,6 +139,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device_type: str | None = None
     dtype: str | None = None
+    logits_processors: list[str] | None = None
 
 
 TEMPLATE_PIECES = (

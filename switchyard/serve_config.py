@@ -26,7 +26,7 @@ from worker.settings import WorkerSettings
 
 SERVE_WORKER_SETTINGS = (
     *("tensor_parallel_size", "kv_cache_memory", "dtype", "block_size", "device"),
-    "grammar_limits",
+    *("grammar_limits", "logits_processors"),
 )
 """The ``WorkerSettings`` fields ``serve`` takes flags for."""
 SERVE_API_SERVER_SETTINGS = (

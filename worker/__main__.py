@@ -105,6 +105,7 @@ def _config(settings: WorkerSettings) -> WorkerConfig:
         master_addr=settings.master_addr,
         master_port=settings.master_port,
         grammar_limits=settings.grammar_limits,
+        logits_processors=settings.logits_processors.paths,
     )
 
 

@@ -34,6 +34,7 @@ class WorkerConfig:
     ``rank`` and ``tensor_parallel_size`` place the worker in its tensor-parallel group;
     ``master_addr``:``master_port`` is where the ranks meet (rank 0 listens there).
     ``grammar_limits`` bound structured output: spec sizes, compile time, compiled-grammar cache.
+    ``logits_processors`` are user logits processors' import paths (``worker.user_processors``).
     """
 
     model_dir: Path
@@ -50,6 +51,7 @@ class WorkerConfig:
     master_addr: str = WorkerSettings.master_addr
     master_port: int = WorkerSettings.master_port
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    logits_processors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

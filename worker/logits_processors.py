@@ -2,8 +2,9 @@
 
 Applied to a copy of the model's float32 logits before temperature, top-k, top-p and min-p, in
 vLLM V1's order: the grammar mask, min-new-tokens (end-of-sequence and stop ids to -inf), logit
-bias, then the repetition, frequency and presence penalties. Rows that use none of them come out
-bit-for-bit unchanged, which keeps greedy parity with transformers.
+bias, then the repetition, frequency and presence penalties, then the user processors the
+request names (``worker.user_processors``). Rows that use none of them come out bit-for-bit
+unchanged, which keeps greedy parity with transformers.
 
 A request's own edits (its logit_bias, the ids min-new-tokens blocks) become device tensors once
 per request (``RequestEdits``), not every step: a full-vocabulary logit_bias is ~49k entries,
@@ -12,12 +13,13 @@ and rebuilding it from Python for each row of a batch every step cost seconds pe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from interfaces import SamplingParams
+from worker.user_processors import UserProcessing, UserProcessor, user_processing
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class SamplingRow:
     ``blocked_token_ids`` are set to -inf for this token (min-new-tokens not reached yet): ids,
     or a (num_blocked,) int64 tensor of them.
     ``edits`` are the request's prebuilt tensors; None builds the logit bias from ``params``.
+    ``request_id`` is for the user processors' context.
     """
 
     params: SamplingParams
@@ -73,6 +76,7 @@ class SamplingRow:
     num_prompt_tokens: int
     blocked_token_ids: Sequence[int] | torch.Tensor = ()
     edits: RequestEdits | None = None
+    request_id: str = ""
 
     @property
     def prompt_token_ids(self) -> Sequence[int]:
@@ -150,10 +154,12 @@ class LogitsProcessors:
     blocked: TokenEdits | None = None
     bias: TokenEdits | None = None
     penalties: Penalties | None = None
+    user: UserProcessing | None = None
 
     @property
     def is_empty(self) -> bool:
-        return all(edit is None for edit in (self.allowed, self.blocked, self.bias, self.penalties))
+        edits = (self.allowed, self.blocked, self.bias, self.penalties, self.user)
+        return all(edit is None for edit in edits)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Return processed logits (num_rows, vocab_size); ``logits`` itself is left untouched."""
@@ -168,6 +174,8 @@ class LogitsProcessors:
             self.bias.add_to(logits)
         if self.penalties is not None:
             self.penalties.apply(logits)
+        if self.user is not None:
+            self.user.apply(logits)
         return logits
 
     def _block(self, logits: torch.Tensor) -> torch.Tensor:
@@ -184,13 +192,17 @@ def build_logits_processors(
     vocab_size: int,
     device: torch.device,
     allowed: torch.Tensor | None = None,
+    user_processors: Mapping[str, UserProcessor] | None = None,
 ) -> LogitsProcessors:
-    """The processors ``rows`` ask for; ``allowed`` is the grammar mask (or None)."""
+    """The processors ``rows`` ask for; ``allowed`` is the grammar mask (or None);
+    ``user_processors`` those the worker loaded (``ValueError`` if a row names another)."""
+    requests = [(row.request_id, row.params, row.token_ids, row.num_prompt_tokens) for row in rows]
     return LogitsProcessors(
         allowed=allowed,
         blocked=_blocked_edits(rows, device),
         bias=_bias_edits(rows, device),
         penalties=_penalties(rows, vocab_size, device),
+        user=user_processing(user_processors or {}, requests),
     )
 
 

@@ -45,6 +45,7 @@ from worker.prompt_logprobs import plan_prompt_logprob_rows, record_prompt_logpr
 from worker.request_sampler import RequestSampler
 from worker.request_state import RequestState
 from worker.sampler import Sampler, check_supported
+from worker.user_processors import check_processor_names, load_user_processors
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class ModelRunner:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        self.user_processors = load_user_processors(config.logits_processors)
+        """Every rank loads them (a bad path stops each alone); rank 0 applies them."""
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.tensor_parallel = tensor_parallel()
@@ -80,7 +83,7 @@ class ModelRunner:
         self.requests: dict[RequestID, RequestState] = {}
         self._refusals: dict[RequestID, str] = {}
         self.request_sampler = RequestSampler(
-            self.sampler, self.model_config.vocab_size, self.device
+            self.sampler, self.model_config.vocab_size, self.device, self.user_processors
         )
         logger.info(
             "loaded %s on %s (%s), rank %d of %d: %d KV blocks of %d tokens, max_model_len %d",
@@ -236,6 +239,7 @@ class ModelRunner:
         try:
             images = read_images(context, self.model_config.vision, new.num_computed_tokens)
             check_supported(context.sampling_params, self.model_config.vocab_size)
+            check_processor_names(context.sampling_params, self.user_processors)
             check_logprob_counts(context)
             grammar = None
             if context.structured_output is not None and self.grammars is not None:

@@ -11,6 +11,7 @@ row, so only the rows that raise fail, and the others get the tokens they would 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 
@@ -21,6 +22,7 @@ from worker.logprobs import as_log_probabilities, token_logprobs
 from worker.request_state import RequestState
 from worker.sampler import NO_TOKEN, Sampler, SamplingBatch
 from worker.structured_output import RequestGrammar, allowed_token_mask
+from worker.user_processors import UserProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +31,18 @@ class RequestSampler:
     """Samples for the ModelRunner of rank 0 (from its thread), and remembers which requests
     failed or were deferred until the runner reports them."""
 
-    def __init__(self, sampler: Sampler, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        sampler: Sampler,
+        vocab_size: int,
+        device: torch.device,
+        user_processors: Mapping[str, UserProcessor] | None = None,
+    ) -> None:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.device = device
+        self.user_processors = user_processors or {}
+        """The user logits processors the worker loaded, by name."""
         self._failures: dict[RequestID, RequestFailure] = {}
         self._deferred: list[RequestID] = []
         self._parked: set[RequestID] = set()
@@ -220,7 +230,11 @@ class RequestSampler:
         grammars = [state.grammar for state in states]
         allowed = allowed_token_mask(grammars, vocab_size, self.device, grammar_failures)
         processors = build_logits_processors(
-            [state.sampling_row() for state in states], vocab_size, self.device, allowed
+            [state.sampling_row() for state in states],
+            vocab_size,
+            self.device,
+            allowed,
+            self.user_processors,
         )
         return SamplingBatch.from_params(
             [state.sampling_params for state in states],

@@ -132,6 +132,7 @@ class RequestState:
             self.num_prompt_tokens,
             self.blocked_token_ids(),
             self.edits,
+            self.request_id,
         )
 
     def blocked_token_ids(self) -> torch.Tensor | list[int]:

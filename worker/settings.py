@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 
 from interfaces.settings import component, setting
-from interfaces.shared_settings import ModelSettings, SchedulerAddress
+from interfaces.shared_settings import LogitsProcessorSettings, ModelSettings, SchedulerAddress
 from interfaces.worker_to_scheduler import WorkerRole
 from worker.grammar_limits import GrammarLimits
 
@@ -124,3 +124,6 @@ class WorkerSettings:
         metavar="FILE",
     )
     grammar_limits: GrammarLimits = component(GrammarLimits, group="structured output")
+    logits_processors: LogitsProcessorSettings = component(
+        LogitsProcessorSettings, group="logits processors"
+    )

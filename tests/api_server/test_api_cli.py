@@ -49,6 +49,10 @@ def test_config_from_flags(default_model_dir: Path) -> None:
     assert config.served_model_name == default_model_dir.resolve().name
     assert config.max_model_len == 100
     assert config.engine.scheduler_addr == "ipc://s"
+    assert config.logits_processor_names == ()
+    processors = ["--logits-processors", "pkg.bans:Ban", "--logits-processors", "pkg:Force"]
+    args = parse_args([*args_for(default_model_dir), *processors])
+    assert build_config(args).logits_processor_names == ("Ban", "Force")
     args = parse_args(["--model", str(default_model_dir), "--scheduler-addr", "ipc://s"])
     assert build_config(args).max_model_len == 8192  # config.json's max_position_embeddings
     too_long = ["--max-model-len", "9000", "--served-model-name", "x"]

@@ -6,6 +6,7 @@ import gc
 import pickle
 import re
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -41,6 +42,7 @@ from interfaces.api_to_scheduler import (
 from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
 from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.requests import PreparedImage
+from interfaces.sampling import LogitsProcessorCall
 from interfaces.scheduler_to_api import (
     ITERATION_TOKENS_BUCKETS,
     KV_TRANSFER_SECONDS_BUCKETS,
@@ -101,6 +103,10 @@ SAMPLING = SamplingParams(
     detokenize=False,
     seed=1234,
     logit_bias={42: 5.0, 7: -100.0},
+    logits_processors=[
+        LogitsProcessorCall("ban"),
+        LogitsProcessorCall("force", {"token": 3, "why": ["a", 1.5]}),
+    ],
 )
 CONTEXT = TextContext(
     "req-1",
@@ -358,6 +364,14 @@ def test_bad_frames_raise_instead_of_decoding(frame):
         msgpack_numpy_decoder(ApiToSchedulerMessage)(frame)
 
 
+def test_a_frame_nested_too_deeply_is_a_decode_error():
+    """Free-form fields (tool parameters, a logits processor's args) decode as ``Any``: a frame
+    nesting them past the decoder's recursion is a bad frame, not a RecursionError."""
+    frame = b"\x81\xa1a" + b"\x91" * 200_000 + b"\xc0"  # {"a": [[[...[None]...]]]}
+    with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
+        msgpack_numpy_decoder(dict[str, Any])(frame)
+
+
 def test_decoding_validates_sampling_params():
     # Flip the sign bit of temperature=0.7 (float64 0x3FE6666666666666) inside a valid frame.
     good = encode(SubmitRequest(CONTEXT))
@@ -385,6 +399,10 @@ def test_decoding_validates_sampling_params():
         ({"stop": [""]}, "stop strings"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias keys"),
         ({"logit_bias": {5: 101.0}}, "logit_bias values"),
+        ({"logits_processors": [LogitsProcessorCall("x")] * 2}, "more than once"),
+        ({"logits_processors": [LogitsProcessorCall(str(i)) for i in range(9)]}, "at most 8"),
+        ({"logits_processors": [LogitsProcessorCall("")]}, "1 to 128 characters"),
+        ({"logits_processors": [LogitsProcessorCall("x", {"a": "b" * 5000})]}, "exceed 4096"),
     ],
 )
 def test_sampling_params_reject_bad_values_clearly(fields, message):

@@ -292,7 +292,8 @@ class ApiHarness:
     is the address the app is told it listens on (its ``Host`` check; None: no check);
     ``heartbeat_interval_s`` how often the engine pings while requests are in flight;
     ``scheduler_return_timeout_s`` how long requests wait for a scheduler that went away (0:
-    they fail at once).
+    they fail at once). ``logits_processor_names`` are the user logits processors requests may
+    name.
     """
 
     MODEL_NAME = "smollm2-test"
@@ -311,6 +312,7 @@ class ApiHarness:
         bind_host: str | None = None,
         heartbeat_interval_s: float = 0.1,
         scheduler_return_timeout_s: float = 0.0,
+        logits_processor_names: tuple[str, ...] = (),
     ) -> None:
         from api_server.app import create_app
         from api_server.config import ApiServerConfig, EngineClientConfig, HttpLimits
@@ -334,6 +336,7 @@ class ApiHarness:
             allowed_origins,
             limits or HttpLimits(),
             embedding_model_dir=embedding_model_dir,
+            logits_processor_names=logits_processor_names,
         )
         self.app = create_app(config, bind_host)
         self.server = UvicornThread(self.app).start()

@@ -143,9 +143,17 @@ def context(request_id: str, prompt: list[int], num_new_tokens: int, **fields) -
     )
 
 
-def small_runner(model_dir: Path, kv_cache_memory: int = 8 << 20) -> ModelRunner:
-    """A CPU ModelRunner with a small KV pool, a 256-token context and a fixed sampling seed."""
+def small_runner(
+    model_dir: Path, kv_cache_memory: int = 8 << 20, logits_processors: tuple[str, ...] = ()
+) -> ModelRunner:
+    """A CPU ModelRunner with a small KV pool, a 256-token context and a fixed sampling seed;
+    ``logits_processors`` are user processors' import paths to load."""
     config = WorkerConfig(
-        model_dir, device="cpu", kv_cache_memory=kv_cache_memory, max_model_len=256, seed=0
+        model_dir,
+        device="cpu",
+        kv_cache_memory=kv_cache_memory,
+        max_model_len=256,
+        seed=0,
+        logits_processors=logits_processors,
     )
     return ModelRunner(config)

@@ -17,7 +17,9 @@ import pytest
 from PIL import Image
 
 from api_server.text_stream import TextDelta
+from interfaces.sampling import LogitsProcessorCall
 from switchyard import ChatTemplateConfig, EngineConfig, GenerationConfig, Response, pipeline
+from switchyard.offline import _serve_config
 from switchyard.offline_prompts import _num_tokens_before_stop_word
 from tests.support.serve_process import ServeProcess, alive
 
@@ -135,6 +137,21 @@ def test_generation_config_maps_onto_sampling_params_and_refuses_bad_values():
         GenerationConfig(response_format=bad).structured_output()
     with pytest.raises(ValueError, match="unsupported response_format"):
         GenerationConfig(response_format={"type": "xml"}).structured_output()
+
+
+def test_logits_processors_go_by_name_to_the_engine_and_the_workers(tmp_path):
+    config = GenerationConfig(logits_processors=["ban", {"name": "force", "args": {"token": 3}}])
+    assert config.sampling_params().logits_processors == [
+        LogitsProcessorCall("ban"),
+        LogitsProcessorCall("force", {"token": 3}),
+    ]
+    with pytest.raises(ValueError, match="logits_processors entries are processor names"):
+        GenerationConfig(logits_processors=[{"name": "x", "code": "print()"}]).sampling_params()
+    with pytest.raises(ValueError, match="names a processor more than once"):
+        GenerationConfig(logits_processors=["ban", "ban"]).sampling_params()
+    engine = EngineConfig(logits_processors=["pkg.bans:ban"])
+    serve = _serve_config(tmp_path, "name", engine, "INFO")
+    assert serve.worker.logits_processors.paths == ("pkg.bans:ban",)
 
 
 def test_a_prompt_longer_than_the_context_gets_an_empty_length_response(pipe):

@@ -22,7 +22,7 @@ from api_server.config import (
 )
 from interfaces.logs import LogSettings
 from interfaces.settings import add_flags, declarations, from_args, to_argv
-from interfaces.shared_settings import ModelSettings, SchedulerAddress
+from interfaces.shared_settings import LogitsProcessorSettings, ModelSettings, SchedulerAddress
 from interfaces.transport import TransportSecurity, add_transport_flags
 from interfaces.worker_to_scheduler import WorkerRole
 from scheduler.__main__ import build_parser as scheduler_parser
@@ -121,6 +121,7 @@ def serve_argv(tmp_path: Path) -> list[str]:
         *("--allowed-local-media-path", str(tmp_path), "--allowed-media-domains", "x.com"),
         *("--max-images-per-prompt", "2", "--log-level", "DEBUG", "--log-format", "json"),
         *("--generation-config", "vllm", "--reasoning-parser", "qwen3"),
+        *("--logits-processors", "pkg.bans:Ban,pkg.force:Force"),
     ]
 
 
@@ -219,6 +220,8 @@ def test_the_values_given_to_serve_reach_the_roles(served):
     assert api_server.model == worker.model == ModelSettings(str(config.model_dir), "chat", 100)
     assert (config.api_server.api_key, api_server.api_key) == ("secret", None)
     assert (api_server.embedding.served_model_name, api_server.fd) == ("vectors", 3)
+    assert worker.logits_processors.paths == ("pkg.bans:Ban", "pkg.force:Force")
+    assert api_server.logits_processors == worker.logits_processors  # the names to check
 
 
 def test_serve_takes_every_device_the_worker_takes():
@@ -276,6 +279,7 @@ def role_samples(media_dir: Path) -> dict[str, object]:
             *(2, 1, "10.0.0.1", 1234, WorkerRole.DECODE, "decode-0", "tcp://10.0.0.1:7"),
             "/tmp/worker.alive",
             GrammarLimits(3.5, 1000, 10, 4096),
+            LogitsProcessorSettings(("pkg.bans:Ban", "pkg.force:Force")),
         ),
         "api_server": ApiServerSettings(
             ModelSettings("model", "name", 100),
@@ -290,6 +294,7 @@ def role_samples(media_dir: Path) -> dict[str, object]:
             MediaConfig(media_dir, ("x.com", "y"), max_images_per_prompt=2),
             generation_config=str(media_dir),
             reasoning_parser="deepseek_r1",
+            logits_processors=LogitsProcessorSettings(("pkg:Ban",)),
         ),
     }
 

@@ -408,27 +408,47 @@ def deployment(
                 role.process.kill()
 
 
+@dataclass
+class Deployed:
+    """One source's running deployment (``deployment``) and the directory it runs in."""
+
+    source: str
+    work_dir: Path
+    roles: dict[str, Role]
+    api_servers: list[tuple[str, str]]
+
+
+@pytest.fixture(scope="module", params=["compose", "k8s"])
+def deployed(request, default_model_dir, tmp_path_factory) -> Iterator[Deployed]:
+    """Each source's deployment, started once for both slow tests of that source: pytest runs
+    a module-scoped parameter's tests together, in file order, so the test that kills roles
+    runs after the one that only asks them (and counts only its own restarts)."""
+    source = request.param
+    work_dir = tmp_path_factory.mktemp(f"deploy-{source}")
+    with deployment(source, default_model_dir, work_dir) as (roles, api_servers):
+        yield Deployed(source, work_dir, roles, api_servers)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["compose", "k8s"])
-def test_the_roles_answer_with_the_deployment_files_commands(source, default_model_dir, tmp_path):
-    with deployment(source, default_model_dir, tmp_path) as (roles, api_servers):
-        assert len(api_servers) == (2 if source == "compose" else 1)
-        logs = {name: role.log for name, role in roles.items()}
-        for url, api_key in api_servers:
-            answer_and_log(url, api_key, logs, source)
-        check_metrics_against_the_dashboards(api_servers[0][0])
-        if source == "k8s":  # the worker's probes, as the kubelet runs them, pass
-            worker = pod_containers()["worker"]
-            alive = str(tmp_path / "worker.alive")
-            for probe in (worker["startupProbe"], worker["livenessProbe"]):
-                _, _, module, *rest = probe["exec"]["command"]
-                command = [
-                    sys.executable,
-                    "-m",
-                    module,
-                    *(a.replace(WORKER_LIVENESS_FILE, alive) for a in rest),
-                ]
-                assert subprocess.run(command, timeout=60).returncode == 0
+def test_the_roles_answer_with_the_deployment_files_commands(deployed: Deployed):
+    source, roles, api_servers = deployed.source, deployed.roles, deployed.api_servers
+    assert len(api_servers) == (2 if source == "compose" else 1)
+    logs = {name: role.log for name, role in roles.items()}
+    for url, api_key in api_servers:
+        answer_and_log(url, api_key, logs, source)
+    check_metrics_against_the_dashboards(api_servers[0][0])
+    if source == "k8s":  # the worker's probes, as the kubelet runs them, pass
+        worker = pod_containers()["worker"]
+        alive = str(deployed.work_dir / "worker.alive")
+        for probe in (worker["startupProbe"], worker["livenessProbe"]):
+            _, _, module, *rest = probe["exec"]["command"]
+            command = [
+                sys.executable,
+                "-m",
+                module,
+                *(a.replace(WORKER_LIVENESS_FILE, alive) for a in rest),
+            ]
+            assert subprocess.run(command, timeout=60).returncode == 0
 
 
 class Orchestrator:
@@ -471,36 +491,36 @@ def restart_policies(source: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["compose", "k8s"])
 def test_a_killed_worker_or_scheduler_that_the_orchestrator_restarts_costs_a_pause(
-    source, default_model_dir, tmp_path
+    deployed: Deployed,
 ):
     """``kill -9`` of the worker, then of the scheduler, with streams in flight: the
     orchestrator starts the killed process again, the worker registers with the scheduler
     (the restarted worker; the running one with the restarted scheduler), the API server
     submits its streams to the new scheduler, and every stream ends as undisturbed."""
+    source, roles = deployed.source, deployed.roles
     expected = {"unless-stopped"} if source == "compose" else {"Always"}
     assert set(restart_policies(source).values()) == expected
-    with deployment(source, default_model_dir, tmp_path) as (roles, api_servers):
-        (url, api_key), *_ = api_servers
-        headers = {"Authorization": f"Bearer {api_key}"}
-        by_kind = {role.kind: role for role in roles.values()}
-        bodies = [mixed_request(index) for index in range(5)]
-        undisturbed = run_all(url, bodies, headers=headers)
-        with Orchestrator(roles):
-            for kind in ("worker", "scheduler"):
-                pid = by_kind[kind].process.pid
-                streams, killed_at, open_then = run_with_fault(
-                    url, bodies, lambda pid=pid: os.kill(pid, signal.SIGKILL), headers=headers
-                )
-                assert any(open_then), kind
-                assert_same_as_undisturbed(streams, undisturbed)
-                report(f"{source}: kill -9 of the {kind}", pauses(streams, killed_at, open_then))
-        assert {kind: role.restarts for kind, role in by_kind.items()} == {
-            "scheduler": 1,
-            "worker": 1,  # it stays up when the scheduler dies
-            "api_server": 0,
-        }
+    (url, api_key), *_ = deployed.api_servers
+    headers = {"Authorization": f"Bearer {api_key}"}
+    by_kind = {role.kind: role for role in roles.values()}
+    assert {kind: role.restarts for kind, role in by_kind.items()} == dict.fromkeys(by_kind, 0)
+    bodies = [mixed_request(index) for index in range(5)]
+    undisturbed = run_all(url, bodies, headers=headers)
+    with Orchestrator(roles):
+        for kind in ("worker", "scheduler"):
+            pid = by_kind[kind].process.pid
+            streams, killed_at, open_then = run_with_fault(
+                url, bodies, lambda pid=pid: os.kill(pid, signal.SIGKILL), headers=headers
+            )
+            assert any(open_then), kind
+            assert_same_as_undisturbed(streams, undisturbed)
+            report(f"{source}: kill -9 of the {kind}", pauses(streams, killed_at, open_then))
+    assert {kind: role.restarts for kind, role in by_kind.items()} == {
+        "scheduler": 1,
+        "worker": 1,  # it stays up when the scheduler dies
+        "api_server": 0,
+    }
 
 
 def answer_and_log(url: str, api_key: str, logs: dict[str, Path], source: str) -> None:

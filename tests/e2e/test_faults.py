@@ -69,7 +69,7 @@ def test_killing_the_worker_or_scheduler_fails_requests_and_exits_non_zero(serve
 RESTART_LINE = re.compile(
     r"(api-server-\d) exited with code -9 \((\d+) in a row\); starting it again in ([\d.]+) s"
 )
-API_SERVER_KILLS = 6
+API_SERVER_KILLS = 4
 STREAM_TOKENS = 64
 """The survivor's streams: long enough to run through the first kills."""
 
@@ -77,9 +77,11 @@ STREAM_TOKENS = 64
 def test_killing_one_of_two_api_servers_again_and_again_leaves_the_other_serving(
     default_model_dir, tmp_path
 ):
-    """One API server killed as soon as it runs, 6 times in a row: the launcher starts it again
-    after 0.5, 1, 2, 4, 8 and 16 s (a line each), while the other's streams complete and the
-    scheduler, the worker and the unit live on."""
+    """One API server killed as soon as it runs, 4 times in a row: the launcher starts it again
+    after 0.5, 1, 2 and 4 s (a line each), doubling each time, while the other's streams
+    complete and the scheduler, the worker and the unit live on. (Two more kills would only
+    wait 8 and 16 s more for the same doubling; tests/switchyard/test_restart_backoff.py checks
+    the whole schedule up to its 30 s cap.)"""
     log_path = tmp_path / "serve.log"
     serve = ServeProcess("--api-servers", "2", log_path=log_path)
     try:
@@ -117,7 +119,7 @@ def test_killing_one_of_two_api_servers_again_and_again_leaves_the_other_serving
         restarts = wait_for_restart_lines(log_path, API_SERVER_KILLS)
         assert [int(line[1]) for line in restarts] == list(range(1, API_SERVER_KILLS + 1))
         delays = [float(line[2]) for line in restarts]
-        assert delays == [0.5, 1, 2, 4, 8, 16]
+        assert delays == [0.5, 1, 2, 4]
         assert all(w >= delay for w, delay in zip(waited, delays, strict=False))
         assert len({name for name, _, _ in restarts}) == 1  # always the same slot
 

@@ -12,7 +12,6 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from threading import Event
@@ -39,10 +38,10 @@ HTTP_SERIES = ("http_requests_total", "http_request_duration_seconds_count")
 
 
 @pytest.fixture(scope="module")
-def served(default_model_dir: Path) -> Iterator[ServeProcess]:
-    serve = ServeProcess()
-    yield serve
-    serve.kill()
+def served(hostile_serve) -> ServeProcess:
+    """The server the hostile-input modules share (tests/e2e/conftest.py); its limits on stream
+    backlog and grammar compile time do not come into play here."""
+    return hostile_serve.get()
 
 
 def stream_chat(base_url: str, body: dict, started: Event | None = None) -> tuple[str, str]:

@@ -15,6 +15,7 @@ import re
 import httpx
 import pytest
 
+from tests.e2e.conftest import MAX_STREAM_BACKLOG
 from tests.support.clients import SlowReader, health_status, in_background, wait_until
 from tests.support.serve_process import (
     DEFAULT_MODEL_NAME,
@@ -26,7 +27,6 @@ from tests.support.serve_process import (
 
 pytestmark = pytest.mark.slow
 
-MAX_STREAM_BACKLOG = 16
 INNOCENT = {
     "model": DEFAULT_MODEL_NAME,
     "messages": chat_messages("Name three colours of the rainbow."),
@@ -40,10 +40,10 @@ SCHEMA_LIMIT = "the limit is 131072 bytes (--max-structured-output-bytes)"
 
 
 @pytest.fixture(scope="module")
-def serve(default_model_dir):
-    serve = ServeProcess("--max-stream-backlog", str(MAX_STREAM_BACKLOG))
-    yield serve
-    serve.kill()
+def serve(hostile_serve) -> ServeProcess:
+    """The server the hostile-input modules share, with ``--max-stream-backlog 16``
+    (tests/e2e/conftest.py)."""
+    return hostile_serve.get()
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ import time
 import httpx
 import pytest
 
+from tests.e2e.conftest import COMPILE_TIMEOUT_S
 from tests.support.clients import health_status, in_background
 from tests.support.serve_process import DEFAULT_MODEL_NAME, ServeProcess, chat_messages
 
 pytestmark = pytest.mark.slow
 
-COMPILE_TIMEOUT_S = 10
 INNOCENT = {
     "model": DEFAULT_MODEL_NAME,
     "messages": chat_messages("Name three colours."),
@@ -48,10 +48,12 @@ def chat(question: str, **fields) -> dict:
 
 
 @pytest.fixture(scope="module")
-def serve(default_model_dir):
-    serve = ServeProcess("--grammar-compile-timeout", str(COMPILE_TIMEOUT_S))
-    yield serve
-    serve.kill()
+def serve(hostile_serve):
+    """The server the hostile-input modules share, with ``--grammar-compile-timeout 10``
+    (tests/e2e/conftest.py); stopped after this module, whose last grammar is still
+    compiling."""
+    yield hostile_serve.get()
+    hostile_serve.stop()
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +124,7 @@ def test_a_slow_compile_does_not_stall_the_batch_and_its_request_waits(serve, in
 
 def test_a_compile_past_the_time_limit_fails_alone_with_a_400(serve, innocent_alone):
     """Ten 300-character strings compile for well over the limit (20 s on an idle 2-core
-    machine; the server is killed after this module, compile and all): the innocent stream
+    machine; the server is stopped after this module, compile and all): the innocent stream
     finishes long before the grammar request hears anything, /health stays 200 meanwhile, and
     the grammar request gets a 400 naming the limit."""
     schema = slow_schema(10, 300)

@@ -107,6 +107,8 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
         generation_defaults=generation_defaults,
         reasoning_parser=settings.reasoning_parser,
         logits_processor_names=settings.logits_processors.names,
+        responses_store=settings.responses_store,
+        allow_runtime_lora_updating=settings.allow_runtime_lora_updating,
     )
 
 

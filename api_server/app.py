@@ -15,16 +15,25 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from api_server import utility_routes
+from api_server import lora_routes, utility_routes
 from api_server.config import ApiServerConfig
 from api_server.embeddings import EmbeddingModel, EmbeddingRequest, create_embeddings
 from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.errors import install_error_handlers, service_unavailable
 from api_server.limits import RequestLimitsMiddleware
+from api_server.lora_routes import adapter_cards
 from api_server.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from api_server.open_responses import (
+    ResponsesRoute,
+    create_response,
+    delete_response,
+    retrieve_response,
+)
 from api_server.protocol import ChatCompletionRequest, CompletionRequest
 from api_server.request_id import RequestIdMiddleware
+from api_server.response_store import ResponseStore
 from api_server.responses import ModelCard, ModelList
+from api_server.responses_request import ResponsesRequest
 from api_server.security import JsonContentTypeMiddleware, install_security
 from api_server.serving import ServerState, create_chat_completion, create_completion
 from api_server.stats_tickets import SchedulerStatsCache
@@ -36,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499
 router = APIRouter()
+responses_router = APIRouter(route_class=ResponsesRoute)
 
 
 def create_app(config: ApiServerConfig, bind_host: str | None = None) -> FastAPI:
@@ -55,18 +65,20 @@ def create_app(config: ApiServerConfig, bind_host: str | None = None) -> FastAPI
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = EngineClient(config.engine)
         await engine.start()
-        app.state.server = ServerState(config, tokenizer, engine, metrics)
         app.state.scheduler_stats = SchedulerStatsCache(
             engine.stats, lambda: metrics.num_request_changes
         )
+        app.state.server = ServerState(config, tokenizer, engine, metrics)
         try:
             yield
         finally:
             await engine.close()
+            app.state.response_store.close()
 
     app = FastAPI(title="Switchyard", version=package_version(), lifespan=lifespan)
     app.state.tokenizer = tokenizer
     app.state.embedding_model = embedding_model
+    app.state.response_store = ResponseStore(config.responses_store)  # opened on first use
     install_error_handlers(app)
     # Inside the API key check and CORS (added after it, so outer): a 413, 415 or 431 carries
     # CORS headers, and a client without the key gets its 401 first. A declared body size above
@@ -77,7 +89,9 @@ def create_app(config: ApiServerConfig, bind_host: str | None = None) -> FastAPI
     app.add_middleware(RequestIdMiddleware)
     metrics.instrument(app)  # outermost: refusals (400, 401, 413, 415, 431) are counted too
     app.include_router(router)
+    app.include_router(responses_router)
     app.include_router(utility_routes.router)
+    app.include_router(lora_routes.router)
     return app
 
 
@@ -99,6 +113,22 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _cancel_on_disconnect(request, create_completion(body, _state(request)))
 
 
+@responses_router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    store = request.app.state.response_store
+    return await _cancel_on_disconnect(request, create_response(body, _state(request), store))
+
+
+@responses_router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> Response:
+    return await retrieve_response(response_id, request.app.state.response_store)
+
+
+@responses_router.delete("/v1/responses/{response_id}")
+async def remove_response(response_id: str, request: Request) -> Response:
+    return await delete_response(response_id, request.app.state.response_store)
+
+
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state = _state(request)
@@ -109,7 +139,10 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
-    config = _state(request).config
+    """The served models, and the LoRA adapters loaded now (from stats at most
+    ``STATS_MAX_AGE_S`` old; without them while the scheduler does not answer)."""
+    state = _state(request)
+    config = state.config
     cards = []
     if config.model_dir is not None:
         cards.append(
@@ -119,6 +152,9 @@ async def models(request: Request) -> JSONResponse:
                 max_model_len=config.max_model_len,
             )
         )
+        with contextlib.suppress(SchedulerUnavailable):
+            await _scheduler_stats(request).get()  # the engine takes the adapters from it
+        cards += adapter_cards(state.engine.lora_adapters, config.served_model_name)
     embedding_model = request.app.state.embedding_model
     if embedding_model is not None:
         cards.append(

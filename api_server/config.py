@@ -21,6 +21,7 @@ from api_server.generation_config import (
     generation_config_source,
 )
 from api_server.reasoning import REASONING_PARSER_NAMES, reasoning_parser_name
+from api_server.response_store import ResponseStoreConfig
 from interfaces import envs
 from interfaces.settings import component, setting, split_commas
 from interfaces.shared_settings import LogitsProcessorSettings, ModelSettings, SchedulerAddress
@@ -262,6 +263,10 @@ class ApiServerConfig:
     logits_processor_names: tuple[str, ...] = ()
     """The user logits processors requests may name (``--logits-processors``): the workers
     load them by the same flag."""
+    responses_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
+    """Where the Responses API keeps stored responses (api_server.response_store)."""
+    allow_runtime_lora_updating: bool = False
+    """Whether clients may load and unload LoRA adapters (api_server.lora_routes)."""
 
     @property
     def embedding_name(self) -> str | None:
@@ -448,3 +453,12 @@ class ApiServerSettings:
         LogitsProcessorSettings, group="logits processors"
     )
     """Only their names: requests may name these; the workers load them."""
+    responses_store: ResponseStoreConfig = component(ResponseStoreConfig, group="responses API")
+    allow_runtime_lora_updating: bool = setting(
+        False,
+        "--allow-runtime-lora-updating",
+        "let clients load and unload LoRA adapters (POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter, vLLM's routes), from paths the workers read",
+        switch=True,
+        default_text="off",
+    )

@@ -34,6 +34,7 @@ the reader task ever waiting for it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -53,6 +54,7 @@ from interfaces import RequestID, SchedulerResult, TextContext, TextGenerationOu
 from interfaces.api_to_scheduler import (
     MAX_API_MESSAGE_BYTES,
     AbortRequests,
+    LoRAOperationRequest,
     StatsRequest,
     SubmitEmbeddings,
     SubmitRequest,
@@ -60,7 +62,18 @@ from interfaces.api_to_scheduler import (
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
 from interfaces.handshake import ApiHello, HandshakeRefused
-from interfaces.scheduler_to_api import SchedulerStats, SchedulerToApiMessage
+from interfaces.lora import (
+    MAX_LORAS,
+    LoRAAdapterInfo,
+    LoRAOperation,
+    LoRARequest,
+    LoRAResponse,
+)
+from interfaces.scheduler_to_api import (
+    LoRAOperationResult,
+    SchedulerStats,
+    SchedulerToApiMessage,
+)
 from interfaces.transport import FRONTEND
 
 logger = logging.getLogger(__name__)
@@ -116,6 +129,15 @@ class EngineClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._queues: dict[str, asyncio.Queue[Result | Exception]] = {}
         self._stats_waiters: list[StatsWaiter] = []
+        self._lora_waiters: dict[int, asyncio.Future[LoRAResponse]] = {}
+        self._lora_tickets = itertools.count(1)
+        self.lora_adapters: list[LoRAAdapterInfo] = []
+        """The LoRA adapters of the scheduler's last stats reply (or this server's own loads
+        and unloads since)."""
+        self.lora_names: frozenset[str] = frozenset()
+        self.max_loras: int | None = None
+        """The adapters the worker groups hold at once, from the last stats reply (0: LoRA is
+        not enabled; None: no reply yet)."""
         self._stats_tickets = StatsTickets(lost_after_s=config.stats_timeout_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = time.monotonic()
@@ -320,6 +342,34 @@ class EngineClient:
         finally:
             self._stats_waiters.remove(waiter)
 
+    async def lora_operation(self, request: LoRARequest, timeout_s: float) -> LoRAResponse:
+        """Have the scheduler carry out ``request`` on every worker group; its answer.
+        ``SchedulerUnavailable`` if it cannot be sent or no answer comes within ``timeout_s``
+        (the operation may still complete)."""
+        ticket = next(self._lora_tickets)
+        answer: asyncio.Future[LoRAResponse] = asyncio.get_running_loop().create_future()
+        self._lora_waiters[ticket] = answer
+        try:
+            await self._send(LoRAOperationRequest(ticket, request), self.config.submit_timeout_s)
+            response = await asyncio.wait_for(answer, timeout_s)
+        except asyncio.TimeoutError as error:
+            raise SchedulerUnavailable(
+                f"the scheduler did not answer the LoRA {request.operation.value} within "
+                f"{timeout_s:g} s"
+            ) from error
+        finally:
+            self._lora_waiters.pop(ticket, None)
+        if response.ok:
+            adapters = [a for a in self.lora_adapters if a.name != request.lora_name]
+            if request.operation is LoRAOperation.LOAD:
+                adapters.append(LoRAAdapterInfo(request.lora_name, request.lora_path or ""))
+            self._set_lora_adapters(adapters)
+        return response
+
+    def _set_lora_adapters(self, adapters: list[LoRAAdapterInfo]) -> None:
+        self.lora_adapters = adapters
+        self.lora_names = frozenset(adapter.name for adapter in adapters)
+
     def _send_stats_request(self) -> tuple[int, asyncio.Future[Any]]:
         sent = self._send_nowait(StatsRequest())
         return self._stats_tickets.sent(), sent
@@ -381,7 +431,14 @@ class EngineClient:
         if isinstance(message, HandshakeRefused):
             self._refuse(message.reason)
             return
+        if isinstance(message, LoRAOperationResult):
+            answer = self._lora_waiters.get(message.ticket)
+            if answer is not None and not answer.done():
+                answer.set_result(message.response)
+            return
         if isinstance(message, SchedulerStats):
+            self._set_lora_adapters(message.lora_adapters[:MAX_LORAS])
+            self.max_loras = message.max_loras
             answered = self._stats_tickets.answered()
             for waiter in self._stats_waiters:
                 if waiter.ticket <= answered and not waiter.future.done():

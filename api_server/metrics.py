@@ -41,6 +41,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
 
 from interfaces import RequestTimings, envs
+from interfaces.lora import MAX_LORAS
 from interfaces.scheduler_to_api import (
     ITERATION_TOKENS_BUCKETS,
     KV_TRANSFER_SECONDS_BUCKETS,
@@ -449,6 +450,23 @@ class SchedulerCollector(Collector):
         yield from self._migrations(stats)
         yield from self._groups(stats)
         yield from self._speculative(stats)
+        if stats.max_loras:
+            yield self._lora_requests_info(stats)
+
+    def _lora_requests_info(self, stats: SchedulerStats) -> Metric:
+        """vLLM's ``lora_requests_info``: the adapters of running and of waiting requests
+        (comma-separated names) and ``--max-loras`` as labels; the value is when it was
+        read (seconds since the epoch)."""
+        metric = GaugeMetricFamily(
+            "switchyard:lora_requests_info",
+            "Running stats on LoRA requests.",
+            labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        running = ",".join(stats.running_lora_adapters[:MAX_LORAS])
+        waiting = ",".join(stats.waiting_lora_adapters[:MAX_LORAS])
+        labels = [self.model_name, str(stats.max_loras), running, waiting]
+        metric.add_metric(labels, time.time())
+        return metric
 
     def _groups(self, stats: SchedulerStats) -> Iterator[Metric]:
         """Each serving text generation group's series, labelled by ``group`` and ``role``

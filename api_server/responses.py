@@ -176,6 +176,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "switchyard"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (vLLM's field); None for a base model."""
     max_model_len: int | None = None
 
 

@@ -13,6 +13,7 @@ in their ``ResponseFormat`` (api_server.formats). Chat messages may hold images
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -67,6 +68,7 @@ from interfaces import (
     TextContext,
     TextGenerationRequest,
 )
+from interfaces.lora import lora_name_problem
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -111,15 +113,45 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
 
+    async def resolve_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names, None for the base model (or no name); 404 for any
+        other name, as ``check_model``. The adapters are those of the scheduler's last stats
+        reply; while LoRA may be enabled, a name not among them that could name an adapter
+        asks the scheduler again, so an adapter loaded through another API server is found at
+        once."""
+        if self.tokenizer is None or model is None or model == self.model_name:
+            self.check_model(model)
+            return None
+        engine = self.engine
+        could_be_adapter = engine.max_loras != 0 and lora_name_problem(model) is None
+        if model not in engine.lora_names and could_be_adapter:
+            with contextlib.suppress(SchedulerUnavailable):
+                await engine.stats()  # the engine takes the adapters from the reply
+        if model not in engine.lora_names:
+            raise model_not_found(model)
+        return model
+
 
 async def create_chat_completion(request: ChatCompletionRequest, state: ServerState) -> Response:
     """Answer POST /v1/chat/completions (a JSONResponse or a StreamingResponse)."""
+    response_id = f"chatcmpl-{current_request_id()}"
+    generation, response_format = await start_chat_generation(request, state, response_id)
+    return await _respond(request, generation, response_format)
+
+
+async def start_chat_generation(
+    request: ChatCompletionRequest, state: ServerState, response_id: str
+) -> tuple[Generation, ChatFormat]:
+    """Check ``request``, tokenize it and submit its choices: the generation, and the
+    ``ChatFormat`` that parses its text (tools, reasoning). Every check is a 400 before anything
+    is queued. The caller starts ``generation.deltas()`` before its next await: from then on
+    that closes the choices' image segments however it ends (api_server.open_responses shapes
+    the same generation as a Responses API answer)."""
     arrival_time = time.monotonic()
-    state.check_model(request.model)
+    lora_name = await state.resolve_model(request.model)
     state.check_accepting()
     request = with_generation_defaults(request, state.config.generation_defaults)
     check_request_limits(request, state.request_limits, state.tokenizer.max_model_len)
-    response_id = f"chatcmpl-{current_request_id()}"
     tools, prompt = await state.tokenizer.run_in_thread(
         _checked_chat_request, request, state, engine_request_id(response_id)
     )
@@ -136,13 +168,13 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
     images = await load_images(inputs, state.config.media, vision, max_model_len)
     if images:
         prompt = msgspec.structs.replace(prompt, images=images)
-    generation = await _generation(state, request, [prompt], options, arrival_time)
-    # No await until ``_respond``: from there on ``Generation.deltas``, which it starts at
-    # once, closes the generation's image segments however it ends; before, this does.
+    generation = await _generation(state, request, [prompt], options, arrival_time, lora_name)
+    # No await until the caller starts ``Generation.deltas``: from there on that closes the
+    # generation's image segments however it ends; before, this does.
     try:
         response_format = ChatFormat(
             response_id,
-            state.model_name,
+            lora_name or state.model_name,
             request.num_logprobs,
             state.token_texts,
             tools,
@@ -152,13 +184,13 @@ async def create_chat_completion(request: ChatCompletionRequest, state: ServerSt
         for choice in generation.choices:
             choice.stream.images.close()
         raise
-    return await _respond(request, generation, response_format)
+    return generation, response_format
 
 
 async def create_completion(request: CompletionRequest, state: ServerState) -> Response:
     """Answer POST /v1/completions (a JSONResponse or a StreamingResponse)."""
     arrival_time = time.monotonic()
-    state.check_model(request.model)
+    lora_name = await state.resolve_model(request.model)
     state.check_accepting()
     request = with_generation_defaults(request, state.config.generation_defaults)
     check_request_limits(request, state.request_limits, state.tokenizer.max_model_len)
@@ -169,9 +201,9 @@ async def create_completion(request: CompletionRequest, state: ServerState) -> R
     )
     options = _text_options(request)
     response_format = CompletionFormat(
-        response_id, state.model_name, request.num_logprobs, state.token_texts
+        response_id, lora_name or state.model_name, request.num_logprobs, state.token_texts
     )
-    generation = await _generation(state, request, prompts, options, arrival_time)
+    generation = await _generation(state, request, prompts, options, arrival_time, lora_name)
     return await _respond(request, generation, response_format)
 
 
@@ -229,8 +261,10 @@ async def _generation(
     prompts: list[TextGenerationRequest],
     options: TextOptions,
     arrival_time: float,
+    lora_name: str | None = None,
 ) -> Generation:
-    """Tokenize every prompt once and make ``n`` choices of each (index prompt * n + sample).
+    """Tokenize every prompt once and make ``n`` choices of each (index prompt * n + sample),
+    generated with LoRA adapter ``lora_name`` (None: the base model).
 
     Each choice is one request in the metrics; the prompt's tokens count with its first. A
     prompt's choices share its image segments and their owner (``ImageSegments``). Once a
@@ -245,6 +279,8 @@ async def _generation(
     owners: list[ImageSegments] = []
     try:
         for prompt in prompts:
+            if lora_name is not None:
+                prompt = msgspec.structs.replace(prompt, lora_name=lora_name)
             images = ImageSegments()
             owners.append(images)
             context = await _new_context(state, prompt, images)
@@ -312,6 +348,8 @@ def as_openai_error(error: RequestFailed | SchedulerUnavailable) -> OpenAIError:
         return service_unavailable(str(error))
     if error.kind is ErrorKind.INVALID_REQUEST:
         return invalid_request(str(error))
+    if error.kind is ErrorKind.NOT_FOUND:
+        return OpenAIError(404, str(error), "NotFoundError", "model", "model_not_found")
     if error.kind is ErrorKind.OVERLOADED:
         return overloaded(str(error))
     if error.kind is ErrorKind.UNAVAILABLE:

@@ -207,6 +207,7 @@ class HuggingFaceTokenizer:
             prompt_logprobs=request.prompt_logprobs,
             structured_output=request.structured_output,
             images=image_metadata,
+            lora_name=request.lora_name,
         )
 
     def render_messages(

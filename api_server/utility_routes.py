@@ -60,7 +60,7 @@ class VersionResponse(BaseModel):
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = request.app.state.server
-    state.check_model(body.model)
+    await state.resolve_model(body.model)
     check_unicode(body)
     tokenizer: HuggingFaceTokenizer = state.tokenizer
     num_bytes = messages_bytes(body.messages or []) + text_bytes(body.prompt)
@@ -81,7 +81,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = request.app.state.server
-    state.check_model(body.model)
+    await state.resolve_model(body.model)
     tokenizer: HuggingFaceTokenizer = state.tokenizer
     if len(body.tokens) > tokenizer.max_model_len:
         raise invalid_request(

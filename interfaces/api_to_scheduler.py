@@ -6,6 +6,7 @@ import msgspec
 
 from interfaces.embeddings import EmbeddingsContext
 from interfaces.handshake import ApiHello
+from interfaces.lora import LoRARequest
 from interfaces.requests import RequestID, TextContext
 
 MAX_API_MESSAGE_BYTES = 64 << 20
@@ -37,6 +38,21 @@ class StatsRequest(msgspec.Struct, tag="stats", array_like=True):
     """Ask for a ``SchedulerStats`` reply (health checks, metrics)."""
 
 
-ApiToSchedulerMessage = ApiHello | SubmitRequest | SubmitEmbeddings | AbortRequests | StatsRequest
+class LoRAOperationRequest(msgspec.Struct, tag="lora", array_like=True):
+    """Carry out ``request`` on every worker group; a ``LoRAOperationResult`` with the same
+    ``ticket`` answers (the sending API server numbers its requests)."""
+
+    ticket: int
+    request: LoRARequest
+
+
+ApiToSchedulerMessage = (
+    ApiHello
+    | SubmitRequest
+    | SubmitEmbeddings
+    | AbortRequests
+    | StatsRequest
+    | LoRAOperationRequest
+)
 """``ApiHello`` (``interfaces.handshake``) comes first, once per connection; an API server that
 sends none is served too."""

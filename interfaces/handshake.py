@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """The version of every message shape in interfaces/: raise it with any change to one."""
 
 

@@ -58,6 +58,8 @@ class ErrorKind(str, enum.Enum):
     INVALID_REQUEST = "invalid_request"
     """The request can never run as asked (it would not fit in the context or the KV cache, or
     the worker refused its options): a client error, 400."""
+    NOT_FOUND = "not_found"
+    """It names a model (a LoRA adapter) that is not loaded: 404 ``model_not_found``."""
     OVERLOADED = "overloaded"
     """The scheduler's queue is full; the same request may succeed later: 429."""
     UNAVAILABLE = "unavailable"

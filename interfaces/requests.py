@@ -113,6 +113,8 @@ class TextGenerationRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """Keeps this tenant's prefix-cache entries apart from everyone else's (vLLM's extension)."""
     chat_template_options: dict[str, Any] | None = None
     """Extra variables for the chat template (chat only), e.g. ``{"enable_thinking": False}``."""
+    lora_name: str | None = None
+    """The LoRA adapter to generate with (the ``model`` a client named); None: the base model."""
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -154,6 +156,13 @@ class TextContext(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     structured_output: StructuredOutput | None = None
     images: list[ImageMetadata] = []
     generated_token_ids: list[int] = []
+    lora_name: str | None = None
+    """The LoRA adapter to generate with; None: the base model. The scheduler refuses a name
+    it has not loaded."""
+    lora_id: int = 0
+    """The scheduler's id of that adapter, set when it admits the request (whatever an API
+    server sends is replaced); 0 is the base model. Requests share cached KV blocks only when
+    their ``lora_id`` is equal."""
 
     @property
     def num_prompt_tokens(self) -> int:

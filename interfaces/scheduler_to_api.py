@@ -6,6 +6,7 @@ import msgspec
 
 from interfaces.embeddings import EmbeddingsOutput
 from interfaces.handshake import HandshakeRefused
+from interfaces.lora import LoRAAdapterInfo, LoRAResponse
 from interfaces.outputs import SchedulerResult, TextGenerationOutput
 from interfaces.requests import RequestID
 from interfaces.scheduler_to_worker import MAX_DRAFT_TOKENS
@@ -149,6 +150,13 @@ class SchedulerStats(msgspec.Struct, tag="stats", array_like=True):
     spec_decode_num_accepted_tokens_per_pos_total: list[int] = msgspec.field(
         default_factory=lambda: [0] * MAX_DRAFT_TOKENS
     )
+    lora_adapters: list[LoRAAdapterInfo] = []
+    """The LoRA adapters requests may name (at most ``MAX_LORAS``)."""
+    max_loras: int = 0
+    """Adapters the worker groups hold at once (0: LoRA is not enabled)."""
+    running_lora_adapters: list[str] = []
+    """Adapters of running requests, and of waiting ones (vLLM's ``lora_requests_info``)."""
+    waiting_lora_adapters: list[str] = []
 
     @property
     def kv_cache_usage(self) -> float:
@@ -164,8 +172,19 @@ class SchedulerEmbeddingsResults(msgspec.Struct, tag="embeddings", array_like=Tr
     results: dict[RequestID, SchedulerResult[EmbeddingsOutput]]
 
 
+class LoRAOperationResult(msgspec.Struct, tag="lora_result", array_like=True):
+    """The answer to the ``LoRAOperationRequest`` numbered ``ticket``."""
+
+    ticket: int
+    response: LoRAResponse
+
+
 SchedulerToApiMessage = (
-    SchedulerResults | SchedulerEmbeddingsResults | SchedulerStats | HandshakeRefused
+    SchedulerResults
+    | SchedulerEmbeddingsResults
+    | SchedulerStats
+    | HandshakeRefused
+    | LoRAOperationResult
 )
 """``HandshakeRefused`` (``interfaces.handshake``) answers an ``ApiHello`` of another protocol
 version, and nothing follows it."""

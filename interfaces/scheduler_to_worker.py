@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from interfaces.embeddings import EmbeddingsContext
+from interfaces.lora import LoRAOperation
 from interfaces.requests import RequestID, TextContext
 
 MAX_DRAFT_TOKENS = 16
@@ -17,7 +18,9 @@ MAX_DRAFT_TOKENS = 16
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A request the worker has not seen (or has released): its whole state."""
+    """A request the worker has not seen (or has released): its whole state. Its context's
+    ``lora_id`` names the LoRA adapter it runs with (a ``LoRAUpdate`` loaded it); 0 is the base
+    model."""
 
     context: TextContext
     block_ids: list[int]
@@ -109,4 +112,16 @@ class EmbeddingsStep(msgspec.Struct, tag="embed_step", array_like=True):
     contexts: list[EmbeddingsContext]
 
 
-SchedulerToWorkerMessage = ScheduledStep | EmbeddingsStep | KVTransfers | Shutdown
+class LoRAUpdate(msgspec.Struct, tag="lora_update", array_like=True, frozen=True):
+    """Load adapter ``lora_name`` from ``lora_path`` under ``lora_id`` (> 0, never reused by
+    the scheduler while it runs), or unload ``lora_id``. Sent to every rank of a group, in order
+    with its steps: a step after a load may name the adapter. Rank 0 answers ``LoRAUpdated``
+    once every rank has done it (or one failed, and none holds it)."""
+
+    operation: LoRAOperation
+    lora_id: int
+    lora_name: str
+    lora_path: str | None = None
+
+
+SchedulerToWorkerMessage = ScheduledStep | EmbeddingsStep | KVTransfers | Shutdown | LoRAUpdate

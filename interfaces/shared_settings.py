@@ -89,3 +89,32 @@ class LogitsProcessorSettings:
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             raise ValueError(f"--logits-processors: two processors are named {twice[0]!r}")
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """LoRA adapters a worker can serve beside its base model (``worker.lora``): slots for
+    ``max_loras`` adapters of rank up to ``max_lora_rank`` are allocated at start when
+    ``enable_lora``; the scheduler loads adapters into them (``--lora-modules`` at start,
+    ``POST /v1/load_lora_adapter`` at run time)."""
+
+    enable_lora: bool = setting(
+        False,
+        "--enable-lora",
+        "serve LoRA adapters (switchyard serve: implied by --lora-modules)",
+        switch=True,
+    )
+    max_loras: int = setting(
+        4, "--max-loras", "LoRA adapters loaded at once (each takes a slot of weights)"
+    )
+    max_lora_rank: int = setting(16, "--max-lora-rank", "the largest adapter rank served")
+
+    def __post_init__(self) -> None:
+        from interfaces.lora import MAX_LORA_RANK, MAX_LORAS
+
+        if not 1 <= self.max_loras <= MAX_LORAS:
+            raise ValueError(f"--max-loras must be 1 to {MAX_LORAS}, not {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(
+                f"--max-lora-rank must be 1 to {MAX_LORA_RANK}, not {self.max_lora_rank}"
+            )

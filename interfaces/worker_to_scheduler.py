@@ -7,6 +7,7 @@ import enum
 import msgspec
 import numpy as np
 
+from interfaces.lora import LoRAOperation, LoRAResponse
 from interfaces.outputs import TextGenerationOutput
 from interfaces.requests import RequestID
 
@@ -76,6 +77,10 @@ class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
     vocab_size: int = 0
     """The model's vocabulary size: the scheduler admits only prompt token ids below it (0:
     not reported, so only ids that fit the wire's integers pass)."""
+    max_loras: int = 0
+    """LoRA adapters the group can hold at once (0: LoRA is not enabled)."""
+    max_lora_rank: int = 0
+    """The largest adapter rank it serves."""
 
 
 class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
@@ -155,6 +160,21 @@ class WorkerEmbeddingsOutput(msgspec.Struct, tag="embedded", array_like=True):
     refused: dict[RequestID, str] = {}
 
 
+class LoRAUpdated(msgspec.Struct, tag="lora_updated", array_like=True):
+    """A group's answer to ``LoRAUpdate`` (from rank 0): ``response.status`` is SUCCESS when
+    every rank holds the adapter (a load) or none does any more (an unload)."""
+
+    operation: LoRAOperation
+    lora_id: int
+    response: LoRAResponse
+
+
 WorkerToSchedulerMessage = (
-    WorkerReady | WorkerOutput | WorkerFailure | KVReceived | WorkerEmbeddingsOutput | GrammarsReady
+    WorkerReady
+    | WorkerOutput
+    | WorkerFailure
+    | KVReceived
+    | WorkerEmbeddingsOutput
+    | GrammarsReady
+    | LoRAUpdated
 )

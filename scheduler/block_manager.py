@@ -208,6 +208,7 @@ class BlockManager:
             self.block_size,
             request.context.cache_salt,
             request.context.images,
+            request.context.lora_id,
         )
         return request.block_hashes
 

@@ -7,6 +7,7 @@ import enum
 import functools
 from dataclasses import dataclass
 
+from interfaces.lora import LoRAOperation, LoRARequest, lora_request_problem
 from interfaces.settings import component, setting
 from interfaces.worker_to_scheduler import MAX_KV_BLOCKS
 from scheduler.speculative import SpeculativeConfig
@@ -119,6 +120,19 @@ class SchedulerConfig:
         default_text="off",
     )
     """``SpeculativeConfig`` as JSON (``speculative`` parses it); None: no drafts."""
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        "--lora-modules",
+        "LoRA adapters (PEFT directories) to load when the workers start, as NAME=PATH "
+        "(comma-separated or repeated); clients name an adapter as their model",
+        metavar="NAME=PATH",
+        default_text="none",
+    )
+
+    @functools.cached_property
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """``lora_modules`` as (name, path) pairs (checked on construction)."""
+        return [_lora_module(module) for module in self.lora_modules]
 
     @functools.cached_property
     def speculative(self) -> SpeculativeConfig | None:
@@ -128,6 +142,10 @@ class SchedulerConfig:
         return SpeculativeConfig.parse(self.speculative_config)
 
     def __post_init__(self) -> None:
+        names = [name for name, _ in self.lora_adapters]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"--lora-modules: two adapters are named {twice[0]!r}")
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)  # ValueError: say what is wrong
         if not self.kv_transfer_timeout_s > 0:
@@ -154,6 +172,15 @@ class SchedulerConfig:
             )
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
+
+
+def _lora_module(module: str) -> tuple[str, str]:
+    """``NAME=PATH`` as (name, path); ``ValueError`` naming what is wrong."""
+    name, equals, path = module.partition("=")
+    problem = lora_request_problem(LoRARequest(LoRAOperation.LOAD, name, path))
+    if not equals or problem is not None:
+        raise ValueError(f"--lora-modules: {module!r} is not NAME=PATH ({problem or 'no ='})")
+    return name, path
 
 
 @dataclass(frozen=True)

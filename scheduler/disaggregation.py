@@ -38,7 +38,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
@@ -245,6 +245,11 @@ class DisaggregatedPlacement(Placement):
         num_tokens = sum(num_context_tokens(split.context) for split in self.queue)
         num_tokens += sum(s.num_waiting_tokens for s in prefill)
         return queue_overload(self.config, num_queued, num_tokens, context)
+
+    def contexts(self) -> Iterator[tuple[TextContext, bool]]:
+        yield from super().contexts()
+        for split in self.requests.values():
+            yield split.context, split.phase is not Phase.QUEUED
 
     def owner(self, request_id: RequestID) -> bytes | None:
         split = self.requests.get(request_id)

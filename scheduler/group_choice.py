@@ -56,7 +56,9 @@ def context_block_hashes(context: TextContext, block_size: int) -> list[BlockHas
     generated already), as a pool of ``block_size`` blocks caches them."""
     token_ids = [*context.prompt_token_ids, *context.generated_token_ids]
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size, context.cache_salt, context.images)
+    extend_block_hashes(
+        hashes, token_ids, block_size, context.cache_salt, context.images, context.lora_id
+    )
     return hashes
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 from interfaces import ErrorKind, RequestID, SchedulerResult, TextContext
 from interfaces.scheduler_to_api import WORKER_DIED, SchedulerStats
@@ -152,6 +153,12 @@ class HybridPlacement(Placement):
             if request is not None:
                 return request.client_id
         return super().owner(request_id)
+
+    def contexts(self) -> Iterator[tuple[TextContext, bool]]:
+        yield from super().contexts()
+        if self.stranded is not None:
+            for request in self.stranded.queue.requests.values():
+                yield request.context, False
 
     def abort_requests(self, request_ids: list[RequestID]) -> ResultsByClient:
         results = super().abort_requests(request_ids)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import gc
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from interfaces import ErrorKind, RequestID, SchedulerResult, TextContext
@@ -42,6 +42,7 @@ from interfaces.worker_to_scheduler import (
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.counters import GroupCounters, SchedulerCounters
 from scheduler.departures import Departures
+from scheduler.request import RequestStatus
 from scheduler.scheduler import ResultsByClient, Scheduler, TextResult, counter_stats
 from scheduler.worker_group import WorkerGroup
 
@@ -329,6 +330,13 @@ class Placement(abc.ABC):
     def groups_away(self, now: float | None = None) -> list[GroupAway]:
         """``Departures.away`` of the groups that left."""
         return self.departures.away(now)
+
+    def contexts(self) -> Iterator[tuple[TextContext, bool]]:
+        """The context of every request held here (waiting, running, or on its way between
+        groups), and whether it is running."""
+        for group in self.groups.values():
+            for request in group.scheduler.requests.values():
+                yield request.context, request.status is RequestStatus.RUNNING
 
     def _requests_by_role(self) -> tuple[dict[str, int], dict[str, int], set[RequestID]]:
         """How many requests run and wait, by the role of the group holding them (every served

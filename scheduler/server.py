@@ -54,6 +54,7 @@ from interfaces.api_to_scheduler import (
     MAX_API_MESSAGE_BYTES,
     AbortRequests,
     ApiToSchedulerMessage,
+    LoRAOperationRequest,
     StatsRequest,
     SubmitEmbeddings,
     SubmitRequest,
@@ -61,6 +62,7 @@ from interfaces.api_to_scheduler import (
 from interfaces.handshake import ApiHello
 from interfaces.scheduler_to_api import (
     WORKER_STALLED,
+    LoRAOperationResult,
     SchedulerEmbeddingsResults,
     SchedulerResults,
     SchedulerStats,
@@ -70,6 +72,7 @@ from interfaces.transport import BACKEND, FRONTEND, Link, TransportSecurity
 from interfaces.worker_to_scheduler import (
     GrammarsReady,
     KVReceived,
+    LoRAUpdated,
     WorkerEmbeddingsOutput,
     WorkerFailure,
     WorkerOutput,
@@ -87,6 +90,7 @@ from scheduler.embeddings import Embeddings, EmbeddingsByClient
 from scheduler.handshakes import Handshakes
 from scheduler.hybrid import HybridPlacement
 from scheduler.images import ImageSegments
+from scheduler.lora import LoRAAdapters, Reply, Send
 from scheduler.peers import PeerTracker
 from scheduler.placement import NO_WORKER, Placement
 from scheduler.scheduler import STEP_FAILED, ResultsByClient, TextResult
@@ -97,6 +101,9 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 100
 MAX_WORKER_MESSAGE_BYTES = 256 << 20
+LORA_USAGE_MAX_AGE_S = 0.25
+"""How stale the adapters of running and waiting requests may be in stats, and how long a
+drained adapter may wait for the walk that unloads it."""
 STALLED = "the worker serving this request stalled"
 """Why a request fails when its group was fenced and it could not move."""
 
@@ -133,6 +140,11 @@ class SchedulerServer:
         """The pixels of requests with images, unlinked when each request leaves."""
         self.embeddings = Embeddings(config, self.counters)
         """The embedding groups, apart: they run no generation and hold no KV cache."""
+        self.loras = LoRAAdapters(config.lora_adapters)
+        """LoRA adapters: which requests may name, and their loads on every text group."""
+        self._lora_usage: tuple[list[str], list[str]] = ([], [])
+        self._lora_usage_at = -math.inf
+        self._drained_checked_at = -math.inf
         self._workers = WorkerGroups()
         self._handshakes = Handshakes()
         """Who is refused at the handshake, and what they are told."""
@@ -175,6 +187,8 @@ class SchedulerServer:
                     self._drain(self._backend, self._worker_peers, self._on_worker_message)
                 self._guarded(self._fence_stalled)
                 self._guarded(self._check_timeouts)
+                if self.loras.draining:
+                    self._guarded(self._release_drained_loras)
                 self._guarded(self._send_worker_messages)
                 if self.images:
                     self._guarded(self.images.release_departed, self._holds)
@@ -237,6 +251,8 @@ class SchedulerServer:
             self._on_abort(client_id, message.request_ids)
         elif isinstance(message, StatsRequest):
             self._answer_api(client_id, self.stats())
+        elif isinstance(message, LoRAOperationRequest):
+            self._carry_out_lora(*self.loras.request((client_id, message.ticket), message.request))
 
     def _answer_api(self, client_id: bytes, reply: msgspec.Struct | None) -> None:
         """Send ``reply`` to API server ``client_id``; None sends nothing."""
@@ -247,12 +263,27 @@ class SchedulerServer:
         problem = context_problem(context, self.placement.vocab_size)
         result = admission_refusal(context, problem, None) if problem is not None else None
         if result is None:
+            context, result = self._with_lora_id(context)
+        if result is None:
             result = self._add_request(client_id, context)
         if result is not None:
             self.images.refuse(context)
             self._send_results({client_id: {context.request_id: result}})
         else:
             self.images.add(context)
+
+    def _with_lora_id(self, context: TextContext) -> tuple[TextContext, TextResult | None]:
+        """``context`` with the id of the LoRA adapter it names (or 0), or the result refusing
+        it: the adapter is not loaded (never loaded, or unloaded since the API server looked)."""
+        lora_id = 0
+        if context.lora_name is not None:
+            lora_id = self.loras.resolve(context.lora_name)
+            if lora_id is None:
+                error = "the LoRA adapter this request names is not loaded"
+                return context, SchedulerResult.cancelled(error, ErrorKind.NOT_FOUND)
+        if context.lora_id != lora_id:
+            context = msgspec.structs.replace(context, lora_id=lora_id)
+        return context, None
 
     def _add_request(self, client_id: bytes, context: TextContext) -> TextResult | None:
         """``Placement.add_request``; a request whose admission raised is dropped again and
@@ -298,7 +329,50 @@ class SchedulerServer:
         stats = self.placement.stats()
         stats.embedding_workers_ready = bool(self.embeddings.groups)
         stats.groups_away = newest_away(stats.groups_away, self.embeddings.groups_away())
+        stats.lora_adapters = self.loras.infos()
+        stats.max_loras = self.loras.max_loras
+        if stats.max_loras:
+            stats.running_lora_adapters, stats.waiting_lora_adapters = self._lora_usage()
         return stats
+
+    def _lora_usage(self) -> tuple[list[str], list[str]]:
+        """The adapters of running and of waiting requests: a walk over every request, made
+        at most every ``LORA_USAGE_MAX_AGE_S`` however often stats are asked for."""
+        now = time.monotonic()
+        if now - self._lora_usage_at >= LORA_USAGE_MAX_AGE_S:
+            running, waiting = set(), set()
+            for context, is_running in self.placement.contexts():
+                if context.lora_name is not None and context.lora_id:
+                    (running if is_running else waiting).add(context.lora_name)
+            self._lora_usage_at, self._lora_usage = now, (sorted(running), sorted(waiting))
+        return self._lora_usage
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+
+    def _carry_out_lora(self, replies: list[Reply], sends: list[Send]) -> None:
+        """Answer API servers and send updates to every rank of the groups named."""
+        for (client_id, ticket), response in replies:
+            self._answer_api(client_id, LoRAOperationResult(ticket, response))
+        now = time.monotonic()
+        for names, update in sends:
+            payload = self._encode(update)
+            for name in names:
+                group = self._workers.groups.get(name)
+                if group is None:
+                    continue
+                self._step_times.lora_update_sent(name, now)
+                for identity in group.members:
+                    self._backend.send_multipart([identity, payload])
+
+    def _release_drained_loras(self) -> None:
+        """Unload the drained adapters no request uses any more (a walk over every request,
+        at most every ``LORA_USAGE_MAX_AGE_S``)."""
+        now = time.monotonic()
+        if now - self._drained_checked_at < LORA_USAGE_MAX_AGE_S:
+            return
+        self._drained_checked_at = now
+        in_use = {context.lora_id for context, _ in self.placement.contexts()}
+        self._carry_out_lora([], self.loras.release_drained(in_use))
 
     def _send_results(self, results: ResultsByClient) -> None:
         for client_id, by_request in results.items():
@@ -341,6 +415,13 @@ class SchedulerServer:
             return
         if isinstance(message, GrammarsReady):
             self._on_grammars(group if serving else None, worker_id, message)
+            return
+        if isinstance(message, LoRAUpdated):
+            if serving and worker_id == group.driver:
+                self._step_times.lora_update_answered(group.name, time.monotonic())
+                self._carry_out_lora(*self.loras.on_updated(group.name, message))
+            else:
+                logger.warning("dropped an unexpected LoRAUpdated from a worker")
             return
         step = self._in_flight.get(group.name) if serving else None
         if step is None or worker_id != group.driver:
@@ -443,7 +524,10 @@ class SchedulerServer:
             # Requests that waited for a group of the old kind (HybridPlacement.stranded) fail.
             self._send_results(self.placement.fail_all(NO_WORKER))
             self.placement = kind(self.config, self.counters)
-        return self.placement.add_group(group)
+        refusal = self.placement.add_group(group)
+        if refusal is None:
+            self._carry_out_lora(*self.loras.group_joined(group.name, group.ready.max_loras))
+        return refusal
 
     def _retire(self, registration: Registration, reason: str) -> None:
         """Fail the requests of a group that stopped serving, and shut down its survivors (a
@@ -455,6 +539,7 @@ class SchedulerServer:
         elif registration.was_serving:
             self._in_flight.pop(registration.group, None)
             self._send_results(self.placement.remove_group(registration.group, reason))
+            self._carry_out_lora(*self.loras.group_left(registration.group))
         shutdown = Shutdown(registration.error) if registration.error else Shutdown()
         for identity in registration.retired:
             self._backend.send_multipart([identity, self._encode(shutdown)])
@@ -479,6 +564,7 @@ class SchedulerServer:
         else:
             self._in_flight.pop(name, None)
             self._send_results(self.placement.remove_group(name, STALLED, cause=WORKER_STALLED))
+            self._carry_out_lora(*self.loras.group_left(name))
         shutdown = self._encode(Shutdown(why))
         for identity in members:
             self._backend.send_multipart([identity, shutdown])

@@ -23,6 +23,11 @@ Why these two terms:
   cores, docs/performance.md), so with the defaults the floor is far above a healthy step;
   raise it with a much larger budget on slow hardware.
 
+A LoRA load runs in the worker's loop between steps, so a step sent behind one waits for it:
+while a group has LoRA updates unanswered its step is not judged, the oldest update may take
+``LORA_UPDATE_BOUND_S`` (a large adapter read from a network file system), and once the last is
+answered the step in flight counts from then.
+
 Pure bookkeeping: the caller passes the time (``time.monotonic()`` in the scheduler, a fake
 clock in tests) and decides what a stall costs (``scheduler.server`` fences the group).
 """
@@ -36,6 +41,8 @@ STALL_FACTOR = 10.0
 """A step may take this many times the group's slowest recent step (see the module)."""
 RECENT_STEPS = 32
 """How many of a group's last step times its bound looks at."""
+LORA_UPDATE_BOUND_S = 120.0
+"""How long a group may take over a LoRA load or unload before it counts as stalled."""
 
 
 @dataclass(frozen=True)
@@ -46,9 +53,16 @@ class Stall:
     step_id: int
     seconds: float
     bound_s: float
+    lora_update: bool = False
+    """It was a LoRA update, not a step, that ran past its bound."""
 
     def describe(self) -> str:
         """One line for the logs and the group's ``Shutdown``."""
+        if self.lora_update:
+            return (
+                f"group {self.group!r} stalled: a LoRA adapter update has run "
+                f"{self.seconds:.1f} s, past its bound of {self.bound_s:.1f} s"
+            )
         return (
             f"group {self.group!r} stalled: step {self.step_id} has run {self.seconds:.1f} s, "
             f"past its bound of {self.bound_s:.1f} s (the larger of --stall-timeout and "
@@ -62,6 +76,8 @@ class _GroupSteps:
     step_id: int | None = None
     """The step in flight, if any."""
     sent_at: float = 0.0
+    updates_sent_at: list[float] = field(default_factory=list)
+    """When each LoRA update it has not answered was sent, oldest first."""
 
 
 class StepTimes:
@@ -87,6 +103,20 @@ class StepTimes:
         steps.recent_seconds.append(max(0.0, now - steps.sent_at))
         steps.step_id = None
 
+    def lora_update_sent(self, group: str, now: float) -> None:
+        """Group ``group`` was sent a LoRA update at ``now``."""
+        self._groups.setdefault(group, _GroupSteps()).updates_sent_at.append(now)
+
+    def lora_update_answered(self, group: str, now: float) -> None:
+        """Group ``group`` answered its oldest LoRA update at ``now``; once none is left, its
+        step in flight (which waited behind them) counts from ``now``."""
+        steps = self._groups.get(group)
+        if steps is None or not steps.updates_sent_at:
+            return
+        steps.updates_sent_at.pop(0)
+        if not steps.updates_sent_at and steps.step_id is not None:
+            steps.sent_at = max(steps.sent_at, now)
+
     def forget(self, group: str) -> None:
         """Group ``group`` left: a group that registers again under its name starts afresh
         (its first steps have the floor alone, for its warm-up)."""
@@ -102,6 +132,12 @@ class StepTimes:
         """The groups whose step in flight has run past its bound at ``now``."""
         stalls = []
         for name, steps in self._groups.items():
+            if steps.updates_sent_at:
+                seconds = now - steps.updates_sent_at[0]
+                if seconds > LORA_UPDATE_BOUND_S:
+                    step_id = -1 if steps.step_id is None else steps.step_id
+                    stalls.append(Stall(name, step_id, seconds, LORA_UPDATE_BOUND_S, True))
+                continue
             if steps.step_id is None:
                 continue
             seconds = now - steps.sent_at

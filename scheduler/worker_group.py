@@ -23,12 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from interfaces.lora import MAX_LORA_RANK, MAX_LORAS
 from interfaces.scheduler_to_api import MAX_GROUP_STATS
 from interfaces.worker_to_scheduler import KVLayout, WorkerReady, WorkerRole
 from scheduler.config import WorkerLimits
 
 SHARED_FIELDS = (
-    "model_name", "num_kv_blocks", "block_size", "max_model_len", "role", "kv_layout", "vocab_size"
+    "model_name", "num_kv_blocks", "block_size", "max_model_len", "role", "kv_layout", "vocab_size",
+    "max_loras", "max_lora_rank",
 )  # fmt: skip
 """What every rank of a group must report alike."""
 MAX_NAME_LENGTH = 256
@@ -58,6 +60,8 @@ def ready_problem(ready: WorkerReady, limits: WorkerLimits) -> str | None:
         ("block_size", ready.block_size, 1, MAX_BLOCK_SIZE),
         ("max_model_len", ready.max_model_len, 1, MAX_MODEL_LEN),
         ("vocab_size", ready.vocab_size, 0, MAX_VOCAB_SIZE),
+        ("max_loras", ready.max_loras, 0, MAX_LORAS),
+        ("max_lora_rank", ready.max_lora_rank, 0, MAX_LORA_RANK),
     )
     for name, value, low, high in bounds:
         if not low <= value <= high:

@@ -17,11 +17,12 @@ from api_server.config import EmbeddingModelSettings
 from interfaces import envs
 from interfaces.curve_keys import FILES_BY_PROCESS
 from interfaces.logs import configure_logging
-from interfaces.settings import add_flags, from_args
-from interfaces.shared_settings import ModelSettings
+from interfaces.settings import add_flags, from_args, split_commas
+from interfaces.shared_settings import LoRASettings, ModelSettings
 from interfaces.transport import generate_curve_keys
+from scheduler.config import SchedulerConfig
 from switchyard.launcher import Launcher
-from switchyard.serve_config import ServeConfig
+from switchyard.serve_config import ServeConfig, check_lora_adapters
 from worker.model_files import model_name_for
 
 logger = logging.getLogger("switchyard")
@@ -54,22 +55,34 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare-model", help="convert a model (e.g. GGUF) once and print its directory"
     )
     add_flags(prepare, ModelSettings, only=("path",))
+    add_flags(prepare, SchedulerConfig, only=("lora_modules",))
+    add_flags(prepare, LoRASettings, only=("max_lora_rank",))
     prepare.add_argument("--output", help="also copy the prepared directory here")
     return parser
 
 
-def prepare_model(model: str | None) -> Path:
-    """Resolve ``model`` to a Hugging Face directory, converting and caching it if needed."""
+def prepare_model(
+    model: str | None, lora: SchedulerConfig | None = None, max_lora_rank: int = 0
+) -> Path:
+    """Resolve ``model`` to a Hugging Face directory, converting and caching it if needed; with
+    ``lora``'s ``--lora-modules``, check that each adapter fits it (``ValueError``)."""
     from worker.model_files import resolve_model  # torch and transformers: only when needed
 
-    return resolve_model(model)
+    model_dir = resolve_model(model)
+    if lora is not None:
+        check_lora_adapters(model_dir, lora.lora_adapters, max_lora_rank)
+    return model_dir
 
 
-def _prepare_in_child(model: str | None) -> Path:
-    """Run ``prepare-model`` in a child so the launcher never holds torch in memory."""
+def _prepare_in_child(model: str | None, args: argparse.Namespace) -> Path:
+    """Run ``prepare-model`` in a child so the launcher never holds torch in memory (it checks
+    ``--lora-modules`` adapters against the model there too)."""
     argv = [sys.executable, "-m", "switchyard", "prepare-model"]
     if model is not None:
         argv += ["--model", model]
+    if args.lora_modules:
+        argv += ["--lora-modules", ",".join(args.lora_modules)]
+        argv += ["--max-lora-rank", str(args.max_lora_rank)]
     completed = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)
     if completed.returncode != 0:
         raise SystemExit(completed.returncode)
@@ -82,7 +95,7 @@ def serve(args: argparse.Namespace) -> int:
     model = from_args(ModelSettings, args)
     model_dir = served_model_name = None
     if (model.path or "").lower() != NO_MODEL:
-        model_dir = _prepare_in_child(model.path)
+        model_dir = _prepare_in_child(model.path, args)
         served_model_name = model.served_model_name or model_name_for(model.path)
     elif model.served_model_name is not None or model.max_model_len is not None:
         raise ValueError("--served-model-name and --max-model-len describe --model, which is none")
@@ -126,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {process}: {', '.join(names)}", flush=True)
             return 0
         if args.command == "prepare-model":
-            model_dir = prepare_model(args.model)
+            lora = SchedulerConfig(lora_modules=split_commas(args.lora_modules))
+            model_dir = prepare_model(args.model, lora, args.max_lora_rank)
             if args.output:
                 shutil.copytree(model_dir, args.output, dirs_exist_ok=True)
                 model_dir = Path(args.output)

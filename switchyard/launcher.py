@@ -36,6 +36,7 @@ scheduler and the worker, and exits 0. Once every child has exited, the shared-m
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -285,7 +286,7 @@ class Launcher:
             transfer_addr = self._ipc(f"kv-{group}-{rank}.sock")
             placement |= {"role": role, "kv_transfer_addr": transfer_addr}
         return replace(
-            config.worker,
+            config.text_worker,
             model=config.model,
             scheduler=SchedulerAddress(backend),
             num_threads=self._num_threads(),
@@ -339,18 +340,24 @@ class Launcher:
         return ["api_server", *to_argv(settings)]
 
     def _wait_until_ready(self) -> None:
-        """Until ``/ready`` answers 200 and every text generation group serves (``/metrics``
+        """Until ``/ready`` answers 200, every text generation group serves (``/metrics``
         lists it: ``/ready`` needs only one, and requests that arrived before the others would
-        all go to the first)."""
+        all go to the first) and every ``--lora-modules`` adapter is loaded (``/v1/models``
+        lists it)."""
         base_url = f"http://{_url_host(self.config.bind.host)}:{self.port}"
         groups = {name for name, _ in self.config.worker_groups}
+        adapters = {name for name, _ in self.config.scheduler.lora_adapters}
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stopping.is_set():
             if self.dead_child() is not None:
                 return
             try:
                 with urllib.request.urlopen(f"{base_url}/ready", timeout=2) as response:
-                    if response.status == 200 and groups <= serving_groups(base_url):
+                    if (
+                        response.status == 200
+                        and groups <= serving_groups(base_url)
+                        and adapters <= served_models(base_url, self.config.api_key)
+                    ):
                         self._become_ready()
                         return
             except (urllib.error.URLError, OSError):
@@ -497,6 +504,20 @@ def serving_groups(base_url: str) -> set[str]:
         if family.name == SERVING_GROUPS_FAMILY
         for sample in family.samples
     }
+
+
+def served_models(base_url: str, api_key: str | None) -> set[str]:
+    """The model ids ``/v1/models`` lists (read as any input: at most ``MAX_METRICS_BYTES``,
+    and a page that does not parse lists none). ``OSError`` when it does not answer."""
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    request = urllib.request.Request(f"{base_url}/v1/models", headers=headers)
+    with urllib.request.urlopen(request, timeout=2) as response:
+        text = response.read(MAX_METRICS_BYTES + 1)
+    try:
+        models = json.loads(text)["data"] if len(text) <= MAX_METRICS_BYTES else []
+        return {model["id"] for model in models if isinstance(model.get("id"), str)}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return set()
 
 
 def _url_host(host: str) -> str:

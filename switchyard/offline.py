@@ -36,6 +36,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from queue import Queue
 
+import msgspec
+
 from api_server.config import EngineClientConfig, resolve_max_model_len
 from api_server.engine_client import EngineClient
 from api_server.image_segments import ImageSegments
@@ -43,7 +45,7 @@ from api_server.text_stream import GenerationStream, TextOptions
 from api_server.tokenizer import HuggingFaceTokenizer
 from interfaces.logs import LogSettings
 from interfaces.scheduler_to_api import SchedulerStats
-from interfaces.shared_settings import LogitsProcessorSettings
+from interfaces.shared_settings import LogitsProcessorSettings, LoRASettings
 from scheduler.config import SchedulerConfig
 from switchyard.launcher import Launcher
 from switchyard.offline_images import image_prompt
@@ -55,7 +57,7 @@ from switchyard.offline_types import (
     Response,
     Session,
 )
-from switchyard.serve_config import ServeConfig
+from switchyard.serve_config import ServeConfig, check_lora_adapters
 from worker.settings import WorkerSettings, parse_memory
 
 logger = logging.getLogger("switchyard.offline")
@@ -98,9 +100,10 @@ class Pipeline:
         self._closed = False
         try:
             if scheduler_addr is None:
-                self._launcher = Launcher(
-                    _serve_config(model_dir, self.model_name, config, log_level)
-                )
+                serve_config = _serve_config(model_dir, self.model_name, config, log_level)
+                adapters = serve_config.scheduler.lora_adapters
+                check_lora_adapters(model_dir, adapters, config.max_lora_rank)
+                self._launcher = Launcher(serve_config)
                 self.scheduler_addr = self._launcher.start_engine()
             # Nothing restarts this pipeline's scheduler: its requests fail when it dies.
             engine = EngineClientConfig(self.scheduler_addr, scheduler_return_timeout_s=0.0)
@@ -136,14 +139,15 @@ class Pipeline:
 
         ``do_preprocess`` (lmdeploy's): text is one user turn rendered with the chat template,
         generation prompt included; False sends text as it is (with the tokenizer's BOS) and
-        message lists as their contents run together. ``adapter_name`` names a LoRA adapter
-        (``ValueError``: none are loaded)."""
-        _check_adapter(adapter_name)
+        message lists as their contents run together. ``adapter_name`` names the LoRA adapter
+        (of ``EngineConfig.adapters``) every prompt runs with (``ValueError`` for one not
+        loaded); None: the base model."""
+        lora_name = self._adapter(adapter_name)
         single, batch = _as_batch(prompts)
         configs = _configs(gen_config, len(batch))
         progress = _progress_bar(len(batch)) if use_tqdm else None
         finals: list[Response | None] = [None] * len(batch)
-        for response in self._stream(batch, configs, do_preprocess):
+        for response in self._stream(batch, configs, do_preprocess, lora_name=lora_name):
             if response.finish_reason is not None:
                 finals[response.index] = response
                 if progress is not None:
@@ -162,10 +166,10 @@ class Pipeline:
         """Incremental ``Response``s as tokens arrive, each with its prompt's ``index``: the
         text and tokens new since that prompt's previous one (prompts as ``infer`` takes
         them)."""
-        _check_adapter(adapter_name)
+        lora_name = self._adapter(adapter_name)
         _, batch = _as_batch(prompts)
         configs = _configs(gen_config, len(batch))
-        yield from self._stream(batch, configs, do_preprocess, incremental=True)
+        yield from self._stream(batch, configs, do_preprocess, True, lora_name)
 
     def chat(
         self,
@@ -176,13 +180,27 @@ class Pipeline:
     ) -> Session:
         """One turn of a multi-turn chat; returns the session, with this turn's ``response``.
         As in lmdeploy, every turn goes through the chat template."""
-        _check_adapter(adapter_name)
         session = session or Session(next(self._session_ids))
         turn = {"role": "user", "content": prompt}
-        response = self.infer([[*session.messages, turn]], gen_config)[0]
+        response = self.infer([[*session.messages, turn]], gen_config, adapter_name=adapter_name)[0]
         session.messages += [turn, {"role": "assistant", "content": response.text}]
         session.response = response
         return session
+
+    def _adapter(self, adapter_name: str | None) -> str | None:
+        """``adapter_name`` if the engine has that LoRA adapter loaded (asked again when this
+        client has not seen it); ``ValueError`` naming those it has otherwise."""
+        if adapter_name is None:
+            return None
+        if adapter_name not in self._engine.lora_names:
+            self.stats()  # the engine client takes the adapters from the reply
+        if adapter_name not in self._engine.lora_names:
+            loaded = sorted(self._engine.lora_names)
+            raise ValueError(
+                f"adapter_name {adapter_name!r} is not a loaded LoRA adapter (loaded: {loaded}; "
+                "EngineConfig.adapters loads them)"
+            )
+        return adapter_name
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counters and gauges (running requests, prefix-cache hits, ...)."""
@@ -222,13 +240,18 @@ class Pipeline:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def _wait_until_ready(self) -> None:
+        """Until a worker serves and the adapters this pipeline loads are loaded."""
         deadline = time.monotonic() + READY_TIMEOUT_S
+        adapters: set[str] = set()
+        if self._launcher is not None:
+            adapters = {name for name, _ in self._launcher.config.scheduler.lora_adapters}
         while time.monotonic() < deadline:
             launcher = self._launcher
             if launcher is not None and (dead := launcher.dead_child()) is not None:
                 raise RuntimeError(f"the engine's {dead} process exited while starting")
             try:
-                if self.stats().workers_ready:
+                stats = self.stats()
+                if stats.workers_ready and adapters <= {a.name for a in stats.lora_adapters}:
                     return
             except Exception:
                 pass
@@ -241,8 +264,10 @@ class Pipeline:
         configs: list[GenerationConfig],
         do_preprocess: bool,
         incremental: bool = False,
+        lora_name: str | None = None,
     ) -> Iterator[Response]:
-        """Responses of every prompt as they come: cumulative, or only what is new."""
+        """Responses of every prompt as they come: cumulative, or only what is new; generated
+        with LoRA adapter ``lora_name`` (None: the base model)."""
         if self._closed:
             raise RuntimeError("the pipeline is closed")
         if any(isinstance(prompt, tuple) for prompt in prompts):
@@ -256,7 +281,7 @@ class Pipeline:
         futures: list[Future] = []
         try:
             for index, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-                request = (index, prompt, config, do_preprocess, incremental)
+                request = (index, prompt, config, do_preprocess, incremental, lora_name)
                 coroutine = self._generate(*request, updates)
                 futures.append(self._submit(coroutine))
             remaining = len(futures)
@@ -279,10 +304,13 @@ class Pipeline:
         config: GenerationConfig,
         do_preprocess: bool,
         incremental: bool,
+        lora_name: str | None,
         updates: Queue,
     ) -> None:
         try:
-            responses = self._responses(index, prompt, config, do_preprocess, incremental)
+            responses = self._responses(
+                index, prompt, config, do_preprocess, incremental, lora_name
+            )
             async for response in responses:
                 updates.put(response)
         except BaseException as error:  # handed to the caller's thread
@@ -297,6 +325,7 @@ class Pipeline:
         config: GenerationConfig,
         do_preprocess: bool,
         incremental: bool,
+        lora_name: str | None,
     ) -> AsyncIterator[Response]:
         config = self.prompts.with_stop_words(config)
         try:
@@ -312,6 +341,8 @@ class Pipeline:
             logger.info("run out of tokens: the prompt has %d tokens", num_prompt_tokens)
             yield Response("", 0, num_prompt_tokens, "length", index=index)
             return
+        if lora_name is not None:
+            request = msgspec.structs.replace(request, lora_name=lora_name)
         with ImageSegments() as images:  # unlinks the image segments unless the engine got them
             context = await self.tokenizer.new_context(request, images)
             stream = GenerationStream(
@@ -370,11 +401,13 @@ def _serve_config(model_dir: Path, name: str, config: EngineConfig, log_level: s
         device=config.device_type or WorkerSettings.device,
         dtype=config.dtype,
         logits_processors=LogitsProcessorSettings(tuple(config.logits_processors or ())),
+        lora=_lora_settings(config),
     )
     scheduler = SchedulerConfig(
         max_num_seqs=config.max_batch_size,
         max_num_batched_tokens=config.max_prefill_token_num,
         enable_prefix_caching=config.enable_prefix_caching,
+        lora_modules=tuple(f"{name}={path}" for name, path in (config.adapters or {}).items()),
     )
     return ServeConfig(
         model_dir=model_dir,
@@ -395,12 +428,12 @@ def _as_batch(prompts: Prompt | list[Prompt]) -> tuple[bool, list[Prompt]]:
     return False, list(prompts)
 
 
-def _check_adapter(adapter_name: str | None) -> None:
-    """LoRA adapters are not loaded yet: naming one is an error, never silently ignored."""
-    if adapter_name is not None:
-        raise ValueError(
-            f"adapter_name {adapter_name!r}: no LoRA adapters are loaded in this pipeline"
-        )
+def _lora_settings(config: EngineConfig) -> LoRASettings:
+    """Slots for every adapter of ``config.adapters`` (at least ``--max-loras``' default)."""
+    if not config.adapters:
+        return LoRASettings()
+    max_loras = max(LoRASettings.max_loras, len(config.adapters))
+    return LoRASettings(True, max_loras, config.max_lora_rank)
 
 
 def _text_options(config: GenerationConfig) -> TextOptions:

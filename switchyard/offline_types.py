@@ -10,6 +10,7 @@ from typing import Any, Literal
 from interfaces import SamplingParams
 from interfaces.requests import StructuredOutput
 from interfaces.sampling import LogitsProcessorCall
+from interfaces.shared_settings import LoRASettings
 from scheduler.config import SchedulerConfig
 
 
@@ -127,7 +128,9 @@ class EngineConfig:
     per step; ``cache_max_entry_count`` the KV cache size, as a fraction of free memory or as
     bytes with a unit ("2GiB"); ``tp`` the tensor-parallel size. ``logits_processors`` are user
     logits processors' import paths (``pkg.module:Name``, as ``--logits-processors``) the
-    workers load; a ``GenerationConfig`` applies those it names.
+    workers load; a ``GenerationConfig`` applies those it names. ``adapters`` (lmdeploy's) are
+    LoRA adapters, name → PEFT directory, loaded at start; a call's ``adapter_name`` picks one.
+    ``max_lora_rank`` bounds their rank (``--max-lora-rank``).
     """
 
     tp: int = 1
@@ -140,6 +143,8 @@ class EngineConfig:
     device_type: str | None = None
     dtype: str | None = None
     logits_processors: list[str] | None = None
+    adapters: dict[str, str] | None = None
+    max_lora_rank: int = LoRASettings.max_lora_rank
 
 
 TEMPLATE_PIECES = (

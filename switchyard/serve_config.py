@@ -26,13 +26,13 @@ from worker.settings import WorkerSettings
 
 SERVE_WORKER_SETTINGS = (
     *("tensor_parallel_size", "kv_cache_memory", "dtype", "block_size", "device"),
-    *("grammar_limits", "logits_processors"),
+    *("grammar_limits", "logits_processors", "lora"),
 )
 """The ``WorkerSettings`` fields ``serve`` takes flags for."""
 SERVE_API_SERVER_SETTINGS = (
     *("api_key", "allowed_origins", "shutdown_timeout_s", "limits", "request_limits"),
     *("max_stream_backlog", "scheduler_return_timeout_s", "media", "generation_config"),
-    "reasoning_parser",
+    *("reasoning_parser", "responses_store", "allow_runtime_lora_updating"),
 )
 """The ``ApiServerSettings`` fields ``serve`` takes flags for."""
 
@@ -91,6 +91,14 @@ class ServeConfig:
     the API servers in their environment (SWITCHYARD_API_KEY), never in argv."""
     log: LogSettings = component(LogSettings)
     """How ``serve`` and every child log, told through the children's environment."""
+
+    @property
+    def text_worker(self) -> WorkerSettings:
+        """``worker``, with LoRA enabled when ``--lora-modules`` names adapters to load."""
+        lora = self.worker.lora
+        if self.scheduler.lora_modules and not lora.enable_lora:
+            return replace(self.worker, lora=replace(lora, enable_lora=True))
+        return self.worker
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -160,6 +168,8 @@ class ServeConfig:
             given.append("--data-parallel-size")
         if not self.scheduler.enable_prefix_caching:
             given.append("--no-prefix-caching")
+        if self.scheduler.lora_modules:
+            given.append("--lora-modules")
         if self.api_server.generation_config != AUTO:
             given.append("--generation-config")
         if self.api_server.reasoning_parser is not None:
@@ -193,6 +203,11 @@ class ServeConfig:
         self._check_worker_groups()
         if self.model_dir is not None:  # a bad file stops serve here, not each API server
             load_generation_defaults(self.model_dir, self.api_server.generation_config)
+        num_adapters, max_loras = len(self.scheduler.lora_modules), self.worker.lora.max_loras
+        if num_adapters > max_loras:
+            raise ValueError(
+                f"--lora-modules names {num_adapters} adapters, more than --max-loras ({max_loras})"
+            )
         if not 0 <= self.bind.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.bind.port}")
         if not self.api_server.shutdown_timeout_s >= 0:
@@ -225,3 +240,23 @@ class ServeConfig:
                 f"--device {device} puts all {len(self.worker_groups)} worker groups on one GPU; "
                 "give --device cuda (or auto): each group then gets GPUs of its own"
             )
+
+
+def check_lora_adapters(
+    model_dir: Path, adapters: list[tuple[str, str]], max_lora_rank: int
+) -> None:
+    """Read each (name, path) adapter as the workers will (``worker.lora_checkpoint``), so one
+    the model cannot serve stops ``serve`` (or the offline pipeline) before anything starts,
+    with the reason: ``ValueError``. Imports torch: ``serve`` runs it in its prepare-model
+    child."""
+    from worker.lora_checkpoint import AdapterProblem, LoRAModelShape, read_adapter
+    from worker.models.config import ModelConfig
+
+    if not adapters:
+        return
+    shape = LoRAModelShape.of(ModelConfig.from_dir(model_dir))
+    for name, path in adapters:
+        try:
+            read_adapter(path, shape, max_lora_rank)
+        except AdapterProblem as problem:
+            raise ValueError(f"LoRA adapter {name!r}: {problem}") from None

@@ -84,6 +84,43 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     return model_dir
 
 
+TINY_LORA_ADAPTERS = {
+    "alpha": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    "beta": {
+        "r": 4,
+        "lora_alpha": 8,
+        "use_rslora": True,
+        "target_modules": ["gate_proj", "up_proj", "down_proj", "q_proj"],
+        "rank_pattern": {"layers.1.mlp.down_proj": 2},
+        "alpha_pattern": {"gate_proj": 4},
+    },
+}
+"""The tiny Llama's LoRA adapters' PEFT configs: attention only; the MLP and q, rank and alpha
+patterns, rsLoRA."""
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_adapters(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Seeded random PEFT LoRA adapters for the tiny Llama (``TINY_LORA_ADAPTERS``), by name:
+    directories of adapter_config.json and adapter_model.safetensors. Their weights are random
+    (not PEFT's no-op start), so each changes the model's greedy tokens."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    adapters = {}
+    for seed, (name, options) in enumerate(TINY_LORA_ADAPTERS.items()):
+        model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+        torch.manual_seed(seed)
+        config = LoraConfig(init_lora_weights=False, **options)
+        adapter_dir = tmp_path_factory.mktemp(f"tiny-lora-{name}")
+        get_peft_model(model, config).save_pretrained(adapter_dir)
+        adapters[name] = adapter_dir
+    return adapters
+
+
 LLAVA_IMAGE_TOKEN_ID = 49152
 """``<image>`` in the tiny LLaVA's tokenizer (the first id after the default model's vocabulary)."""
 LLAVA_CHAT_TEMPLATE = (

@@ -106,6 +106,7 @@ def _config(settings: WorkerSettings) -> WorkerConfig:
         master_port=settings.master_port,
         grammar_limits=settings.grammar_limits,
         logits_processors=settings.logits_processors.paths,
+        lora=settings.lora,
     )
 
 
@@ -115,6 +116,8 @@ def _runner(role: WorkerRole, config: WorkerConfig) -> ModelRunner | EmbeddingsG
         return ModelRunner(config)
     if config.tensor_parallel_size > 1:
         raise ValueError("an embedding worker runs on one rank (--tensor-parallel-size 1)")
+    if config.lora.enable_lora:
+        raise ValueError("an embedding worker serves no LoRA adapters (drop --enable-lora)")
     if config.torch_device.type == "cpu":
         torch.set_num_threads(config.num_threads or default_num_threads())
     return EmbeddingsGenerator(config.model_dir, config.torch_device, config.model_name)

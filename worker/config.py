@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from interfaces.shared_settings import LoRASettings
 from worker.grammar_limits import GrammarLimits
 from worker.parallel import check_rank
 from worker.settings import DTYPE_NAMES, WorkerSettings
@@ -35,6 +36,7 @@ class WorkerConfig:
     ``master_addr``:``master_port`` is where the ranks meet (rank 0 listens there).
     ``grammar_limits`` bound structured output: spec sizes, compile time, compiled-grammar cache.
     ``logits_processors`` are user logits processors' import paths (``worker.user_processors``).
+    ``lora``: whether the worker serves LoRA adapters, and its slots for them (``worker.lora``).
     """
 
     model_dir: Path
@@ -52,6 +54,7 @@ class WorkerConfig:
     master_port: int = WorkerSettings.master_port
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
     logits_processors: tuple[str, ...] = ()
+    lora: LoRASettings = field(default_factory=LoRASettings)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -23,13 +23,20 @@ step, which no step can repair: it raises ``GroupBroken`` and the worker exits.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgspec
 import torch
 
 from interfaces import RequestID, TextGenerationOutput
-from interfaces.scheduler_to_worker import MAX_DRAFT_TOKENS, NewRequestData, ScheduledStep
-from interfaces.worker_to_scheduler import GrammarsReady, KVLayout, RequestFailure
+from interfaces.scheduler_to_worker import (
+    MAX_DRAFT_TOKENS,
+    LoRAUpdate,
+    NewRequestData,
+    ScheduledStep,
+)
+from interfaces.worker_to_scheduler import GrammarsReady, KVLayout, LoRAUpdated, RequestFailure
 from worker import parallel
 from worker.attention import build_batch_layout
 from worker.config import WorkerConfig, default_num_threads
@@ -38,6 +45,7 @@ from worker.images import RequestImage, input_embeddings, read_images
 from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_blocks_for_budget
 from worker.kv_transfer import kv_layout
 from worker.logprobs import check_logprob_counts
+from worker.lora import LoRAAdapters, update_without_lora
 from worker.models.config import ModelConfig
 from worker.models.loader import load_model
 from worker.parallel import tensor_parallel
@@ -67,6 +75,14 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or default_num_threads())
         self.model = load_model(config.model_dir, self.device, self.dtype)
         self.model_config: ModelConfig = self.model.config
+        self.lora: LoRAAdapters | None = None
+        """The LoRA adapters' slots (``worker.lora``); None without ``--enable-lora``."""
+        if config.lora.enable_lora:
+            if self.model_config.vision is not None:
+                raise ValueError(
+                    "LoRA adapters are served for text models only: drop --enable-lora"
+                )
+            self.lora = LoRAAdapters(self.model, config.lora, self.device, self.dtype)
         self._max_model_len = _max_model_len(config, self.model_config)
         self.kv_cache = self._allocate_kv_cache()
         _check_kv_capacity(self.kv_cache.num_blocks * self.block_size, self._max_model_len)
@@ -118,6 +134,19 @@ class ModelRunner:
     def vocab_size(self) -> int:
         """The model's vocabulary size, reported to the scheduler (``WorkerReady``)."""
         return self.model_config.vocab_size
+
+    @property
+    def lora_limits(self) -> tuple[int, int]:
+        """(adapters held at once, their largest rank), reported to the scheduler
+        (``WorkerReady``); (0, 0) without ``--enable-lora``."""
+        return (self.lora.max_loras, self.lora.max_rank) if self.lora is not None else (0, 0)
+
+    def update_lora(self, update: LoRAUpdate) -> LoRAUpdated:
+        """Load or unload an adapter between steps (every rank; rank 0 sends the answer).
+        Never raises but ``GroupBroken``: a bad adapter is a status in the answer."""
+        if self.lora is None:
+            return update_without_lora(update)
+        return self.lora.update(update)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -211,6 +240,8 @@ class ModelRunner:
             self.release(request_id)
         self._refusals = {}
         self.request_sampler.discard_step()
+        if self.lora is not None:  # its ids were that scheduler's: a new one loads its own
+            self.lora.unload_all()
 
     def _update_states(self, scheduler_output: ScheduledStep) -> None:
         for request_id in scheduler_output.finished_request_ids:
@@ -241,6 +272,7 @@ class ModelRunner:
             check_supported(context.sampling_params, self.model_config.vocab_size)
             check_processor_names(context.sampling_params, self.user_processors)
             check_logprob_counts(context)
+            self._check_lora_id(new.context.lora_id)
             grammar = None
             if context.structured_output is not None and self.grammars is not None:
                 grammar = self.grammars.start(context)
@@ -293,6 +325,7 @@ class ModelRunner:
             return {}
         for state, count in zip(states, counts, strict=True):
             self._check_schedulable(state, count)
+        lora_slots = self._lora_slots(states)
         num_computed = [state.num_computed_tokens for state in states]
         layout = build_batch_layout(
             num_computed,
@@ -316,7 +349,10 @@ class ModelRunner:
         ]
         prompt_rows = plan_prompt_logprob_rows(states, counts)
         input_ids = self._input_ids(states, counts)
-        with parallel.group_breaks_on_error("run a forward pass"):
+        with (
+            parallel.group_breaks_on_error("run a forward pass"),
+            self._lora_rows(lora_slots, counts),
+        ):
             logits = self.model(
                 input_ids,
                 layout.positions,
@@ -361,6 +397,34 @@ class ModelRunner:
                 state.append_output(token)
             _rewind_rejected(state, tokens)
         return {}
+
+    def _check_lora_id(self, lora_id: int) -> None:
+        if lora_id != 0 and (self.lora is None or self.lora.slot_of(lora_id) is None):
+            raise ValueError(f"LoRA adapter id {lora_id} is not loaded on this worker")
+
+    def _lora_slots(self, states: list[RequestState]) -> list[int | None]:
+        """Each request's adapter slot (None: the base model). A request whose adapter was
+        unloaded while it ran is refused alone (every rank holds the same adapters, so every
+        rank refuses it); its tokens run on the base model, unsampled."""
+        slots: list[int | None] = []
+        for state in states:
+            slot = None if self.lora is None else self.lora.slot_of(state.lora_id)
+            if slot is None and state.lora_id != 0 and state.refusal is None:
+                state.refusal = f"LoRA adapter id {state.lora_id} is not loaded on this worker"
+            slots.append(slot)
+        return slots
+
+    @contextmanager
+    def _lora_rows(self, slots: list[int | None], counts: list[int]) -> Iterator[None]:
+        """Within: the model's adapter layers know which rows run with which adapter."""
+        if self.lora is None or not any(slot is not None for slot in slots):
+            yield
+            return
+        self.lora.batch.plan(slots, counts)
+        try:
+            yield
+        finally:
+            self.lora.batch.clear()
 
     def _input_ids(self, states: list[RequestState], counts: list[int]) -> torch.Tensor:
         input_ids = []

@@ -49,6 +49,7 @@ class RequestState:
     (``worker.images``).
     ``drafts`` are the draft tokens to verify in the step being run (speculative decoding:
     ``scheduler.speculative``), empty otherwise: they follow ``token_ids`` in that step's input.
+    ``lora_id`` is the LoRA adapter it runs with (``worker.lora``); 0 is the base model.
     """
 
     request_id: RequestID
@@ -66,6 +67,7 @@ class RequestState:
     refusal: str | None = None
     images: list[RequestImage] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
+    lora_id: int = 0
 
     @classmethod
     def from_new_request(
@@ -99,6 +101,7 @@ class RequestState:
             pending_grammar=grammar,
             edits=RequestEdits.build(params, context.eos_token_ids, vocab_size, device),
             images=images or [],
+            lora_id=new.context.lora_id,
         )
 
     @property

@@ -7,7 +7,9 @@ A ``Shutdown`` with a reason is a refusal (another protocol version, a handshake
 does not believe): the worker logs the reason and exits 1. It polls with a short
 timeout so signals are noticed between steps; a step in progress always finishes first. Rank 0
 also polls the pipe its grammar compiles write to, and sends ``GrammarsReady`` between steps
-when a deferred request's grammar compiled or failed (``worker.model_runner``).
+when a deferred request's grammar compiled or failed (``worker.model_runner``). A ``LoRAUpdate``
+loads or unloads an adapter between steps on every rank (``worker.lora``); rank 0 answers
+``LoRAUpdated`` once the ranks agree.
 
 If the connection to the scheduler drops (the scheduler died, or over TCP went silent past
 ZeroMQ's heartbeat timeout), a one-rank worker forgets every request it had (they were that
@@ -45,12 +47,14 @@ from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.scheduler_to_worker import (
     EmbeddingsStep,
     KVTransfers,
+    LoRAUpdate,
     ScheduledStep,
     SchedulerToWorkerMessage,
     Shutdown,
 )
 from interfaces.transport import BACKEND, Binder, TransportSecurity
 from interfaces.worker_to_scheduler import (
+    LoRAUpdated,
     WorkerEmbeddingsOutput,
     WorkerFailure,
     WorkerOutput,
@@ -60,6 +64,7 @@ from interfaces.worker_to_scheduler import (
 )
 from worker.kv_transfer import KVReceiver, KVSender
 from worker.liveness import Heartbeat
+from worker.lora import update_without_lora
 from worker.parallel import GroupBroken, tensor_parallel
 
 if TYPE_CHECKING:
@@ -231,6 +236,12 @@ class WorkerServer:
                     self._send(socket, self.run_embeddings_step(message))
                 elif isinstance(message, KVTransfers):
                     self._on_transfers(socket, message)
+                elif isinstance(message, LoRAUpdate):
+                    try:
+                        self._send_if_driver(socket, self.update_lora(message))
+                    except GroupBroken:
+                        logger.exception("left the tensor-parallel group in a LoRA update")
+                        return 1
             elif monitor in events:
                 endpoint = recv_monitor_message(monitor)["endpoint"].decode()
                 if tensor_parallel().world_size > 1:
@@ -255,8 +266,7 @@ class WorkerServer:
 
     def _step(self, socket: zmq.Socket, step: ScheduledStep) -> None:
         answer = self.run_step(step)
-        if tensor_parallel().is_driver:
-            self._send(socket, answer)
+        self._send_if_driver(socket, answer)
         if not step.kv_sends or not isinstance(answer, WorkerOutput):
             return
         if self.sender is None:
@@ -293,6 +303,14 @@ class WorkerServer:
         except Exception as error:
             logger.exception("embedding step %d failed", step.step_id)
             return WorkerFailure(step.step_id, str(error) or type(error).__name__)
+
+    def update_lora(self, update: LoRAUpdate) -> LoRAUpdated:
+        """Load or unload a LoRA adapter (``worker.lora``); a worker that serves none (an
+        embedding worker) answers that LoRA is not enabled. ``GroupBroken`` propagates."""
+        update_lora = getattr(self.runner, "update_lora", None)
+        if update_lora is None:
+            return update_without_lora(update)
+        return update_lora(update)
 
     def run_step(self, step: ScheduledStep) -> WorkerOutput | WorkerFailure:
         """Run one step; a step that raises becomes a WorkerFailure and the worker serves on,
@@ -341,7 +359,13 @@ class WorkerServer:
             runner.kv_layout,
             self.receiver.address if self.receiver is not None else "",
             runner.vocab_size,
+            *getattr(runner, "lora_limits", (0, 0)),
         )
+
+    def _send_if_driver(self, socket: zmq.Socket, message: WorkerToSchedulerMessage) -> None:
+        """Rank 0 answers for the group."""
+        if tensor_parallel().is_driver:
+            self._send(socket, message)
 
     def _send(self, socket: zmq.Socket, message: WorkerToSchedulerMessage) -> None:
         socket.send(self.encode(message))

@@ -10,7 +10,12 @@ import argparse
 from dataclasses import dataclass
 
 from interfaces.settings import component, setting
-from interfaces.shared_settings import LogitsProcessorSettings, ModelSettings, SchedulerAddress
+from interfaces.shared_settings import (
+    LogitsProcessorSettings,
+    LoRASettings,
+    ModelSettings,
+    SchedulerAddress,
+)
 from interfaces.worker_to_scheduler import WorkerRole
 from worker.grammar_limits import GrammarLimits
 
@@ -127,3 +132,4 @@ class WorkerSettings:
     logits_processors: LogitsProcessorSettings = component(
         LogitsProcessorSettings, group="logits processors"
     )
+    lora: LoRASettings = component(LoRASettings, group="LoRA adapters")

@@ -22,6 +22,11 @@ OPERATIONS = [
     "POST /v1/chat/completions",
     "POST /v1/completions",
     "POST /v1/embeddings",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
+    "DELETE /v1/responses/{response_id}",
+    "POST /v1/load_lora_adapter",
+    "POST /v1/unload_lora_adapter",
     "GET /v1/models",
     "GET /health",
     "GET /ready",
@@ -29,7 +34,7 @@ OPERATIONS = [
     "POST /detokenize",
     "GET /version",
 ]
-# GETs take no input, so only valid examples of them.
+# GETs and DELETEs take no body (at most an id in the path), so only valid examples of them.
 CASES = [
     (label, mode)
     for label in OPERATIONS

@@ -74,6 +74,9 @@ def bearer(key: str) -> dict[str, str]:
     [
         ("POST", "/v1/chat/completions", {"messages": MESSAGES}),
         ("POST", "/v1/completions", {"prompt": "x"}),
+        ("POST", "/v1/responses", {"input": "x"}),
+        ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/adapters/x"}),
+        ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}),
         ("GET", "/v1/models", None),
         ("POST", "/tokenize", {"prompt": "x"}),
         ("POST", "/detokenize", {"tokens": [1]}),
@@ -296,7 +299,7 @@ def test_serve_warns_once_when_it_listens_beyond_loopback_without_a_key(
 ) -> None:
     monkeypatch.delenv("SWITCHYARD_API_KEY", raising=False)
     monkeypatch.setattr(cli, "setproctitle", lambda title: None)
-    monkeypatch.setattr(cli, "_prepare_in_child", lambda model: default_model_dir)
+    monkeypatch.setattr(cli, "_prepare_in_child", lambda model, args: default_model_dir)
 
     def launcher(config: ServeConfig) -> None:
         raise LauncherStarted(config.bind.host)

@@ -155,6 +155,7 @@ def test_models(api: ApiHarness, client: httpx.Client, default_model_dir: Path) 
         "object": "model",
         "owned_by": "switchyard",
         "root": api.MODEL_NAME,  # as vLLM: the served name, never the model's path
+        "parent": None,  # a LoRA adapter's base model (as vLLM)
         "max_model_len": 256,
     }
     assert str(default_model_dir) not in client.get("/v1/models").text

@@ -27,11 +27,12 @@ from interfaces import (
     SharedMemoryArray,
     TextContext,
 )
-from interfaces.api_to_scheduler import AbortRequests, SubmitRequest
+from interfaces.api_to_scheduler import AbortRequests, LoRAOperationRequest, SubmitRequest
 from interfaces.embeddings import EmbeddingsContext
 from interfaces.handshake import PROTOCOL_VERSION
+from interfaces.lora import LoRAOperation, LoRARequest
 from interfaces.sampling import SamplingParams
-from interfaces.scheduler_to_api import SchedulerResults
+from interfaces.scheduler_to_api import LoRAOperationResult, SchedulerResults
 from interfaces.scheduler_to_worker import KVReceive, KVSend, Shutdown
 from interfaces.transport import TransportSecurity, generate_curve_keys
 from interfaces.worker_to_scheduler import KVLayout, WorkerReady, WorkerRole
@@ -162,6 +163,49 @@ def test_hostile_request_values_are_refused_to_their_sender_alone(system, case):
     assert intruder.poll(0) == 0  # nothing else went to the intruder
 
 
+LORA_FRAMES = {
+    "a name of 10,000 characters": (
+        LoRARequest(LoRAOperation.LOAD, "x" * 10_000, "/adapters/x"),
+        "lora_name must be 1 to 128 characters",
+    ),
+    "a path of 100,000 characters": (
+        LoRARequest(LoRAOperation.LOAD, "x", "/" * 100_000),
+        "lora_path must be a path of at most 4096 characters",
+    ),
+    "no path": (LoRARequest(LoRAOperation.LOAD, "x"), "lora_path is required"),
+    "LoRA not enabled": (
+        LoRARequest(LoRAOperation.LOAD, "x", "/adapters/x"),
+        "LoRA is not enabled (start the workers with --enable-lora)",
+    ),
+    "an unknown adapter": (
+        LoRARequest(LoRAOperation.UNLOAD, "nobody"),
+        "The LoRA adapter 'nobody' cannot be found.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LORA_FRAMES))
+def test_hostile_lora_operations_are_answered_to_their_sender_alone(system, case):
+    _, context, frontend, backend = system
+    client, intruder = api_client(context, frontend), api_client(context, frontend)
+    start_worker(context, backend, client)
+    client.send(encode(SubmitRequest(ctx("innocent", [7, 8], max_new_tokens=10))))
+    request, error = LORA_FRAMES[case]
+    intruder.send(encode(LoRAOperationRequest(2**63 - 1, request)))
+    answer = receive(intruder)
+    assert isinstance(answer, LoRAOperationResult) and answer.ticket == 2**63 - 1
+    assert not answer.response.ok and error in answer.response.message
+    named = msgspec.structs.replace(ctx("named", [7, 8]), lora_name=request.lora_name, lora_id=9)
+    intruder.send(encode(SubmitRequest(named)))
+    refused = refusal_of(intruder, "named")  # no adapter of that name: its lora_id is no help
+    assert (refused.error_kind, refused.error) == (
+        ErrorKind.NOT_FOUND,
+        "the LoRA adapter this request names is not loaded",
+    )
+    assert collect(client, ["innocent"])[0] == {"innocent": expected([7, 8], 10)}
+    assert intruder.poll(0) == 0
+
+
 @pytest.mark.parametrize(
     ("field", "value"), [("temperature", float("nan")), ("repetition_penalty", float("inf"))]
 )
@@ -274,6 +318,7 @@ HOSTILE_HANDSHAKES = {
     "no block size": ({"block_size": 0}, "block_size 0 is outside [1, 1024]"),
     "a context of 2**40": ({"max_model_len": 2**40}, "max_model_len 1099511627776 is outside"),
     "a vocabulary of 2**40": ({"vocab_size": 2**40}, "vocab_size 1099511627776 is outside"),
+    "2**40 LoRA slots": ({"max_loras": 2**40}, "max_loras 1099511627776 is outside [0, 256]"),
     "a group name of 100,000 characters": (
         {"group": "g" * 100_000},
         "group must be at most 256 printable characters",

@@ -25,7 +25,13 @@ from interfaces.worker_to_scheduler import (
     WorkerRole,
 )
 from scheduler.config import WorkerLimits
-from scheduler.stalls import RECENT_STEPS, STALL_FACTOR, Stall, StepTimes
+from scheduler.stalls import (
+    LORA_UPDATE_BOUND_S,
+    RECENT_STEPS,
+    STALL_FACTOR,
+    Stall,
+    StepTimes,
+)
 from scheduler.worker_group import WorkerGroups, ready_problem
 from tests.support.scheduler_sockets import (
     FakeWorkerThread,
@@ -85,6 +91,21 @@ def test_the_bound_is_the_factor_times_the_slowest_recent_step_above_the_floor()
     fast = StepTimes(FLOOR_S)
     run_steps(fast, "b", [0.5, 0.02])  # 10 x 0.5 s is below the floor
     assert fast.bound_s("b") == FLOOR_S
+
+
+def test_a_step_behind_a_lora_load_counts_from_the_load_s_answer():
+    times = StepTimes(FLOOR_S)
+    times.lora_update_sent("a", 0.0)  # a large adapter, read between steps
+    times.sent("a", 3, 1.0)  # queued behind it
+    assert times.stalled(100.0) == []  # within the load's bound, not the step's
+    times.lora_update_answered("a", 100.0)
+    assert times.stalled(100.0 + FLOOR_S) == []
+    assert times.stalled(100.5 + FLOOR_S) == [Stall("a", 3, FLOOR_S + 0.5, FLOOR_S)]
+    times.lora_update_sent("b", 0.0)
+    over = LORA_UPDATE_BOUND_S + 1
+    [stall] = times.stalled(over)
+    assert stall == Stall("b", -1, over, LORA_UPDATE_BOUND_S, lora_update=True)
+    assert "a LoRA adapter update has run" in stall.describe()
 
 
 def test_only_the_recent_steps_count():

@@ -28,6 +28,7 @@ from interfaces import LogProbabilities, SchedulerResult, TextContext, TextGener
 from interfaces.api_to_scheduler import (
     AbortRequests,
     ApiToSchedulerMessage,
+    LoRAOperationRequest,
     StatsRequest,
     SubmitEmbeddings,
     SubmitRequest,
@@ -35,8 +36,15 @@ from interfaces.api_to_scheduler import (
 from interfaces.codec import msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.embeddings import EmbeddingsContext
 from interfaces.handshake import ApiHello, HandshakeRefused
+from interfaces.lora import (
+    LoRAAdapterInfo,
+    LoRAOperation,
+    LoRARequest,
+    LoRAResponse,
+    LoRAStatus,
+)
 from interfaces.outputs import GenerationStatus
-from interfaces.scheduler_to_api import SchedulerResults, SchedulerStats
+from interfaces.scheduler_to_api import LoRAOperationResult, SchedulerResults, SchedulerStats
 
 VOCAB_SIZE = 49152
 
@@ -80,6 +88,9 @@ class FakeScheduler:
     tokens. ``workers_ready``: reported in stats. ``silent``: answer nothing at all.
     ``num_stats_requests`` counts the StatsRequests received (round trips and pings).
     Embedding inputs are recorded in ``embeddings_submitted`` and never answered.
+    LoRA operations are recorded in ``lora_requests`` and answered ``lora_answer`` (None:
+    success, which loads into or unloads from ``lora_adapters``, listed in stats with
+    ``max_loras``).
     """
 
     def __init__(self, address: str, num_kv_blocks: int = 64, block_size: int = 16) -> None:
@@ -116,6 +127,10 @@ class FakeScheduler:
         self.refuse_hello_with: str | None = None
         self.workers_ready = True
         self.silent = False
+        self.max_loras = 0
+        self.lora_adapters: list[LoRAAdapterInfo] = []
+        self.lora_requests: list[LoRARequest] = []
+        self.lora_answer: LoRAResponse | None = None
 
     def start(self) -> FakeScheduler:
         self._thread.start()
@@ -140,6 +155,8 @@ class FakeScheduler:
                 num_kv_blocks_used=used,
                 workers_ready=self.workers_ready,
                 embedding_workers_ready=self.workers_ready,
+                lora_adapters=list(self.lora_adapters),
+                max_loras=self.max_loras,
             )
 
     def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
@@ -187,6 +204,19 @@ class FakeScheduler:
                 self._send(identity, SchedulerResults({message.context.request_id: rejection}))
         elif isinstance(message, AbortRequests):
             self._abort(message.request_ids)
+        elif isinstance(message, LoRAOperationRequest):
+            self._send(identity, LoRAOperationResult(message.ticket, self._lora(message.request)))
+
+    def _lora(self, request: LoRARequest) -> LoRAResponse:
+        with self._lock:
+            self.lora_requests.append(request)
+            if self.lora_answer is not None:
+                return self.lora_answer
+            name = request.lora_name
+            self.lora_adapters = [a for a in self.lora_adapters if a.name != name]
+            if request.operation is LoRAOperation.LOAD:
+                self.lora_adapters.append(LoRAAdapterInfo(name, request.lora_path or ""))
+        return LoRAResponse(LoRAStatus.SUCCESS, f"done: {name}")
 
     def _abort(self, request_ids: list[str]) -> None:
         with self._lock:
@@ -337,6 +367,7 @@ class ApiHarness:
             limits or HttpLimits(),
             embedding_model_dir=embedding_model_dir,
             logits_processor_names=logits_processor_names,
+            allow_runtime_lora_updating=True,
         )
         self.app = create_app(config, bind_host)
         self.server = UvicornThread(self.app).start()

@@ -20,7 +20,13 @@ from pathlib import Path
 import torch
 
 from interfaces import SamplingParams, StructuredOutput, TextContext
-from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, ScheduledStep
+from interfaces.scheduler_to_worker import (
+    CachedRequestData,
+    LoRAUpdate,
+    NewRequestData,
+    ScheduledStep,
+)
+from interfaces.shared_settings import LoRASettings
 from worker.config import WorkerConfig
 
 RANK_TIMEOUT_S = 240
@@ -89,12 +95,13 @@ def scripted_steps(
 def run_group(
     model_dir: Path,
     world_size: int,
-    steps: list[ScheduledStep],
+    steps: list[ScheduledStep | LoRAUpdate],
     max_model_len: int = 512,
     device: str = "cpu",
 ) -> list[dict]:
     """Run ``steps`` on ``world_size`` ranks; one report per rank, in rank order.
-    ``AssertionError`` with its traceback if a rank raised."""
+    ``AssertionError`` with its traceback if a rank raised. With ``LoRAUpdate``s among the
+    steps, the ranks serve LoRA adapters (``--enable-lora``) and report each update's status."""
     context = multiprocessing.get_context("spawn")
     reports = context.Queue()
     with socket.socket() as probe:
@@ -142,12 +149,16 @@ def _run_rank(rank, world_size, port, model_dir, steps, max_model_len, device) -
         num_threads=1,
         rank=rank,
         tensor_parallel_size=world_size,
+        lora=LoRASettings(enable_lora=any(isinstance(step, LoRAUpdate) for step in steps)),
     )
     init_tensor_parallel(rank, world_size, "127.0.0.1", port, config.torch_device)
     runner = ModelRunner(config)
     tokens: dict[str, list[int]] = {}
-    outputs, refusals, seen = {}, {}, {}
+    outputs, refusals, seen, lora_statuses = {}, {}, {}, []
     for step in steps:
+        if isinstance(step, LoRAUpdate):
+            lora_statuses.append(runner.update_lora(step).response.status.value)
+            continue
         for new in step.new_requests:
             seen[new.context.request_id] = len(new.context.prompt_token_ids)
         for request_id in step.finished_request_ids:
@@ -164,6 +175,7 @@ def _run_rank(rank, world_size, port, model_dir, steps, max_model_len, device) -
         "outputs": outputs,
         "refusals": refusals,
         "requests_left": sorted(runner.requests),
+        "lora_statuses": lora_statuses,
     }
     destroy_tensor_parallel()
     return report

@@ -95,7 +95,7 @@ def test_what_can_be_served_is_taken(tmp_path):
 def test_serve_says_what_it_refuses_and_exits_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "setproctitle", lambda title: None)
     monkeypatch.setattr(cli, "configure_logging", lambda *args: None)
-    monkeypatch.setattr(cli, "_prepare_in_child", lambda model: tmp_path)
+    monkeypatch.setattr(cli, "_prepare_in_child", lambda model, args: tmp_path)
     given = ["--data-parallel-size", "2", "--prefill-workers", "1", "--decode-workers", "1"]
     for argv, error in (
         (["--data-parallel-size", "0"], "--data-parallel-size must be at least 1, got 0"),

@@ -21,6 +21,7 @@ from interfaces.sampling import LogitsProcessorCall
 from switchyard import ChatTemplateConfig, EngineConfig, GenerationConfig, Response, pipeline
 from switchyard.offline import _serve_config
 from switchyard.offline_prompts import _num_tokens_before_stop_word
+from tests.support.engine import greedy_tokens
 from tests.support.serve_process import ServeProcess, alive
 
 NUM_NEW_TOKENS = 8
@@ -29,8 +30,13 @@ PROMPTS = [f"Prompt number {i}: the {'quick ' * (i % 5)}brown fox" for i in rang
 
 
 @pytest.fixture(scope="module")
-def pipe(tiny_llama_dir):
-    engine = EngineConfig(cache_max_entry_count="64MiB", max_prefill_token_num=64)
+def pipe(tiny_llama_dir, tiny_lora_adapters):
+    engine = EngineConfig(
+        cache_max_entry_count="64MiB",
+        max_prefill_token_num=64,
+        adapters={"alpha": str(tiny_lora_adapters["alpha"])},
+        max_lora_rank=8,
+    )
     with pipeline(str(tiny_llama_dir), backend_config=engine) as started:
         yield started
 
@@ -381,7 +387,32 @@ def test_text_prompts_are_one_user_turn_of_the_chat_template(pipe, default_model
     assert request.prompt == pipe.tokenizer.encode_now("Hi there")
 
 
-def test_adapter_name_is_refused_while_no_adapters_are_loaded(pipe):
+def test_adapter_name_runs_engine_config_s_adapter_as_peft_does(pipe, tiny_llama_dir,
+                                                                 tiny_lora_adapters):  # fmt: skip
+    from peft import PeftModel
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    prompt = AutoTokenizer.from_pretrained(tiny_llama_dir)("The quick brown fox").input_ids
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir)
+    model.generation_config.eos_token_id = None
+    base = greedy_tokens(model, prompt, NUM_NEW_TOKENS)
+    model = PeftModel.from_pretrained(model, tiny_lora_adapters["alpha"])
+    alpha = greedy_tokens(model, prompt, NUM_NEW_TOKENS)
+    assert alpha != base
+    text = "The quick brown fox"
+    [with_alpha, without] = [
+        pipe.infer([text], GREEDY, do_preprocess=False, adapter_name=name)[0]
+        for name in ("alpha", None)
+    ]
+    assert (with_alpha.token_ids, without.token_ids) == (alpha, base)
+    streamed = pipe.stream_infer(text, GREEDY, do_preprocess=False, adapter_name="alpha")
+    assert [t for piece in streamed for t in piece.token_ids] == alpha
+    chat = pipe.chat("Hi", gen_config=GREEDY, adapter_name="alpha").response.token_ids
+    turn = [{"role": "user", "content": "Hi"}]
+    assert chat == pipe.infer([turn], GREEDY, adapter_name="alpha")[0].token_ids
+
+
+def test_an_adapter_name_not_loaded_is_refused(pipe):
     calls = [
         lambda: pipe("Hi", adapter_name="my-lora"),
         lambda: pipe.infer(["Hi"], GREEDY, adapter_name="my-lora"),
@@ -389,7 +420,7 @@ def test_adapter_name_is_refused_while_no_adapters_are_loaded(pipe):
         lambda: pipe.chat("Hi", adapter_name="my-lora"),
     ]
     for call in calls:
-        with pytest.raises(ValueError, match="adapter_name 'my-lora': no LoRA adapters are loaded"):
+        with pytest.raises(ValueError, match=r"adapter_name 'my-lora' is not a loaded LoRA adapt"):
             call()
 
 

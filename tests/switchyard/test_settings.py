@@ -20,9 +20,15 @@ from api_server.config import (
     MediaConfig,
     RequestLimits,
 )
+from api_server.response_store import ResponseStoreConfig
 from interfaces.logs import LogSettings
 from interfaces.settings import add_flags, declarations, from_args, to_argv
-from interfaces.shared_settings import LogitsProcessorSettings, ModelSettings, SchedulerAddress
+from interfaces.shared_settings import (
+    LogitsProcessorSettings,
+    LoRASettings,
+    ModelSettings,
+    SchedulerAddress,
+)
 from interfaces.transport import TransportSecurity, add_transport_flags
 from interfaces.worker_to_scheduler import WorkerRole
 from scheduler.__main__ import build_parser as scheduler_parser
@@ -122,6 +128,10 @@ def serve_argv(tmp_path: Path) -> list[str]:
         *("--max-images-per-prompt", "2", "--log-level", "DEBUG", "--log-format", "json"),
         *("--generation-config", "vllm", "--reasoning-parser", "qwen3"),
         *("--logits-processors", "pkg.bans:Ban,pkg.force:Force"),
+        *("--lora-modules", "sql=/adapters/sql", "--max-loras", "3", "--max-lora-rank", "8"),
+        *("--enable-lora", "--allow-runtime-lora-updating"),
+        *("--responses-store-dir", str(tmp_path / "responses"), "--responses-store-max-mb", "5"),
+        *("--responses-store-max-age-days", "2"),
     ]
 
 
@@ -135,7 +145,7 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     command line by name)."""
     monkeypatch.delenv("SWITCHYARD_API_KEY", raising=False)
     monkeypatch.setattr(cli, "setproctitle", lambda title: None)
-    monkeypatch.setattr(cli, "_prepare_in_child", lambda model: tmp_path)
+    monkeypatch.setattr(cli, "_prepare_in_child", lambda model, args: tmp_path)
 
     def launcher(config) -> None:
         raise LauncherStarted(config)
@@ -203,7 +213,18 @@ def test_the_values_given_to_serve_reach_the_roles(served):
     scheduler = scheduler_parser().parse_args(commands["scheduler"][1:])
     assert from_args(SchedulerSettings, scheduler).scheduling == config.scheduler
     assert config.scheduler == SchedulerConfig(
-        7, 99, False, 5, 500, 2.5, 1, 9, 8, PlacementPolicy.LEAST_LOADED, SPECULATIVE
+        7,
+        99,
+        False,
+        5,
+        500,
+        2.5,
+        1,
+        9,
+        8,
+        PlacementPolicy.LEAST_LOADED,
+        SPECULATIVE,
+        ("sql=/adapters/sql",),
     )
     assert from_args(WorkerSettings, args, SERVE_WORKER_SETTINGS) == config.worker
     for name in ("prefill-0-0", "prefill-0-1", "decode-1-1"):
@@ -268,7 +289,18 @@ def role_samples(media_dir: Path) -> dict[str, object]:
             "ipc://frontend",
             "tcp://127.0.0.1:5556",
             SchedulerConfig(
-                7, 99, False, 5, 500, 2.5, 1, 9, 8, PlacementPolicy.LEAST_LOADED, SPECULATIVE
+                7,
+                99,
+                False,
+                5,
+                500,
+                2.5,
+                1,
+                9,
+                8,
+                PlacementPolicy.LEAST_LOADED,
+                SPECULATIVE,
+                ("sql=/adapters/sql",),
             ),
             WorkerLimits(64),
         ),
@@ -280,6 +312,7 @@ def role_samples(media_dir: Path) -> dict[str, object]:
             "/tmp/worker.alive",
             GrammarLimits(3.5, 1000, 10, 4096),
             LogitsProcessorSettings(("pkg.bans:Ban", "pkg.force:Force")),
+            LoRASettings(True, 3, 8),
         ),
         "api_server": ApiServerSettings(
             ModelSettings("model", "name", 100),
@@ -295,6 +328,8 @@ def role_samples(media_dir: Path) -> dict[str, object]:
             generation_config=str(media_dir),
             reasoning_parser="deepseek_r1",
             logits_processors=LogitsProcessorSettings(("pkg:Ban",)),
+            responses_store=ResponseStoreConfig(str(media_dir / "responses"), 2.0, 5.0),
+            allow_runtime_lora_updating=True,
         ),
     }
 

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,16 @@ from worker import parallel
 from worker.models import panel_gemm
 
 logger = logging.getLogger(__name__)
+
+
+class OutputDeltas(Protocol):
+    """What adds LoRA adapters' products to a layer's output (``worker.lora.LayerAdapters``):
+    ``add_to(x, y)`` returns ``y`` plus each adapter's product of its rows of ``x``, while
+    ``batch.groups`` (this step's rows by adapter) is not empty."""
+
+    batch: Any
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,9 @@ class Linear(nn.Module):
         self.checkpoint_in_features = in_features
         self.reduces_output = False  # row-parallel: sum over the ranks
         self.vocab_size: int | None = None  # the LM head's vocabulary: gather and unpad
+        self.lora: OutputDeltas | None = None
+        """LoRA adapters' slots (``worker.lora``), whose products join the output; None
+        without ``--enable-lora``."""
 
     @classmethod
     def column(cls, in_features: int, outputs: Sequence[Split], bias: bool) -> Linear:
@@ -154,6 +168,8 @@ class Linear(nn.Module):
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         else:
             y = F.linear(x, self.weight, bias)
+        if self.lora is not None and self.lora.batch.groups:  # before the ranks' sum
+            y = self.lora.add_to(x, y)
         if self.reduces_output:
             return parallel.all_reduce(y)
         if self.vocab_size is not None:

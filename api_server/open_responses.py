@@ -26,7 +26,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
-from starlette.background import BackgroundTask
 
 from api_server.choices import ChoiceDelta, Generation
 from api_server.engine_client import SchedulerUnavailable
@@ -56,7 +55,13 @@ from api_server.responses_request import (
     chat_request,
     check_supported,
 )
-from api_server.serving import SSE_HEADERS, ServerState, as_openai_error, start_chat_generation
+from api_server.serving import (
+    ServerState,
+    as_openai_error,
+    event_stream,
+    first_delta,
+    start_chat_generation,
+)
 from api_server.text_stream import RequestFailed
 
 T = TypeVar("T")
@@ -175,18 +180,8 @@ class _Answer:
     async def stream(self, generation: Generation) -> StreamingResponse:
         """Wait for the first result before sending headers, as chat does, so a request that
         fails at once gets a real HTTP status."""
-        deltas = generation.deltas()
-        try:
-            first = await anext(deltas)
-        except (RequestFailed, SchedulerUnavailable) as error:
-            raise as_openai_error(error) from error
-        events = self._events(generation, deltas, first)
-        return StreamingResponse(
-            events,
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-            background=BackgroundTask(events.aclose),
-        )
+        deltas, first = await first_delta(generation)
+        return event_stream(self._events(generation, deltas, first))
 
     async def _events(
         self,

@@ -369,16 +369,27 @@ async def _full_response(generation: Generation, response_format: ResponseFormat
 async def _stream_response(
     generation: Generation, response_format: ResponseFormat, include_usage: bool
 ) -> StreamingResponse:
-    """Wait for the scheduler's first result before sending headers, so a request that fails
-    at once (scheduler down, request refused) gets a real HTTP status instead of an SSE error."""
+    deltas, first = await first_delta(generation)
+    return event_stream(_sse_events(generation, deltas, first, response_format, include_usage))
+
+
+async def first_delta(
+    generation: Generation,
+) -> tuple[AsyncGenerator[ChoiceDelta, None], ChoiceDelta]:
+    """Start ``generation.deltas()`` and wait for the scheduler's first result before any
+    header is sent, so a request that fails at once (scheduler down, request refused) gets a
+    real HTTP status instead of an SSE error: (the deltas, the first)."""
     deltas = generation.deltas()
     try:
-        first = await anext(deltas)
+        return deltas, await anext(deltas)
     except (RequestFailed, SchedulerUnavailable) as error:
         raise as_openai_error(error) from error
-    events = _sse_events(generation, deltas, first, response_format, include_usage)
-    # Starlette does not close the body iterator when the client goes away mid-send; closing it
-    # in the background task aborts the request at once instead of whenever it is collected.
+
+
+def event_stream(events: AsyncGenerator[str, None]) -> StreamingResponse:
+    """``events`` (SSE lines) as the response. Starlette does not close the body iterator when
+    the client goes away mid-send; closing it in the background task aborts the request at once
+    instead of whenever it is collected."""
     return StreamingResponse(
         events,
         media_type="text/event-stream",

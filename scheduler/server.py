@@ -142,7 +142,7 @@ class SchedulerServer:
         """The embedding groups, apart: they run no generation and hold no KV cache."""
         self.loras = LoRAAdapters(config.lora_adapters)
         """LoRA adapters: which requests may name, and their loads on every text group."""
-        self._lora_usage: tuple[list[str], list[str]] = ([], [])
+        self._lora_usage_seen: tuple[list[str], list[str]] = ([], [])
         self._lora_usage_at = -math.inf
         self._drained_checked_at = -math.inf
         self._workers = WorkerGroups()
@@ -253,6 +253,8 @@ class SchedulerServer:
             self._answer_api(client_id, self.stats())
         elif isinstance(message, LoRAOperationRequest):
             self._carry_out_lora(*self.loras.request((client_id, message.ticket), message.request))
+            if self.loras.draining:  # an adapter no request uses frees its slot at once
+                self._release_drained_loras(at_once=True)
 
     def _answer_api(self, client_id: bytes, reply: msgspec.Struct | None) -> None:
         """Send ``reply`` to API server ``client_id``; None sends nothing."""
@@ -344,8 +346,8 @@ class SchedulerServer:
             for context, is_running in self.placement.contexts():
                 if context.lora_name is not None and context.lora_id:
                     (running if is_running else waiting).add(context.lora_name)
-            self._lora_usage_at, self._lora_usage = now, (sorted(running), sorted(waiting))
-        return self._lora_usage
+            self._lora_usage_at, self._lora_usage_seen = now, (sorted(running), sorted(waiting))
+        return self._lora_usage_seen
 
     # -- LoRA adapters -------------------------------------------------------------------------
 
@@ -364,11 +366,11 @@ class SchedulerServer:
                 for identity in group.members:
                     self._backend.send_multipart([identity, payload])
 
-    def _release_drained_loras(self) -> None:
+    def _release_drained_loras(self, at_once: bool = False) -> None:
         """Unload the drained adapters no request uses any more (a walk over every request,
-        at most every ``LORA_USAGE_MAX_AGE_S``)."""
+        at most every ``LORA_USAGE_MAX_AGE_S`` unless ``at_once``)."""
         now = time.monotonic()
-        if now - self._drained_checked_at < LORA_USAGE_MAX_AGE_S:
+        if not at_once and now - self._drained_checked_at < LORA_USAGE_MAX_AGE_S:
             return
         self._drained_checked_at = now
         in_use = {context.lora_id for context, _ in self.placement.contexts()}

@@ -9,32 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.serve_process import ServeProcess
-
-MAX_STREAM_BACKLOG = 16
-"""``--max-stream-backlog``: a client that never reads is found within a few steps."""
-COMPILE_TIMEOUT_S = 10
-"""``--grammar-compile-timeout``: a slow grammar fails within seconds (test_hostile_sampling)."""
-
-
-class SharedServe:
-    """A `switchyard serve` that several modules use in turn: started by the first to ask; a
-    module that leaves it busy (a grammar still compiling) stops it, and the next module to
-    ask gets a fresh one."""
-
-    def __init__(self, *flags: str) -> None:
-        self.flags = flags
-        self._serve: ServeProcess | None = None
-
-    def get(self) -> ServeProcess:
-        if self._serve is None or self._serve.process.poll() is not None:
-            self._serve = ServeProcess(*self.flags)
-        return self._serve
-
-    def stop(self) -> None:
-        if self._serve is not None:
-            self._serve.kill()
-            self._serve = None
+from tests.support.serve_process import COMPILE_TIMEOUT_S, MAX_STREAM_BACKLOG, SharedServe
 
 
 @pytest.fixture(scope="session")

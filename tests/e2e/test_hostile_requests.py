@@ -15,10 +15,10 @@ import re
 import httpx
 import pytest
 
-from tests.e2e.conftest import MAX_STREAM_BACKLOG
 from tests.support.clients import SlowReader, health_status, in_background, wait_until
 from tests.support.serve_process import (
     DEFAULT_MODEL_NAME,
+    MAX_STREAM_BACKLOG,
     ServeProcess,
     chat_messages,
     gauges_settle,

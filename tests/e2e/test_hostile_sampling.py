@@ -15,9 +15,13 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import COMPILE_TIMEOUT_S
 from tests.support.clients import health_status, in_background
-from tests.support.serve_process import DEFAULT_MODEL_NAME, ServeProcess, chat_messages
+from tests.support.serve_process import (
+    COMPILE_TIMEOUT_S,
+    DEFAULT_MODEL_NAME,
+    ServeProcess,
+    chat_messages,
+)
 
 pytestmark = pytest.mark.slow
 

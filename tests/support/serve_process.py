@@ -170,3 +170,31 @@ def gauges_settle(serve: ServeProcess, timeout_s: float = 10) -> dict[str, float
     idle = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
     wait_until(lambda: serve.gauges() == idle, timeout_s, interval_s=0.2)
     return serve.gauges()
+
+
+MAX_STREAM_BACKLOG = 16
+"""``--max-stream-backlog``: a client that never reads is found within a few steps."""
+COMPILE_TIMEOUT_S = 10
+"""``--grammar-compile-timeout``: a slow grammar fails within seconds (test_hostile_sampling).
+
+Both are the limits of the hostile-input modules' shared server (tests/e2e/conftest.py)."""
+
+
+class SharedServe:
+    """A `switchyard serve` that several modules use in turn: started by the first to ask; a
+    module that leaves it busy (a grammar still compiling) stops it, and the next module to
+    ask gets a fresh one."""
+
+    def __init__(self, *flags: str) -> None:
+        self.flags = flags
+        self._serve: ServeProcess | None = None
+
+    def get(self) -> ServeProcess:
+        if self._serve is None or self._serve.process.poll() is not None:
+            self._serve = ServeProcess(*self.flags)
+        return self._serve
+
+    def stop(self) -> None:
+        if self._serve is not None:
+            self._serve.kill()
+            self._serve = None

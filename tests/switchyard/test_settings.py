@@ -60,6 +60,11 @@ SAMPLE_LEAVES = {
 
 SPECULATIVE = '{"num_speculative_tokens": 3}'
 """A non-default --speculative-config for the samples."""
+SAMPLE_SCHEDULING = SchedulerConfig(
+    *(7, 99, False, 5, 500, 2.5, 1, 9, 8, PlacementPolicy.LEAST_LOADED, SPECULATIVE),
+    ("sql=/adapters/sql",),
+)
+"""The scheduling settings ``serve_argv`` gives, as the scheduler takes them."""
 
 
 def worker_parser() -> argparse.ArgumentParser:
@@ -212,20 +217,7 @@ def test_the_values_given_to_serve_reach_the_roles(served):
     args, config, commands = served
     scheduler = scheduler_parser().parse_args(commands["scheduler"][1:])
     assert from_args(SchedulerSettings, scheduler).scheduling == config.scheduler
-    assert config.scheduler == SchedulerConfig(
-        7,
-        99,
-        False,
-        5,
-        500,
-        2.5,
-        1,
-        9,
-        8,
-        PlacementPolicy.LEAST_LOADED,
-        SPECULATIVE,
-        ("sql=/adapters/sql",),
-    )
+    assert config.scheduler == SAMPLE_SCHEDULING
     assert from_args(WorkerSettings, args, SERVE_WORKER_SETTINGS) == config.worker
     for name in ("prefill-0-0", "prefill-0-1", "decode-1-1"):
         worker = from_args(WorkerSettings, worker_parser().parse_args(commands[name][1:]))
@@ -288,20 +280,7 @@ def role_samples(media_dir: Path) -> dict[str, object]:
         "scheduler": SchedulerSettings(
             "ipc://frontend",
             "tcp://127.0.0.1:5556",
-            SchedulerConfig(
-                7,
-                99,
-                False,
-                5,
-                500,
-                2.5,
-                1,
-                9,
-                8,
-                PlacementPolicy.LEAST_LOADED,
-                SPECULATIVE,
-                ("sql=/adapters/sql",),
-            ),
+            SAMPLE_SCHEDULING,
             WorkerLimits(64),
         ),
         "worker": WorkerSettings(

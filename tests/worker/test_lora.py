@@ -5,8 +5,6 @@ fails its request alone."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import msgspec
 import pytest
 import torch
@@ -17,16 +15,15 @@ from interfaces.lora import LoRAOperation, LoRAStatus
 from interfaces.scheduler_to_worker import (
     CachedRequestData,
     LoRAUpdate,
-    NewRequestData,
     ScheduledStep,
 )
-from interfaces.shared_settings import LoRASettings
 from tests.support.engine import greedy_tokens
+from tests.support.lora import AdapterScheduler, load, lora_config
 from tests.support.parity_scheduler import NUM_NEW_TOKENS, DrivenRequest, FakeScheduler
 from tests.support.tensor_parallel_ranks import NUM_NEW_TOKENS as TP_NEW_TOKENS
 from tests.support.tensor_parallel_ranks import ScriptedRequest, greedy, run_group, scripted_steps
+from tests.support.tiny_models import random_variant
 from worker import parallel
-from worker.config import WorkerConfig
 from worker.lora import LayerAdapters, LoRABatch
 from worker.lora_checkpoint import ModuleWeights
 from worker.model_runner import ModelRunner
@@ -39,37 +36,6 @@ LORA_IDS = {"alpha": 7, "beta": 9}
 REQUESTS = (("alpha", 9, [9]), (None, 23, [5, 18]), ("beta", 40, [40]), ("alpha", 17, [10, 7]))
 """(adapter, prompt length, prefill chunks): the two alpha requests are not adjacent in the
 batch, so its rows are gathered by index while beta's are one range."""
-
-
-def lora_config(model_dir: Path, max_loras: int = 2, max_lora_rank: int = 8) -> WorkerConfig:
-    return WorkerConfig(
-        model_dir,
-        device="cpu",
-        kv_cache_memory=16 << 20,
-        max_model_len=256,
-        lora=LoRASettings(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank),
-    )
-
-
-def load(runner: ModelRunner, name: str, path: Path, lora_id: int) -> LoRAStatus:
-    update = LoRAUpdate(LoRAOperation.LOAD, lora_id, name, str(path))
-    updated = runner.update_lora(update)
-    assert (updated.operation, updated.lora_id) == (LoRAOperation.LOAD, lora_id)
-    return updated.response.status
-
-
-class AdapterScheduler(FakeScheduler):
-    """``FakeScheduler`` whose requests run with the adapters ``lora_ids`` names."""
-
-    def __init__(self, runner: ModelRunner, lora_ids: dict[str, int]) -> None:
-        super().__init__(runner)
-        self.lora_ids = lora_ids
-
-    def _new_request_data(self, request: DrivenRequest) -> NewRequestData:
-        new = super()._new_request_data(request)
-        lora_id = self.lora_ids.get(request.request_id, 0)
-        new.context = msgspec.structs.replace(new.context, lora_id=lora_id)
-        return new
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +250,27 @@ def test_row_parallel_shares_cut_a_columns_and_sum_to_the_whole(rank_of):
         layer.add_to(x[:, 4 * r : 4 * r + 4], torch.zeros(5, 5)) for r, layer in enumerate(layers)
     ]
     assert torch.allclose(partial[0] + partial[1], whole, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "mistral-head-dim"])
+def test_adapters_on_other_families_match_peft(variant, tmp_path):
+    """Qwen2 (q/k/v biases) and Mistral with a head size apart from hidden / heads (so q and o
+    are not square), every projection adapted."""
+    from peft import LoraConfig, get_peft_model
+
+    model_dir, adapter_dir = tmp_path / "model", tmp_path / "adapter"
+    model = random_variant(variant, model_dir)
+    torch.manual_seed(1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    peft_model.save_pretrained(adapter_dir)
+    prompt = torch.randint(3, 512, (19,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = {"adapted": greedy_tokens(peft_model, prompt, NUM_NEW_TOKENS)}
+    with peft_model.disable_adapter():
+        expected["base"] = greedy_tokens(peft_model, prompt, NUM_NEW_TOKENS)
+    assert expected["adapted"] != expected["base"]
+    runner = ModelRunner(lora_config(model_dir, max_lora_rank=4))
+    assert load(runner, "a", adapter_dir, 3) is LoRAStatus.SUCCESS
+    requests = [DrivenRequest("adapted", prompt, [11, 8]), DrivenRequest("base", prompt, [19])]
+    assert AdapterScheduler(runner, {"adapted": 3}).generate(requests) == expected

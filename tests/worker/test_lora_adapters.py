@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from interfaces.lora import LoRAOperation, LoRAStatus
 from interfaces.scheduler_to_worker import LoRAUpdate, NewRequestData, ScheduledStep
 from interfaces.worker_to_scheduler import WorkerReady
+from tests.support.lora import lora_config
 from tests.support.parity_scheduler import DrivenRequest, FakeScheduler
-from tests.worker.test_lora import lora_config
 from worker import lora as lora_module
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner

@@ -252,9 +252,11 @@ class SchedulerServer:
         elif isinstance(message, StatsRequest):
             self._answer_api(client_id, self.stats())
         elif isinstance(message, LoRAOperationRequest):
+            # Adapters no request uses any more free their slots first: a load right after the
+            # last request of an unloaded adapter ended finds its slot free.
+            self._release_drained_loras(at_once=True)
             self._carry_out_lora(*self.loras.request((client_id, message.ticket), message.request))
-            if self.loras.draining:  # an adapter no request uses frees its slot at once
-                self._release_drained_loras(at_once=True)
+            self._release_drained_loras(at_once=True)  # an unload of an adapter nobody uses
 
     def _answer_api(self, client_id: bytes, reply: msgspec.Struct | None) -> None:
         """Send ``reply`` to API server ``client_id``; None sends nothing."""
@@ -370,6 +372,8 @@ class SchedulerServer:
         """Unload the drained adapters no request uses any more (a walk over every request,
         at most every ``LORA_USAGE_MAX_AGE_S`` unless ``at_once``)."""
         now = time.monotonic()
+        if not self.loras.draining:
+            return
         if not at_once and now - self._drained_checked_at < LORA_USAGE_MAX_AGE_S:
             return
         self._drained_checked_at = now

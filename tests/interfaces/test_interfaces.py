@@ -41,6 +41,7 @@ from interfaces.api_to_scheduler import (
 )
 from interfaces.embeddings import EmbeddingsContext, EmbeddingsOutput
 from interfaces.handshake import PROTOCOL_VERSION
+from interfaces.lora import LoRAAdapterInfo
 from interfaces.requests import PreparedImage
 from interfaces.sampling import LogitsProcessorCall
 from interfaces.scheduler_to_api import (
@@ -246,6 +247,10 @@ def test_scheduler_stats_round_trip_with_every_field_set():
         spec_decode_num_draft_tokens_total=30,
         spec_decode_num_accepted_tokens_total=17,
         spec_decode_num_accepted_tokens_per_pos_total=[9, 5, 3, 0],
+        lora_adapters=[LoRAAdapterInfo("sql", "/adapters/sql"), LoRAAdapterInfo("chat", "/c")],
+        max_loras=4,
+        running_lora_adapters=["sql"],
+        waiting_lora_adapters=["chat", "sql"],
     )
     fields = msgspec.structs.fields(SchedulerStats)
     assert [f.name for f in fields if getattr(stats, f.name) == default_of(f)] == []

@@ -9,13 +9,14 @@ scheduler runs, so a name loaded again never shares cached KV blocks
 
 Unloading takes the name away at once (new requests naming it get 404) but not the weights:
 requests admitted with the adapter finish with it, and the groups unload it once none is left
-(``release_drained``, called by the server each loop). The slot it holds counts against
-``--max-loras`` until then.
+(``release_drained``: the server asks every 0.25 s while one drains, and around each LoRA
+operation). The slot it holds counts against ``--max-loras`` until then.
 
 A group that starts serving later (a new one, or one restarted) is sent every loaded adapter
 first; messages to a worker are ordered, so its first step already finds them. If it refuses
 one, the error is logged and its requests for that adapter are refused by the worker, alone.
-Adapters given with ``--lora-modules`` load the same way when the first group serves. What was
+Adapters given with ``--lora-modules`` load the same way when the first group with LoRA
+enabled serves. What was
 loaded at run time is lost when the scheduler restarts (API servers' requests that name such an
 adapter then get 404).
 """
@@ -85,7 +86,7 @@ class LoRAAdapters:
         enabled, or no group serves)."""
         self._capacities: dict[str, int] = {}
         self._modules = list(modules)
-        """``--lora-modules`` not loaded yet: they load when the first group serves."""
+        """``--lora-modules`` not loaded yet: they load when the first group with LoRA serves."""
         self._ids = itertools.count(1)
 
     def resolve(self, name: str) -> int | None:

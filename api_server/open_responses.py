@@ -99,8 +99,7 @@ async def create_response(
     """Answer POST /v1/responses (a JSONResponse or an SSE StreamingResponse). The checks and
     the conversation's (de)serialization are CPU work in proportion to the request and the
     stored conversation: they run in the prepare threads."""
-    if state.tokenizer is None:
-        state.check_model(request.model)  # 404: this server serves only embeddings
+    await state.resolve_model(request.model)  # a model not served is a 404 first, as in chat
     await state.tokenizer.run_in_thread(check_supported, request)
     previous = await _previous_response(request, store)
     chat, conversation_json = await state.tokenizer.run_in_thread(_conversation, request, previous)

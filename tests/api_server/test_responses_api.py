@@ -467,6 +467,7 @@ HOSTILE = [
     ),
     ({"input": "x", "tools": [WEATHER, WEATHER]}, 400, "tools[1].name", None),
     ({"input": "x", "model": "other"}, 404, "model", None),
+    ({"input": "x", "model": "other", "background": True}, 404, "model", None),
     ({}, 400, "input", "Missing required parameter: 'input'."),
     ({"input": "x" * 2_000_000}, 400, "input", None),
     (

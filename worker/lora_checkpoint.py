@@ -29,7 +29,7 @@ import regex
 import torch
 from safetensors import SafetensorError, safe_open
 
-from interfaces.lora import LoRAStatus
+from interfaces.lora import LoRAStatus, LoRAType
 from worker.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -312,7 +312,11 @@ def _read_weights(
 
 
 def _tensor_names(module: str) -> tuple[str, str]:
-    return f"{TENSOR_PREFIX}{module}.lora_A.weight", f"{TENSOR_PREFIX}{module}.lora_B.weight"
+    """(A's, B's) tensor names of ``module`` (MAX's ``LoRAType`` values are PEFT's names)."""
+    return (
+        f"{TENSOR_PREFIX}{module}.{LoRAType.A.value}.weight",
+        f"{TENSOR_PREFIX}{module}.{LoRAType.B.value}.weight",
+    )
 
 
 def _check_names(names: set[str], ranks: dict[str, int], shape: LoRAModelShape) -> None:
@@ -331,13 +335,13 @@ def _check_names(names: set[str], ranks: dict[str, int], shape: LoRAModelShape) 
 
 
 def _check_tensor(name: str, tensor: Any, ranks: dict[str, int], shape: LoRAModelShape) -> None:
-    module, _, kind = name.removeprefix(TENSOR_PREFIX).rpartition(".lora_")
+    module, _, kind = name.removeprefix(TENSOR_PREFIX).rpartition(".")[0].rpartition(".")
     dtype = tensor.get_dtype()
     if dtype not in FLOAT_DTYPES:
         raise _invalid(f"tensor {name} is {dtype}, not a float type ({', '.join(FLOAT_DTYPES)})")
     fan_in, fan_out = shape.features[module.rpartition(".")[2]]
     rank = ranks[module]
-    expected = [rank, fan_in] if kind == "A.weight" else [fan_out, rank]
+    expected = [rank, fan_in] if kind == LoRAType.A.value else [fan_out, rank]
     if list(tensor.get_shape()) != expected:
         raise _invalid(
             f"tensor {name} has shape {tuple(tensor.get_shape())}, expected {tuple(expected)}"

@@ -282,7 +282,7 @@ class Pipeline:
         try:
             for index, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
                 request = (index, prompt, config, do_preprocess, incremental, lora_name)
-                coroutine = self._generate(*request, updates)
+                coroutine = self._generate(self._responses(*request), updates)
                 futures.append(self._submit(coroutine))
             remaining = len(futures)
             while remaining:
@@ -297,20 +297,11 @@ class Pipeline:
             for future in futures:
                 future.cancel()  # a consumer that stops early aborts what still runs
 
-    async def _generate(
-        self,
-        index: int,
-        prompt: Prompt,
-        config: GenerationConfig,
-        do_preprocess: bool,
-        incremental: bool,
-        lora_name: str | None,
-        updates: Queue,
-    ) -> None:
+    @staticmethod
+    async def _generate(responses: AsyncIterator[Response], updates: Queue) -> None:
+        """Hand each of ``responses`` (one prompt's) to the caller's thread through
+        ``updates``, then None; an exception goes the same way."""
         try:
-            responses = self._responses(
-                index, prompt, config, do_preprocess, incremental, lora_name
-            )
             async for response in responses:
                 updates.put(response)
         except BaseException as error:  # handed to the caller's thread

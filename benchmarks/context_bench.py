@@ -4,15 +4,17 @@ Loads the model as a worker does, fills a KV cache with random keys and values, 
 decode step (the forward pass of ``--batch-sizes`` requests, one new token each, every request
 ``context`` tokens long; blocks shuffled over the pool as a busy server leaves them) for each
 context length. Each step is timed two ways in the same run: attention reading the paged cache
-in place (``worker/models/cpu_ops.c``, what the server uses on the CPU) and the gathered torch
-path (every request's blocks copied into a padded batch, then ``scaled_dot_product_attention``;
-the fused small ops off too). The floor is the bytes a step must read (every weight once, plus
-every request's keys and values at every layer) over this machine's read bandwidth (``sum()`` of
-1 GiB, roofline.py's measure), measured in the same run.
+in place (what the server uses: ``worker/models/cpu_ops.c`` on the CPU, FlexAttention on CUDA)
+and the gathered torch path (every request's blocks copied into a padded batch, then
+``scaled_dot_product_attention``; the fused small ops off too). The floor is the bytes a step
+must read (every weight once, plus every request's keys and values at every layer) over the
+device's read bandwidth (``sum()`` of 1 GiB on the CPU, 4 GiB on CUDA), measured in the same
+run. ``layout`` is the host time of building one step's attention layout (for FlexAttention, its
+block mask), which the step times leave out.
 
 Run alone (nothing else on the cores):
   python benchmarks/context_bench.py [--contexts 128,256,...] [--batch-sizes 1,16] \
-      [--output-json PATH]
+      [--device cuda --dtype bfloat16] [--output-json PATH]
 """
 
 from __future__ import annotations
@@ -34,35 +36,37 @@ BLOCK_SIZE = 16
 REPEATS = 10
 
 
-def kv_bytes_per_token(model) -> int:
+def kv_bytes_per_token(model, itemsize: int) -> int:
     """Bytes of keys and values one token holds over all layers (what a decode reads of it)."""
     config = model.config
-    return 2 * config.num_hidden_layers * model.num_kv_heads * config.head_dim * 4
+    return 2 * config.num_hidden_layers * model.num_kv_heads * config.head_dim * itemsize
 
 
 @contextlib.contextmanager
 def gathered(model) -> Iterator[None]:
     """Within the block, the model runs its torch code: gathered attention, unfused small ops."""
+    from worker.attention import AttentionKind
     from worker.models import cpu_ops
 
-    applies, in_place = cpu_ops.applies, model.attends_in_place
+    applies, kind = cpu_ops.applies, model.attention_kind
     cpu_ops.applies = lambda tensor: False
-    model.attends_in_place = False
+    model.attention_kind = AttentionKind.GATHERED
     try:
         yield
     finally:
-        cpu_ops.applies, model.attends_in_place = applies, in_place
+        cpu_ops.applies, model.attention_kind = applies, kind
 
 
-def time_decode_step(model, batch_size: int, context: int, in_place: bool) -> list[float]:
-    """Seconds of ``REPEATS`` decode steps of ``batch_size`` requests at ``context`` tokens."""
+def time_decode_step(model, batch_size: int, context: int) -> tuple[list[float], float]:
+    """(seconds of ``REPEATS`` decode steps of ``batch_size`` requests at ``context`` tokens,
+    seconds to build one step's layout) with the model's attention."""
     import numpy as np
     import torch
 
     from worker.attention import build_batch_layout
     from worker.kv_cache import KVCache
 
-    config = model.config
+    config, device = model.config, model.model.norm.weight.device
     blocks_per_request = -(-context // BLOCK_SIZE)
     num_blocks = batch_size * blocks_per_request
     cache = KVCache(
@@ -71,25 +75,30 @@ def time_decode_step(model, batch_size: int, context: int, in_place: bool) -> li
         BLOCK_SIZE,
         model.num_kv_heads,
         config.head_dim,
-        torch.float32,
-        torch.device("cpu"),
+        model.model.norm.weight.dtype,
+        device,
     )
     for tensor in (*cache.key_caches, *cache.value_caches):
         tensor.normal_()
     pool = np.random.default_rng(0).permutation(num_blocks).reshape(batch_size, -1).tolist()
+    layout_start = time.perf_counter()
     layout = build_batch_layout(
         [context - 1] * batch_size,
         [1] * batch_size,
         pool,
         BLOCK_SIZE,
-        torch.device("cpu"),
-        in_place=in_place,
+        device,
+        kind=model.attention_kind,
+        num_cache_blocks=num_blocks,
     )
-    input_ids = torch.randint(100, config.vocab_size, (batch_size,))
-    logits_indices = torch.arange(batch_size)
+    layout_seconds = time.perf_counter() - layout_start
+    input_ids = torch.randint(100, config.vocab_size, (batch_size,), device=device)
+    logits_indices = torch.arange(batch_size, device=device)
 
     def step() -> None:
         model(input_ids, layout.positions, cache, layout.metadata, logits_indices)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     samples = []
     with torch.no_grad():
@@ -99,49 +108,60 @@ def time_decode_step(model, batch_size: int, context: int, in_place: bool) -> li
             start = time.perf_counter()
             step()
             samples.append(time.perf_counter() - start)
-    return samples
+    return samples, layout_seconds
 
 
-def measure(model_dir: Path, contexts: list[int], batch_sizes: list[int]) -> dict:
+def measure(
+    model_dir: Path, contexts: list[int], batch_sizes: list[int], device_name: str, dtype_name: str
+) -> dict:
     import torch
 
     from worker.models.loader import load_model
 
     torch.set_num_threads(num_cores())
-    model = load_model(model_dir, torch.device("cpu"), torch.float32)
-    bandwidth = statistics.median(measure_read_bandwidth())
-    weight_bytes = model_costs(model_dir)["weight_bytes_per_decode_step"]
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    model = load_model(model_dir, device, dtype)
+    itemsize = dtype.itemsize
+    bandwidth = statistics.median(measure_read_bandwidth(device=device))
+    weight_bytes = model_costs(model_dir)["weight_bytes_per_decode_step"] * itemsize // 4
     rows = []
     for batch_size in batch_sizes:
         for context in contexts:
-            in_place = statistics.median(time_decode_step(model, batch_size, context, True))
+            samples, layout_seconds = time_decode_step(model, batch_size, context)
             with gathered(model):
-                torch_path = statistics.median(time_decode_step(model, batch_size, context, False))
-            kv_bytes = batch_size * context * kv_bytes_per_token(model)
+                gathered_samples, _ = time_decode_step(model, batch_size, context)
+            kv_bytes = batch_size * context * kv_bytes_per_token(model, itemsize)
             rows.append(
                 {
                     "batch_size": batch_size,
                     "context": context,
-                    "in_place_ms": in_place * 1e3,
-                    "gathered_ms": torch_path * 1e3,
+                    "in_place_ms": statistics.median(samples) * 1e3,
+                    "gathered_ms": statistics.median(gathered_samples) * 1e3,
+                    "layout_ms": layout_seconds * 1e3,
                     "kv_bytes": kv_bytes,
                     "floor_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3,
                 }
             )
             print(format_row(rows[-1]), flush=True)
+    from torch._dynamo.utils import counters
+
     return {
         "model_dir": str(model_dir),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "compiled_graphs": counters["stats"]["unique_graphs"],  # FlexAttention's, on CUDA
+        "dtype": dtype_name,
+        "attention": model.attention_kind.value,
         "num_threads": torch.get_num_threads(),
         "read_bandwidth_bytes_per_s_median": bandwidth,
         "weight_bytes_per_decode_step": weight_bytes,
-        "kv_bytes_per_token": kv_bytes_per_token(model),
+        "kv_bytes_per_token": kv_bytes_per_token(model, itemsize),
         "repeats": REPEATS,
         "rows": rows,
     }
 
 
 HEADER = (
-    "| batch | context | KV read (MB) | in place (ms) | gathered (ms) | floor (ms) "
+    "| batch | context | KV read (MB) | in place (ms) | gathered (ms) | layout (ms) | floor (ms) "
     "| in place / floor |"
 )
 
@@ -149,8 +169,8 @@ HEADER = (
 def format_row(row: dict) -> str:
     return (
         f"| {row['batch_size']} | {row['context']} | {row['kv_bytes'] / 1e6:.0f} "
-        f"| {row['in_place_ms']:.1f} | {row['gathered_ms']:.1f} | {row['floor_ms']:.1f} "
-        f"| {row['in_place_ms'] / row['floor_ms']:.2f} |"
+        f"| {row['in_place_ms']:.2f} | {row['gathered_ms']:.2f} | {row['layout_ms']:.2f} "
+        f"| {row['floor_ms']:.2f} | {row['in_place_ms'] / row['floor_ms']:.2f} |"
     )
 
 
@@ -159,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", help="directory or .gguf (default: the default model)")
     parser.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)))
     parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--output-json", help="write every measurement here")
     args = parser.parse_args(argv)
     contexts = [int(value) for value in args.contexts.split(",")]
@@ -166,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(contexts) < 1 or min(batch_sizes) < 1:
         parser.error("contexts and batch sizes must be positive")
     print(HEADER)
-    print("|---" * 7 + "|")
-    results = measure(resolve_model_dir(args.model_path), contexts, batch_sizes)
+    print("|---" * 8 + "|")
+    results = measure(
+        resolve_model_dir(args.model_path), contexts, batch_sizes, args.device, args.dtype
+    )
     bandwidth = results["read_bandwidth_bytes_per_s_median"]
     print(f"read bandwidth (median of 10): {bandwidth / 1e9:.1f} GB/s")
     if args.output_json:

@@ -45,12 +45,24 @@ def measure_gemm_flops(size: int = GEMM_SIZE, repeats: int = 5, iterations: int 
     ]
 
 
-def measure_read_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 10) -> list[float]:
-    """Bytes/s of ``tensor.sum()`` over a ``num_bytes`` fp32 tensor (every byte read once)."""
+def measure_read_bandwidth(
+    num_bytes: int = BANDWIDTH_BYTES, repeats: int = 10, device=None
+) -> list[float]:
+    """Bytes/s of ``tensor.sum()`` over a ``num_bytes`` fp32 tensor (every byte read once), on
+    the CPU or on ``device`` (CUDA: 4x the bytes, so the launch is lost in the read)."""
     import torch
 
-    data = torch.ones(num_bytes // 4)
-    return [num_bytes / seconds for seconds in _timed(data.sum, repeats)]
+    if device is None or device.type == "cpu":
+        data = torch.ones(num_bytes // 4)
+        return [num_bytes / seconds for seconds in _timed(data.sum, repeats)]
+    num_bytes *= 4
+    data = torch.ones(num_bytes // 4, device=device)
+
+    def read() -> None:
+        data.sum()
+        torch.cuda.synchronize(device)
+
+    return [num_bytes / seconds for seconds in _timed(read, repeats)]
 
 
 def measure_copy_bandwidth(num_bytes: int = BANDWIDTH_BYTES // 2, repeats: int = 10) -> list[float]:

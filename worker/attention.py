@@ -3,13 +3,15 @@
 A step's tokens are all requests' scheduled tokens concatenated (varlen). A request may prefill
 many tokens (a whole prompt, or a chunk starting after tokens already cached) while another
 decodes one. Every layer writes the new keys/values into their cache slots, then each request's
-queries attend to its cached keys through its block table. Two ways, chosen once per model
-(``LlamaForCausalLM.attends_in_place``):
+queries attend to its cached keys through its block table. Three ways (``AttentionKind``), chosen
+once per model (``LlamaForCausalLM.attention_kind``):
 
-- **In place** (CPU, float32): ``worker.models.cpu_ops.paged_attention`` reads each request's
-  blocks where they lie, for decodes and prefills alike; the layout is one block table per
-  request and where each request's queries start.
-- **Gathered** (elsewhere): the blocks are gathered into a padded batch and one
+- **In place on the CPU** (float32): ``worker.models.cpu_ops.paged_attention`` reads each
+  request's blocks where they lie, for decodes and prefills alike; the layout is one block table
+  per request and where each request's queries start.
+- **In place on CUDA**: torch's FlexAttention over the whole cache seen as one key sequence, a
+  block mask naming the blocks each tile of queries visits (``worker.flex_attention``).
+- **Gathered** (elsewhere, and the reference): the blocks are gathered into a padded batch and one
   ``scaled_dot_product_attention`` call serves a whole group of requests, with a causal mask on
   absolute positions hiding both future tokens and padding. Requests are grouped by kind,
   decodes (one query token) apart from prefills, so a step that mixes 64 decodes with one
@@ -20,13 +22,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker import flex_attention
+from worker.flex_attention import FlexLayout
 from worker.kv_cache import slot_mapping
 from worker.models import cpu_ops
+
+
+class AttentionKind(Enum):
+    """How a model's attention reads the paged cache (module docstring)."""
+
+    IN_PLACE_CPU = "in_place_cpu"
+    FLEX = "flex"
+    GATHERED = "gathered"
 
 
 @dataclass(frozen=True)
@@ -57,8 +70,9 @@ class AttentionMetadata:
     In place: ``block_tables`` (num_requests, max_num_blocks), each request's blocks padded
     with 0; ``query_starts`` (num_requests + 1,), each request's first token in the flat batch
     and then num_tokens; ``context_starts`` (num_requests,), each request's first position.
+    Flex: ``flex``, the step's block mask (None otherwise).
     Gathered: ``groups``, one or two ``AttentionGroup``s that together hold every token once
-    (empty in place, and the three tensors above are then None).
+    (empty otherwise, and the three in-place tensors above are then None).
     """
 
     slot_mapping: torch.Tensor
@@ -66,6 +80,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     query_starts: torch.Tensor | None = None
     context_starts: torch.Tensor | None = None
+    flex: FlexLayout | None = None
 
     @property
     def in_place(self) -> bool:
@@ -92,10 +107,11 @@ def build_batch_layout(
     block_ids: Sequence[Sequence[int]],
     block_size: int,
     device: torch.device,
-    in_place: bool = False,
+    kind: AttentionKind = AttentionKind.GATHERED,
+    num_cache_blocks: int = 0,
 ) -> BatchLayout:
     """Lay out requests that compute [num_computed, num_computed + num_scheduled) tokens each,
-    for attention in place or gathered (module docstring).
+    for attention of ``kind`` (module docstring); flex needs the cache's ``num_cache_blocks``.
 
     ``block_ids[i]`` must cover request i's tokens up to its new end; the caller checks that.
     """
@@ -110,7 +126,7 @@ def build_batch_layout(
     ]
     query_starts = np.cumsum(query_lens) - query_lens
     slot_tensor = _tensor(np.concatenate(slots), device)
-    if in_place:
+    if kind is AttentionKind.IN_PLACE_CPU:
         metadata = AttentionMetadata(
             slot_tensor,
             groups=(),
@@ -118,6 +134,11 @@ def build_batch_layout(
             query_starts=_tensor(np.append(query_starts, len(positions)), device),
             context_starts=_tensor(starts, device),
         )
+    elif kind is AttentionKind.FLEX:
+        flex = flex_attention.build_flex_layout(
+            starts, query_lens, query_starts, block_ids, block_size, num_cache_blocks, device
+        )
+        metadata = AttentionMetadata(slot_tensor, groups=(), flex=flex)
     else:
         is_decode = query_lens == 1
         groups = tuple(
@@ -213,6 +234,10 @@ def paged_attention(
 
     The step's own keys/values must already be written (``write_kv``).
     """
+    if metadata.flex is not None:
+        return flex_attention.flex_paged_attention(
+            query, key_cache, value_cache, metadata.flex, scale
+        )
     if metadata.in_place:
         return cpu_ops.paged_attention(
             query,

@@ -37,8 +37,8 @@ from interfaces.scheduler_to_worker import (
     ScheduledStep,
 )
 from interfaces.worker_to_scheduler import GrammarsReady, KVLayout, LoRAUpdated, RequestFailure
-from worker import parallel
-from worker.attention import build_batch_layout
+from worker import flex_attention, parallel
+from worker.attention import AttentionKind, build_batch_layout
 from worker.config import WorkerConfig, default_num_threads
 from worker.grammar_compiler import GrammarCompiler
 from worker.images import RequestImage, input_embeddings, read_images
@@ -86,6 +86,11 @@ class ModelRunner:
         self._max_model_len = _max_model_len(config, self.model_config)
         self.kv_cache = self._allocate_kv_cache()
         _check_kv_capacity(self.kv_cache.num_blocks * self.block_size, self._max_model_len)
+        self.attention_kind = self.model.attention_kind
+        if self.attention_kind is AttentionKind.FLEX and not flex_attention.supports_block_size(
+            self.block_size
+        ):
+            self.attention_kind = AttentionKind.GATHERED
         self.sampler = Sampler(self.device, config.seed)
         self.grammars: GrammarCompiler | None = None
         """Rank 0's: only it samples, so only it follows grammars."""
@@ -102,7 +107,8 @@ class ModelRunner:
             self.sampler, self.model_config.vocab_size, self.device, self.user_processors
         )
         logger.info(
-            "loaded %s on %s (%s), rank %d of %d: %d KV blocks of %d tokens, max_model_len %d",
+            "loaded %s on %s (%s), rank %d of %d: %d KV blocks of %d tokens, max_model_len %d, "
+            "attention %s",
             config.model_dir,
             self.device,
             self.dtype,
@@ -111,6 +117,7 @@ class ModelRunner:
             self.num_kv_blocks,
             self.block_size,
             self.max_model_len,
+            self.attention_kind.value,
         )
 
     @property
@@ -333,7 +340,8 @@ class ModelRunner:
             [state.block_ids for state in states],
             self.block_size,
             self.device,
-            in_place=self.model.attends_in_place,
+            kind=self.attention_kind,
+            num_cache_blocks=self.kv_cache.num_blocks,
         )
         sampling = [
             i

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.attention import build_batch_layout, paged_attention, write_kv
+from worker.attention import AttentionKind, build_batch_layout, paged_attention, write_kv
 from worker.models import cpu_ops
 from worker.models.loader import load_model
 from worker.models.rotary import RotaryEmbedding
@@ -53,9 +53,9 @@ def _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size):
     query = torch.randn(num_tokens, num_heads, head_dim, generator=torch.Generator().manual_seed(1))
     scale = head_dim**-0.5
     outputs = []
-    for in_place in (True, False):
-        layout = build_batch_layout(starts, counts, block_ids, block_size, CPU, in_place)
-        assert layout.metadata.in_place == in_place
+    for kind in (AttentionKind.IN_PLACE_CPU, AttentionKind.GATHERED):
+        layout = build_batch_layout(starts, counts, block_ids, block_size, CPU, kind)
+        assert layout.metadata.in_place == (kind is AttentionKind.IN_PLACE_CPU)
         outputs.append(paged_attention(query, key_cache, value_cache, layout.metadata, scale))
     return outputs
 
@@ -98,7 +98,9 @@ def test_a_long_lone_decode_split_over_threads_is_exact(context, num_threads):
 
 
 def test_in_place_layout_names_each_requests_blocks_and_starts():
-    layout = build_batch_layout([0, 5, 2], [3, 1, 2], [[4], [1, 3], [6]], 4, CPU, in_place=True)
+    layout = build_batch_layout(
+        [0, 5, 2], [3, 1, 2], [[4], [1, 3], [6]], 4, CPU, AttentionKind.IN_PLACE_CPU
+    )
     metadata = layout.metadata
     assert metadata.groups == ()
     assert metadata.slot_mapping.tolist() == [16, 17, 18, 13, 26, 27]
@@ -189,11 +191,11 @@ def test_the_kernels_refuse_what_does_not_fit():
         )  # fmt: skip
 
 
-def test_the_model_gives_the_same_logits_in_place_and_gathered(tiny_llama_dir):
+def test_the_model_gives_the_same_logits_in_place_flex_and_gathered(tiny_llama_dir):
     """One mixed step (prompt, chunk after a prefix, decode) through the whole tiny model, with
-    the kernels and with torch's ops."""
+    the kernels, with FlexAttention's mask (eager on the CPU) and with torch's ops."""
     model = load_model(tiny_llama_dir, CPU, torch.float32)
-    assert model.attends_in_place
+    assert model.attention_kind is AttentionKind.IN_PLACE_CPU
     config = model.config
     block_size = 4
     block_ids, num_blocks = _shuffled_blocks([(0, 9), (6, 5), (12, 1)], block_size)
@@ -201,17 +203,22 @@ def test_the_model_gives_the_same_logits_in_place_and_gathered(tiny_llama_dir):
     prefix_ids = torch.randint(0, config.vocab_size, (18,), generator=generator)
     input_ids = torch.randint(0, config.vocab_size, (15,), generator=generator)
     logits = []
-    for in_place in (True, False):
+    for kind in AttentionKind:
         cache = _zero_cache(model, num_blocks, block_size)
-        # the prefixes the chunk and the decode extend, computed the same way first
-        prefix = build_batch_layout([0, 0], [6, 12], block_ids[1:], block_size, CPU, in_place)
-        model.attends_in_place = in_place
-        with torch.no_grad(), _kernels_enabled(in_place):
+        kernels = kind is AttentionKind.IN_PLACE_CPU
+        with torch.no_grad(), _kernels_enabled(kernels):
+            # the prefixes the chunk and the decode extend, computed the same way first
+            prefix = build_batch_layout(
+                [0, 0], [6, 12], block_ids[1:], block_size, CPU, kind, num_blocks
+            )
             model(prefix_ids, prefix.positions, cache, prefix.metadata, torch.tensor([0]))
-            step = build_batch_layout([0, 6, 12], [9, 5, 1], block_ids, block_size, CPU, in_place)
+            step = build_batch_layout(
+                [0, 6, 12], [9, 5, 1], block_ids, block_size, CPU, kind, num_blocks
+            )
             logits.append(model(input_ids, step.positions, cache, step.metadata, torch.arange(15)))
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
-    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+    for other in logits[1:]:
+        torch.testing.assert_close(other, logits[0], rtol=1e-4, atol=1e-4)
+        assert torch.equal(other.argmax(-1), logits[0].argmax(-1))
 
 
 def _zero_cache(model, num_blocks, block_size):

@@ -1,5 +1,5 @@
-"""Greedy parity on CUDA (skipped without a GPU): the worker's tokens equal transformers', and
-two GPUs over NCCL give one GPU's tokens."""
+"""CUDA (skipped without a GPU): FlexAttention over the paged cache equals the gathered path;
+the worker's greedy tokens equal transformers'; two GPUs over NCCL give one GPU's tokens."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.support.paged_batches import MIXED_REQUESTS, attention_outputs
 from tests.support.parity_scheduler import NUM_NEW_TOKENS, DrivenRequest, FakeScheduler
 from tests.support.tensor_parallel_ranks import run_group, scripted_steps, tiny_requests
+from tests.support.tiny_models import VARIANTS, random_variant
+from worker.attention import AttentionKind
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 
@@ -18,11 +21,59 @@ pytestmark = [
 ]
 
 
+CUDA = torch.device("cuda")
+STEPS = [
+    MIXED_REQUESTS,
+    [(4095, 1), (1000, 1), (2100, 48)] + [(context, 1) for context in range(3, 600, 41)],
+    [(0, 300), (512, 77), (30, 1), (31, 1), (60, 1)],
+]
+"""Steps of different shapes (a mixed step; long decodes beside a chunk; prompts), all through
+one compiled kernel."""
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32():
+    """float32 products in IEEE precision, as transformers' reference computes them."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
+def test_flex_attention_equals_the_gathered_path(dtype, tolerance, shape):
+    for requests in STEPS:
+        flex, gathered = attention_outputs(
+            requests, shape, 16, CUDA, dtype, (AttentionKind.FLEX, AttentionKind.GATHERED)
+        )
+        torch.testing.assert_close(flex, gathered, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_cuda_architecture_variants_match_transformers_with_chunked_prefill(variant, tmp_path):
+    """Flex attention in the worker: prompts prefilled whole and in chunks after their own
+    cached prefix, then decoded, on rope scaling, q/k/v bias and an explicit head_dim."""
+    model = random_variant(variant, tmp_path).cuda()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (23, 41, 70)]
+    expected = {}
+    for i, prompt in enumerate(prompts):
+        generated = model.generate(
+            torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=NUM_NEW_TOKENS
+        )
+        expected[f"r{i}"] = generated[0, len(prompt) :].tolist()
+    config = WorkerConfig(
+        tmp_path, device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_model_len=256
+    )
+    runner = ModelRunner(config)
+    assert runner.attention_kind is AttentionKind.FLEX
+    chunks = [[23], [10, 31], [5, 33, 32]]
+    requests = [DrivenRequest(f"r{i}", p, chunks[i]) for i, p in enumerate(prompts)]
+    assert FakeScheduler(runner).generate(requests) == expected
+
+
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "default_model_dir"])
 def test_cuda_greedy_parity_with_transformers(request, model_fixture):
     model_dir = request.getfixturevalue(model_fixture)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 2000, (n,), generator=generator).tolist() for n in (9, 40, 77)]
 
@@ -40,7 +91,7 @@ def test_cuda_greedy_parity_with_transformers(request, model_fixture):
         model_dir, device="cuda", dtype="float32", kv_cache_memory=256 << 20, max_model_len=512
     )
     runner = ModelRunner(config)
-    assert runner.device.type == "cuda"
+    assert runner.device.type == "cuda" and runner.attention_kind is AttentionKind.FLEX
     requests = [DrivenRequest(f"r{i}", p, [len(p)]) for i, p in enumerate(prompts)]
     assert FakeScheduler(runner).generate(requests) == expected
 

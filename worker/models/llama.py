@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from worker.attention import AttentionMetadata, paged_attention, write_kv
+from worker import flex_attention
+from worker.attention import AttentionKind, AttentionMetadata, paged_attention, write_kv
 from worker.kv_cache import KVCache
 from worker.models import cpu_ops
 from worker.models.config import ModelConfig
@@ -165,8 +166,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.rotary_emb = RotaryEmbedding(config)
         self.lm_head = Linear.vocab(config.hidden_size, config.vocab_size)
-        self.attends_in_place = False
-        """Whether attention reads the paged cache in place (``worker.attention``); set by
+        self.attention_kind = AttentionKind.GATHERED
+        """How attention reads the paged cache (``worker.attention``); set by
         ``finish_loading``."""
 
     @classmethod
@@ -191,16 +192,19 @@ class LlamaForCausalLM(nn.Module):
 
     def finish_loading(self) -> LlamaForCausalLM:
         """After the weights are in: on the CPU, linear layers switch to packed weights
-        (``worker.models.linear``), and a tied LM head's panels replace the embedding matrix."""
+        (``worker.models.linear``), and a tied LM head's panels replace the embedding matrix;
+        attention reads the cache in place where a kernel for this device exists."""
         prepack_linears(self)
         if self.config.tie_word_embeddings and self.lm_head.packing == "panels":
             self.model.embed_tokens = None  # lookups read the LM head's panels: one copy, not two
         attention = self.model.layers[0].self_attn
-        self.attends_in_place = cpu_ops.applies(self.model.norm.weight) and (
-            cpu_ops.supports_attention(
-                attention.num_heads, attention.num_kv_heads, attention.head_dim
-            )
-        )
+        device = self.model.norm.weight.device
+        if cpu_ops.applies(self.model.norm.weight) and cpu_ops.supports_attention(
+            attention.num_heads, attention.num_kv_heads, attention.head_dim
+        ):
+            self.attention_kind = AttentionKind.IN_PLACE_CPU
+        elif flex_attention.is_available(device):
+            self.attention_kind = AttentionKind.FLEX
         return self.eval()
 
     @property

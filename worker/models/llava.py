@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel
 from transformers.activations import ACT2FN
 
-from worker.attention import AttentionMetadata
+from worker.attention import AttentionKind, AttentionMetadata
 from worker.kv_cache import KVCache
 from worker.models.config import ModelConfig, VisionConfig
 from worker.models.llama import LlamaForCausalLM, checkpoint_loaders, load_checkpoint
@@ -72,9 +72,9 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.language_model.num_kv_heads
 
     @property
-    def attends_in_place(self) -> bool:
-        """Whether attention reads the paged cache in place (``worker.attention``)."""
-        return self.language_model.attends_in_place
+    def attention_kind(self) -> AttentionKind:
+        """How attention reads the paged cache (``worker.attention``)."""
+        return self.language_model.attention_kind
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` (num_images, channels, height, width), any dtype and device →

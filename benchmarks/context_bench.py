@@ -9,8 +9,8 @@ and the gathered torch path (every request's blocks copied into a padded batch, 
 ``scaled_dot_product_attention``; the fused small ops off too). The floor is the bytes a step
 must read (every weight once, plus every request's keys and values at every layer) over the
 device's read bandwidth (``sum()`` of 1 GiB on the CPU, 4 GiB on CUDA), measured in the same
-run. ``layout`` is the host time of building one step's attention layout (for FlexAttention, its
-block mask), which the step times leave out.
+run. ``layout`` is the median time of building one step's attention layout on the host and
+copying it to the device (for FlexAttention, its block mask), which the step times leave out.
 
 Run alone (nothing else on the cores):
   python benchmarks/context_bench.py [--contexts 128,256,...] [--batch-sizes 1,16] \
@@ -59,7 +59,7 @@ def gathered(model) -> Iterator[None]:
 
 def time_decode_step(model, batch_size: int, context: int) -> tuple[list[float], float]:
     """(seconds of ``REPEATS`` decode steps of ``batch_size`` requests at ``context`` tokens,
-    seconds to build one step's layout) with the model's attention."""
+    the median seconds of building one step's layout) with the model's attention."""
     import numpy as np
     import torch
 
@@ -67,6 +67,11 @@ def time_decode_step(model, batch_size: int, context: int) -> tuple[list[float],
     from worker.kv_cache import KVCache
 
     config, device = model.config, model.model.norm.weight.device
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     blocks_per_request = -(-context // BLOCK_SIZE)
     num_blocks = batch_size * blocks_per_request
     cache = KVCache(
@@ -81,34 +86,41 @@ def time_decode_step(model, batch_size: int, context: int) -> tuple[list[float],
     for tensor in (*cache.key_caches, *cache.value_caches):
         tensor.normal_()
     pool = np.random.default_rng(0).permutation(num_blocks).reshape(batch_size, -1).tolist()
-    layout_start = time.perf_counter()
-    layout = build_batch_layout(
-        [context - 1] * batch_size,
-        [1] * batch_size,
-        pool,
-        BLOCK_SIZE,
-        device,
-        kind=model.attention_kind,
-        num_cache_blocks=num_blocks,
-    )
-    layout_seconds = time.perf_counter() - layout_start
+
+    def build():
+        return build_batch_layout(
+            [context - 1] * batch_size,
+            [1] * batch_size,
+            pool,
+            BLOCK_SIZE,
+            device,
+            kind=model.attention_kind,
+            num_cache_blocks=num_blocks,
+        )
+
+    synchronize()  # the cache's random fill runs on the device: not part of the layout
+    layout_samples = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        layout = build()
+        synchronize()
+        layout_samples.append(time.perf_counter() - start)
     input_ids = torch.randint(100, config.vocab_size, (batch_size,), device=device)
     logits_indices = torch.arange(batch_size, device=device)
 
     def step() -> None:
         model(input_ids, layout.positions, cache, layout.metadata, logits_indices)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize()
 
     samples = []
-    with torch.no_grad():
+    with torch.inference_mode():  # as the worker runs a step
         for _ in range(2):
             step()
         for _ in range(REPEATS):
             start = time.perf_counter()
             step()
             samples.append(time.perf_counter() - start)
-    return samples, layout_seconds
+    return samples, statistics.median(layout_samples)
 
 
 def measure(

@@ -25,7 +25,8 @@ from scheduler.worker_group import MAX_GROUPS
 from worker.settings import WorkerSettings
 
 SERVE_WORKER_SETTINGS = (
-    *("tensor_parallel_size", "kv_cache_memory", "dtype", "block_size", "device"),
+    *("tensor_parallel_size", "kv_cache_memory", "dtype", "block_size", "attention_backend"),
+    "device",
     *("grammar_limits", "logits_processors", "lora"),
 )
 """The ``WorkerSettings`` fields ``serve`` takes flags for."""

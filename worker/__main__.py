@@ -96,6 +96,7 @@ def _config(settings: WorkerSettings) -> WorkerConfig:
         dtype=settings.dtype,
         kv_cache_memory=settings.kv_cache_memory,
         block_size=settings.block_size,
+        attention_backend=settings.attention_backend,
         max_model_len=settings.model.max_model_len,
         seed=settings.seed,
         served_model_name=settings.model.served_model_name or model_name_for(settings.model.path),

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from worker import flex_attention
-from worker.flex_attention import FlexLayout
+from worker.flex_layout import FlexLayout, build_flex_layout, to_device
 from worker.kv_cache import slot_mapping
 from worker.models import cpu_ops
 
@@ -40,6 +40,19 @@ class AttentionKind(Enum):
     IN_PLACE_CPU = "in_place_cpu"
     FLEX = "flex"
     GATHERED = "gathered"
+
+
+def choose_attention_kind(
+    model_kind: AttentionKind, block_size: int, backend: str
+) -> AttentionKind:
+    """A worker's attention: its model's (in place where the device has a kernel for its heads,
+    ``LlamaForCausalLM.finish_loading``), unless ``backend`` is "gathered" or FlexAttention
+    cannot tile ``block_size``."""
+    if backend == "gathered":
+        return AttentionKind.GATHERED
+    if model_kind is AttentionKind.FLEX and not flex_attention.supports_block_size(block_size):
+        return AttentionKind.GATHERED
+    return model_kind
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,7 @@ class AttentionMetadata:
     flex: FlexLayout | None = None
 
     @property
-    def in_place(self) -> bool:
+    def in_place_cpu(self) -> bool:
         """Whether this step reads the cache in place (``cpu_ops.paged_attention``)."""
         return self.block_tables is not None
 
@@ -125,17 +138,19 @@ def build_batch_layout(
         for ids, start, end in zip(block_ids, starts, ends, strict=True)
     ]
     query_starts = np.cumsum(query_lens) - query_lens
-    slot_tensor = _tensor(np.concatenate(slots), device)
+    slot_tensor = to_device(np.concatenate(slots), device)
     if kind is AttentionKind.IN_PLACE_CPU:
         metadata = AttentionMetadata(
             slot_tensor,
             groups=(),
-            block_tables=_tensor(_block_tables(block_ids, -(-ends // block_size)), device),
-            query_starts=_tensor(np.append(query_starts, len(positions)), device),
-            context_starts=_tensor(starts, device),
+            block_tables=to_device(_block_tables(block_ids, -(-ends // block_size)), device),
+            query_starts=to_device(np.append(query_starts, len(positions)), device),
+            context_starts=to_device(starts, device),
         )
     elif kind is AttentionKind.FLEX:
-        flex = flex_attention.build_flex_layout(
+        if num_cache_blocks < 1:
+            raise ValueError("FlexAttention's layout needs the cache's number of blocks")
+        flex = build_flex_layout(
             starts, query_lens, query_starts, block_ids, block_size, num_cache_blocks, device
         )
         metadata = AttentionMetadata(slot_tensor, groups=(), flex=flex)
@@ -147,8 +162,8 @@ def build_batch_layout(
             if len(members)
         )
         metadata = AttentionMetadata(slot_tensor, groups)
-    last_token_indices = _tensor(query_starts + query_lens - 1, device)
-    return BatchLayout(_tensor(positions, device), metadata, last_token_indices)
+    last_token_indices = to_device(query_starts + query_lens - 1, device)
+    return BatchLayout(to_device(positions, device), metadata, last_token_indices)
 
 
 def _group(
@@ -170,16 +185,12 @@ def _group(
     query_positions[token_requests, token_queries] = starts[token_requests] + token_queries
     mask = _causal_mask(query_positions, block_tables.shape[1] * block_size)
     return AttentionGroup(
-        token_indices=_tensor(token_indices, device),
-        block_tables=_tensor(block_tables, device),
-        token_request_indices=_tensor(token_requests, device),
-        token_query_indices=_tensor(token_queries, device),
-        attention_mask=_tensor(mask, device),
+        token_indices=to_device(token_indices, device),
+        block_tables=to_device(block_tables, device),
+        token_request_indices=to_device(token_requests, device),
+        token_query_indices=to_device(token_queries, device),
+        attention_mask=to_device(mask, device),
     )
-
-
-def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
 def _token_indices(query_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -238,7 +249,7 @@ def paged_attention(
         return flex_attention.flex_paged_attention(
             query, key_cache, value_cache, metadata.flex, scale
         )
-    if metadata.in_place:
+    if metadata.in_place_cpu:
         return cpu_ops.paged_attention(
             query,
             key_cache,

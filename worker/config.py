@@ -12,7 +12,7 @@ import torch
 from interfaces.shared_settings import LoRASettings
 from worker.grammar_limits import GrammarLimits
 from worker.parallel import check_rank
-from worker.settings import DTYPE_NAMES, WorkerSettings
+from worker.settings import ATTENTION_BACKENDS, DTYPE_NAMES, WorkerSettings
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -26,6 +26,8 @@ class WorkerConfig:
     ``model_dir`` is a Hugging Face-format directory (see ``worker.model_files.resolve_model``).
     ``device`` is "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
     ``dtype`` None means float32 on CPU and bfloat16 on CUDA.
+    ``attention_backend``: "auto" reads the KV cache in place where a kernel for the device
+    exists, "gathered" always copies blocks into padded batches (``worker.attention``).
     ``kv_cache_memory`` is bytes when greater than 1, a fraction of free device memory when in
     (0, 1]; None means 1 GiB on CPU and 0.8 of free memory on CUDA.
     ``max_model_len`` None means the model's ``max_position_embeddings``.
@@ -44,6 +46,7 @@ class WorkerConfig:
     dtype: str | None = None
     kv_cache_memory: float | None = None
     block_size: int = WorkerSettings.block_size
+    attention_backend: str = WorkerSettings.attention_backend
     max_model_len: int | None = None
     seed: int | None = None
     served_model_name: str | None = None
@@ -66,6 +69,11 @@ class WorkerConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

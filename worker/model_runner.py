@@ -38,7 +38,7 @@ from interfaces.scheduler_to_worker import (
 )
 from interfaces.worker_to_scheduler import GrammarsReady, KVLayout, LoRAUpdated, RequestFailure
 from worker import flex_attention, parallel
-from worker.attention import AttentionKind, build_batch_layout
+from worker.attention import AttentionKind, build_batch_layout, choose_attention_kind
 from worker.config import WorkerConfig, default_num_threads
 from worker.grammar_compiler import GrammarCompiler
 from worker.images import RequestImage, input_embeddings, read_images
@@ -86,11 +86,11 @@ class ModelRunner:
         self._max_model_len = _max_model_len(config, self.model_config)
         self.kv_cache = self._allocate_kv_cache()
         _check_kv_capacity(self.kv_cache.num_blocks * self.block_size, self._max_model_len)
-        self.attention_kind = self.model.attention_kind
-        if self.attention_kind is AttentionKind.FLEX and not flex_attention.supports_block_size(
-            self.block_size
-        ):
-            self.attention_kind = AttentionKind.GATHERED
+        self.attention_kind = choose_attention_kind(
+            self.model.attention_kind, self.block_size, config.attention_backend
+        )
+        if self.attention_kind is AttentionKind.FLEX:
+            flex_attention.warm_up(*self.kv_cache.layer(0), self.model.num_heads)
         self.sampler = Sampler(self.device, config.seed)
         self.grammars: GrammarCompiler | None = None
         """Rank 0's: only it samples, so only it follows grammars."""

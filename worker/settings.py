@@ -21,6 +21,8 @@ from worker.grammar_limits import GrammarLimits
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 """The dtypes of weights, activations and the KV cache (``worker.config.DTYPES``)."""
+ATTENTION_BACKENDS = ("auto", "gathered")
+"""How attention reads the paged KV cache (``worker.attention.choose_attention_kind``)."""
 TENSOR_PARALLELISM = "tensor parallelism"
 DISAGGREGATION = "disaggregation"
 
@@ -75,6 +77,14 @@ class WorkerSettings:
         default_text="float32 on CPU, bfloat16 on CUDA",
     )
     block_size: int = setting(16, "--block-size", "tokens per KV cache block")
+    attention_backend: str = setting(
+        "auto",
+        "--attention-backend",
+        "how attention reads the KV cache: auto (in place: Switchyard's kernel on the CPU in "
+        "float32, FlexAttention on CUDA; gathered elsewhere) or gathered (each request's "
+        "blocks copied into a padded batch for scaled_dot_product_attention)",
+        choices=ATTENTION_BACKENDS,
+    )
     seed: int | None = setting(
         None, "--seed", "seed for unseeded requests", default_text="fresh randomness"
     )

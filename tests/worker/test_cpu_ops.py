@@ -55,7 +55,7 @@ def _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size):
     outputs = []
     for kind in (AttentionKind.IN_PLACE_CPU, AttentionKind.GATHERED):
         layout = build_batch_layout(starts, counts, block_ids, block_size, CPU, kind)
-        assert layout.metadata.in_place == (kind is AttentionKind.IN_PLACE_CPU)
+        assert layout.metadata.in_place_cpu == (kind is AttentionKind.IN_PLACE_CPU)
         outputs.append(paged_attention(query, key_cache, value_cache, layout.metadata, scale))
     return outputs
 

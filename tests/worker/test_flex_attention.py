@@ -14,8 +14,8 @@ import torch
 
 from tests.support.paged_batches import MIXED_REQUESTS, attention_outputs, shared_prefix_batch
 from worker import flex_attention
-from worker.attention import AttentionKind, build_batch_layout
-from worker.flex_attention import QUERY_TILE, _tile_blocks
+from worker.attention import AttentionKind, build_batch_layout, choose_attention_kind
+from worker.flex_layout import QUERY_TILE, _tile_blocks, build_flex_layout
 
 CPU = torch.device("cpu")
 FLEX_AND_GATHERED = (AttentionKind.FLEX, AttentionKind.GATHERED)
@@ -26,7 +26,8 @@ FLEX_AND_GATHERED = (AttentionKind.FLEX, AttentionKind.GATHERED)
     [
         (MIXED_REQUESTS, (9, 3, 64), 16),
         (MIXED_REQUESTS, (4, 4, 32), 32),
-        ([(40, 1)], (9, 3, 64), 16),  # one decode: its tile, then a tile of padding alone
+        ([(40, 1)], (9, 3, 64), 16),  # one decode: a batch of one row, then a padding row
+        ([(40, 5)], (9, 3, 64), 16),  # a short chunk: its tile, then a tile of padding alone
     ],
 )
 def test_the_flex_mask_equals_the_gathered_path(requests, shape, block_size):
@@ -52,9 +53,14 @@ def test_each_tile_names_the_blocks_its_queries_need_once():
         [3, 5, 9, 2, 8, 6, 4, 0, 0],  # one request's blocks stay in its table's order
         [3, 5, 9, 11, 12, 13, 14, 15, 16],
     ]
-    # A lone decode is padded to two tiles; the second visits nothing.
+    # A one-token prompt is padded to two tiles; the second visits nothing.
     counts, indices = _tile_blocks(tables, np.zeros(32, int), np.array([9] + [-1] * 31), 8)
     assert counts.tolist() == [2, 0] and indices.tolist() == [[7, 10], [0, 0]]
+    # Two requests in one tile sharing their first block (a cached prefix) visit it once.
+    shared = np.array([[4, 6], [4, 7]])
+    positions = np.tile(np.arange(20, 28), 2)
+    counts, indices = _tile_blocks(shared, np.repeat([0, 1], 8), positions, 16)
+    assert counts.tolist() == [3] and indices.tolist() == [[4, 6, 7]]
 
 
 def test_a_mixed_step_is_a_decode_batch_and_a_prefill_sequence():
@@ -95,6 +101,26 @@ def test_a_mixed_step_is_a_decode_batch_and_a_prefill_sequence():
             needed[part_token // QUERY_TILE].update(block_ids[r][: last_block + 1])
             part_token += 1
     assert [sorted(tile) for tile in tiles] == [sorted(blocks) for blocks in needed]
+
+
+def test_a_block_at_two_places_in_one_step_is_refused():
+    """Ownership is read off each block's one place in the tables: a step that breaks that
+    would hide keys, so it stops instead."""
+    with pytest.raises(RuntimeError, match="shares a block at another place"):
+        build_flex_layout(
+            np.array([31, 31]), np.array([1, 1]), np.array([0, 1]), [[3, 5], [5, 3]], 16, 8, CPU
+        )
+    with pytest.raises(ValueError, match="cache's number of blocks"):
+        build_batch_layout([0], [3], [[1]], 16, CPU, AttentionKind.FLEX)
+
+
+def test_the_worker_takes_its_models_kind_unless_told_or_the_block_does_not_tile():
+    flex, cpu, gathered = AttentionKind.FLEX, AttentionKind.IN_PLACE_CPU, AttentionKind.GATHERED
+    assert choose_attention_kind(flex, 16, "auto") is flex
+    assert choose_attention_kind(flex, 8, "auto") is gathered
+    assert choose_attention_kind(cpu, 8, "auto") is cpu
+    assert choose_attention_kind(cpu, 16, "gathered") is gathered
+    assert choose_attention_kind(flex, 16, "gathered") is gathered
 
 
 def test_flex_runs_on_cuda_only_with_a_block_the_kernel_can_tile():

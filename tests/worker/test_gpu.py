@@ -26,16 +26,20 @@ STEPS = [
     MIXED_REQUESTS,
     [(4095, 1), (1000, 1), (2100, 48)] + [(context, 1) for context in range(3, 600, 41)],
     [(0, 300), (512, 77), (30, 1), (31, 1), (60, 1)],
+    [(100, 1)],
+    [(40, 5)],
 ]
-"""Steps of different shapes (a mixed step; long decodes beside a chunk; prompts), all through
-one compiled kernel."""
+"""Steps of different shapes (a mixed step; long decodes beside a chunk; prompts; a lone
+decode; a chunk shorter than a query tile), all through one compiled kernel."""
 
 
 @pytest.fixture(autouse=True)
 def _exact_float32():
     """float32 products in IEEE precision, as transformers' reference computes them."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -79,7 +79,7 @@ class Attention(nn.Module):
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
-        if metadata.in_place:  # one kernel rotates, and writes the cache
+        if metadata.in_place_cpu:  # one kernel rotates, and writes the cache
             q = cpu_ops.rope_write_kv(
                 qkv, *cos_sin, metadata.slot_mapping, key_cache, value_cache, num_heads
             )  # (num_tokens, num_heads, head_dim)
@@ -211,6 +211,11 @@ class LlamaForCausalLM(nn.Module):
     def num_kv_heads(self) -> int:
         """Key-value heads per layer in this worker's KV cache."""
         return self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads per layer on this worker."""
+        return self.model.layers[0].self_attn.num_heads
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``input_ids`` (num_tokens,): (num_tokens, hidden_size)."""

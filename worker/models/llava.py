@@ -72,6 +72,11 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.language_model.num_kv_heads
 
     @property
+    def num_heads(self) -> int:
+        """Query heads per layer on this worker."""
+        return self.language_model.num_heads
+
+    @property
     def attention_kind(self) -> AttentionKind:
         """How attention reads the paged cache (``worker.attention``)."""
         return self.language_model.attention_kind

@@ -246,8 +246,13 @@ def paged_attention(
     The step's own keys/values must already be written (``write_kv``).
     """
     if metadata.flex is not None:
-        return flex_attention.flex_paged_attention(
-            query, key_cache, value_cache, metadata.flex, scale
+        keys, values = flex_attention.cache_as_sequence(key_cache, value_cache)
+        return _by_group(
+            query,
+            metadata.flex.parts,
+            lambda part_query, part: flex_attention.part_attention(
+                part_query, keys, values, part, scale
+            ),
         )
     if metadata.in_place_cpu:
         return cpu_ops.paged_attention(
@@ -259,12 +264,24 @@ def paged_attention(
             metadata.context_starts,
             scale,
         )
-    if len(metadata.groups) == 1:
-        return _group_attention(query, key_cache, value_cache, metadata.groups[0], scale)
+    return _by_group(
+        query,
+        metadata.groups,
+        lambda group_query, group: _group_attention(
+            group_query, key_cache, value_cache, group, scale
+        ),
+    )
+
+
+def _by_group(query: torch.Tensor, groups: Sequence, attend) -> torch.Tensor:
+    """``attend(group_query, group)`` for each group of the step's tokens (an ``AttentionGroup``
+    or a ``FlexPart``, whose ``token_indices`` say which), merged back into the flat order. One
+    group holds every token in order, and runs on ``query`` as it is."""
+    if len(groups) == 1:
+        return attend(query, groups[0])
     output = torch.empty_like(query)
-    for group in metadata.groups:
-        group_query = query.index_select(0, group.token_indices)
-        group_output = _group_attention(group_query, key_cache, value_cache, group, scale)
+    for group in groups:
+        group_output = attend(query.index_select(0, group.token_indices), group)
         output.index_copy_(0, group.token_indices, group_output)
     return output
 

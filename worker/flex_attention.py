@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from worker.flex_layout import QUERY_TILE, FlexLayout, FlexPart, build_flex_layout
+from worker.flex_layout import QUERY_TILE, FlexPart, build_flex_layout
 
 COMPILED_SHAPES = 64
 """How many times the kernel may compile (torch.compile's recompile_limit): once per dtype,
@@ -42,36 +42,28 @@ def supports_block_size(block_size: int) -> bool:
     return 16 <= block_size <= 128 and block_size & (block_size - 1) == 0
 
 
-def flex_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    layout: FlexLayout,
-    scale: float,
-) -> torch.Tensor:
-    """Attend ``query`` (num_tokens, num_heads, head_dim) to the cache; same shape out."""
+def cache_as_sequence(
+    key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's cache, (num_blocks, block_size, num_kv_heads, head_dim) each, as one key and
+    one value sequence: (1, num_kv_heads, num_blocks * block_size, head_dim), views, no copy."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    keys = key_cache.view(1, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    values = value_cache.view(1, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    # (1, num_kv_heads, num_blocks * block_size, head_dim): the cache as one sequence, no copy
-    if len(layout.parts) == 1 and layout.parts[0].token_indices is None:
-        return _part_attention(query, keys, values, layout.parts[0], scale)
-    output = torch.empty_like(query)
-    for part in layout.parts:
-        part_query = query.index_select(0, part.token_indices)
-        part_output = _part_attention(part_query, keys, values, part, scale)
-        output.index_copy_(0, part.token_indices, part_output)
-    return output
+    sequence_shape = (1, num_blocks * block_size, num_kv_heads, head_dim)
+    return (
+        key_cache.view(sequence_shape).transpose(1, 2),
+        value_cache.view(sequence_shape).transpose(1, 2),
+    )
 
 
-def _part_attention(
+def part_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     part: FlexPart,
     scale: float,
 ) -> torch.Tensor:
-    """One part's attention: ``query`` (num_part_tokens, num_heads, head_dim), same shape out."""
+    """One part's attention: ``query`` (num_part_tokens, num_heads, head_dim) over the cache as
+    a sequence (``cache_as_sequence``); same shape out."""
     num_tokens = query.shape[0]
     rows = F.pad(query, (0, 0, 0, 0, 0, part.num_rows - num_tokens))
     # (num_rows, num_heads, head_dim): padding rows see no key
@@ -119,8 +111,9 @@ def warm_up(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) 
                 num_blocks,
                 key_cache.device,
             )
+            (part,) = layout.parts
             query = key_cache.new_zeros(sum(counts), num_heads, head_dim)
-            flex_paged_attention(query, key_cache, value_cache, layout, head_dim**-0.5)
+            part_attention(query, *cache_as_sequence(key_cache, value_cache), part, head_dim**-0.5)
 
 
 @cache

@@ -13,9 +13,8 @@ MIXED_REQUESTS = [(0, 37), (17, 1), (40, 33), (3, 1), (100, 1), (0, 1), (64, 16)
 one-token prompt."""
 
 
-def shared_prefix_batch(requests, block_size, seed=0):
-    """Each request's blocks, shuffled over a pool, a fifth request sharing the third's first
-    two blocks (a prefix-cache hit; both must reach that far); and the pool's size."""
+def shuffled_blocks(requests, block_size, seed=0):
+    """(block ids of each request [(num_computed, num_new)], shuffled over a pool; pool size)."""
     num_blocks = sum(-(-(start + count) // block_size) for start, count in requests) + 3
     pool = np.random.default_rng(seed).permutation(num_blocks).tolist()
     block_ids = []
@@ -23,6 +22,13 @@ def shared_prefix_batch(requests, block_size, seed=0):
         needed = -(-(start + count) // block_size)
         block_ids.append(pool[:needed])
         pool = pool[needed:]
+    return block_ids, num_blocks
+
+
+def shared_prefix_batch(requests, block_size, seed=0):
+    """``shuffled_blocks``, but a fifth request shares the third's first two blocks (a
+    prefix-cache hit; both must reach that far)."""
+    block_ids, num_blocks = shuffled_blocks(requests, block_size, seed)
     if len(block_ids) >= 5:
         block_ids[4][:2] = block_ids[2][:2]
     return block_ids, num_blocks

@@ -8,11 +8,11 @@ batch, grouped-query and multi-head attention, blocks smaller and larger than th
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.paged_batches import shuffled_blocks
 from worker.attention import AttentionKind, build_batch_layout, paged_attention, write_kv
 from worker.models import cpu_ops
 from worker.models.loader import load_model
@@ -23,21 +23,9 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler for the kernels")
 
 
-def _shuffled_blocks(requests, block_size, seed=0):
-    """(block ids of each request [(num_computed, num_new)], shuffled over a pool; pool size)."""
-    num_blocks = sum(-(-(start + count) // block_size) for start, count in requests) + 3
-    pool = np.random.default_rng(seed).permutation(num_blocks).tolist()
-    block_ids = []
-    for start, count in requests:
-        needed = -(-(start + count) // block_size)
-        block_ids.append(pool[:needed])
-        pool = pool[needed:]
-    return block_ids, num_blocks
-
-
 def _random_batch(requests, block_size, num_kv_heads, head_dim, seed=0):
     """Caches of random keys/values and each request's blocks, shuffled over the pool."""
-    block_ids, num_blocks = _shuffled_blocks(requests, block_size, seed)
+    block_ids, num_blocks = shuffled_blocks(requests, block_size, seed)
     generator = torch.Generator().manual_seed(seed)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.randn(shape, generator=generator)
@@ -198,7 +186,7 @@ def test_the_model_gives_the_same_logits_in_place_flex_and_gathered(tiny_llama_d
     assert model.attention_kind is AttentionKind.IN_PLACE_CPU
     config = model.config
     block_size = 4
-    block_ids, num_blocks = _shuffled_blocks([(0, 9), (6, 5), (12, 1)], block_size)
+    block_ids, num_blocks = shuffled_blocks([(0, 9), (6, 5), (12, 1)], block_size)
     generator = torch.Generator().manual_seed(3)
     prefix_ids = torch.randint(0, config.vocab_size, (18,), generator=generator)
     input_ids = torch.randint(0, config.vocab_size, (15,), generator=generator)

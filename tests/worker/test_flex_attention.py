@@ -123,6 +123,15 @@ def test_the_worker_takes_its_models_kind_unless_told_or_the_block_does_not_tile
     assert choose_attention_kind(flex, 16, "gathered") is gathered
 
 
+def test_the_warm_up_runs_both_parts_and_reads_the_cache_only():
+    """On the CPU the kernel is eager, so this checks the warm-up's steps, not a compile."""
+    key_cache, value_cache = torch.randn(2, 4, 16, 3, 64).unbind(0)
+    before = key_cache.clone(), value_cache.clone()
+    flex_attention.warm_up(key_cache, value_cache, num_heads=9)
+    flex_attention.warm_up(key_cache[:1], value_cache[:1], num_heads=9)  # one block: nothing
+    assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
+
+
 def test_flex_runs_on_cuda_only_with_a_block_the_kernel_can_tile():
     assert not flex_attention.is_available(CPU)
     assert [flex_attention.supports_block_size(n) for n in (8, 16, 24, 64, 128, 256)] == [

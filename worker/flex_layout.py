@@ -71,13 +71,15 @@ def build_flex_layout(
     queries start at ``query_starts`` in the flat batch. ``block_ids[i]`` covers request i."""
     num_blocks = -(-(starts + query_lens) // block_size)
     tables = np.zeros((len(block_ids), max(int(num_blocks.max()), MIN_SIZE)), dtype=np.int64)
-    logical_index = np.zeros(num_cache_blocks, dtype=np.int64)
     for i, (ids, count) in enumerate(zip(block_ids, num_blocks, strict=True)):
         tables[i, :count] = ids[:count]
-        logical_index[tables[i, :count]] = np.arange(count)
-    for i, count in enumerate(num_blocks):  # a block at two places would hide keys: refuse
-        if not np.array_equal(logical_index[tables[i, :count]], np.arange(count)):
-            raise RuntimeError(f"request {i} of the step shares a block at another place")
+    used = np.arange(tables.shape[1]) < num_blocks[:, None]  # (num_requests, max_blocks)
+    used_blocks, used_places = tables[used], np.nonzero(used)[1]  # request by request
+    logical_index = np.zeros(num_cache_blocks, dtype=np.int64)
+    logical_index[used_blocks] = used_places
+    if not np.array_equal(logical_index[used_blocks], used_places):
+        # a block at two places would hide keys from one of its requests: refuse the step
+        raise RuntimeError("a block of the step is at two places in its requests' tables")
     cache = _CacheView(to_device(logical_index, device), block_size, num_cache_blocks, device)
     is_decode = query_lens == 1
     groups = [np.flatnonzero(is_decode), np.flatnonzero(~is_decode)]

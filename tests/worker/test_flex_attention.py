@@ -106,7 +106,7 @@ def test_a_mixed_step_is_a_decode_batch_and_a_prefill_sequence():
 def test_a_block_at_two_places_in_one_step_is_refused():
     """Ownership is read off each block's one place in the tables: a step that breaks that
     would hide keys, so it stops instead."""
-    with pytest.raises(RuntimeError, match="shares a block at another place"):
+    with pytest.raises(RuntimeError, match="a block of the step is at two places"):
         build_flex_layout(
             np.array([31, 31]), np.array([1, 1]), np.array([0, 1]), [[3, 5], [5, 3]], 16, 8, CPU
         )

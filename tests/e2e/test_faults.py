@@ -293,6 +293,8 @@ def test_overload_gets_429_with_retry_after(loaded):
     }
     for _, thread in outcomes:
         thread.join(60)
+    unanswered = sum(o.status is None for o, _ in outcomes)
+    assert unanswered == 0, f"{unanswered} clients had no answer within 60 s"
     statuses = sorted(o.status for o, _ in outcomes)
     assert statuses == [200] * (MAX_NUM_SEQS + MAX_QUEUED) + [429] * 6
     assert all(o.finish_reasons == ["length"] for o, _ in outcomes if o.status == 200)

@@ -150,8 +150,9 @@ def build_batch_layout(
     elif kind is AttentionKind.FLEX:
         if num_cache_blocks < 1:
             raise ValueError("FlexAttention's layout needs the cache's number of blocks")
+        tables = _block_tables(block_ids, -(-ends // block_size))
         flex = build_flex_layout(
-            starts, query_lens, query_starts, block_ids, block_size, num_cache_blocks, device
+            starts, query_lens, query_starts, tables, block_size, num_cache_blocks, device
         )
         metadata = AttentionMetadata(slot_tensor, groups=(), flex=flex)
     else:

@@ -106,7 +106,7 @@ def warm_up(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) 
                 np.array(starts),
                 query_lens,
                 np.cumsum(query_lens) - query_lens,
-                [[0, 1]] * len(starts),
+                np.array([[0, 1]] * len(starts)),
                 block_size,
                 num_blocks,
                 key_cache.device,

@@ -24,7 +24,6 @@ Built on the host with numpy, once per step, for every layer. Every size is at l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,17 +61,17 @@ def build_flex_layout(
     starts: np.ndarray,
     query_lens: np.ndarray,
     query_starts: np.ndarray,
-    block_ids: Sequence[Sequence[int]],
+    tables: np.ndarray,
     block_size: int,
     num_cache_blocks: int,
     device: torch.device,
 ) -> FlexLayout:
     """The parts of requests computing positions [starts, starts + query_lens) each, whose
-    queries start at ``query_starts`` in the flat batch. ``block_ids[i]`` covers request i."""
+    queries start at ``query_starts`` in the flat batch. ``tables`` (num_requests, max_blocks)
+    holds each request's blocks up to its new end, 0-padded."""
     num_blocks = -(-(starts + query_lens) // block_size)
-    tables = np.zeros((len(block_ids), max(int(num_blocks.max()), MIN_SIZE)), dtype=np.int64)
-    for i, (ids, count) in enumerate(zip(block_ids, num_blocks, strict=True)):
-        tables[i, :count] = ids[:count]
+    if tables.shape[1] < MIN_SIZE:
+        tables = np.pad(tables, ((0, 0), (0, MIN_SIZE - tables.shape[1])))
     used = np.arange(tables.shape[1]) < num_blocks[:, None]  # (num_requests, max_blocks)
     used_blocks, used_places = tables[used], np.nonzero(used)[1]  # request by request
     logical_index = np.zeros(num_cache_blocks, dtype=np.int64)

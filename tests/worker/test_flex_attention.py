@@ -108,7 +108,8 @@ def test_a_block_at_two_places_in_one_step_is_refused():
     would hide keys, so it stops instead."""
     with pytest.raises(RuntimeError, match="a block of the step is at two places"):
         build_flex_layout(
-            np.array([31, 31]), np.array([1, 1]), np.array([0, 1]), [[3, 5], [5, 3]], 16, 8, CPU
+            *(np.array([31, 31]), np.array([1, 1]), np.array([0, 1])),
+            *(np.array([[3, 5], [5, 3]]), 16, 8, CPU),
         )
     with pytest.raises(ValueError, match="cache's number of blocks"):
         build_batch_layout([0], [3], [[1]], 16, CPU, AttentionKind.FLEX)

@@ -44,11 +44,6 @@ def worker_restarts(serve: ServeProcess) -> float:
     return scrape(serve.base_url)[("switchyard:worker_restarts_total", label)]
 
 
-def tiny_model_flags(model_dir) -> tuple[str, ...]:
-    """Serve the tiny random Llama under the default model's name, which the streams ask for."""
-    return ("--model", str(model_dir), "--served-model-name", DEFAULT_MODEL_NAME)
-
-
 def wait_for_health_ok(serve: ServeProcess) -> dict:
     def ok() -> bool:
         response = httpx.get(f"{serve.base_url}/health", timeout=5)
@@ -150,18 +145,15 @@ def test_a_second_death_within_the_minute_past_the_limit_stops_serve(default_mod
 
 
 def test_killing_one_tensor_parallel_rank_restarts_the_group_and_streams_complete(
-    tiny_llama_dir, tmp_path
+    default_model_dir, tmp_path
 ):
-    """The tiny model (2 key-value heads) on 2 ranks: the group's restart is what is tested,
-    and ranks of the default model take three times as long to start on two cores."""
     log_path = tmp_path / "serve.log"
-    serve = ServeProcess(*tiny_model_flags(tiny_llama_dir), "--tensor-parallel-size", "2",
-                         log_path=log_path)  # fmt: skip
+    serve = ServeProcess("--tensor-parallel-size", "3", log_path=log_path)
     try:
         bodies = [mixed_request(index) for index in range(7)]
         undisturbed = run_all(serve.base_url, bodies)
         ranks = serve.pids_of("switchyard-worker tp")
-        assert len(ranks) == 2
+        assert len(ranks) == 3
         rank_1 = only_worker(serve, "switchyard-worker tp1")
 
         streams, killed_at, open_then = run_with_fault(
@@ -169,11 +161,11 @@ def test_killing_one_tensor_parallel_rank_restarts_the_group_and_streams_complet
         )
         assert any(open_then)
         assert_same_as_undisturbed(streams, undisturbed)
-        report("kill -9 of rank 1 of 2", pauses(streams, killed_at, open_then))
+        report("kill -9 of rank 1 of 3", pauses(streams, killed_at, open_then))
 
         assert RESTART_LINE.findall(log_path.read_text()) == [("worker-1", "1", "5")]
         assert not any(alive(rank) for rank in ranks)
-        assert len(serve.pids_of("switchyard-worker tp")) == 2
+        assert len(serve.pids_of("switchyard-worker tp")) == 3
         assert wait_for_health_ok(serve) == {"status": "ok"}
         assert worker_restarts(serve) == 1
     finally:
@@ -258,9 +250,9 @@ RESUBMITTED_LINE = re.compile(r"submitted (\d+) requests again to the scheduler"
 """An API server's INFO line once it submitted its waiting requests to a new scheduler."""
 
 
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2])  # 2: the tiny model, 2 KV heads
+@pytest.mark.parametrize("tensor_parallel_size", [1, 3])  # SmolLM2: 9 heads, 3 KV heads
 def test_killing_the_scheduler_mid_stream_costs_the_streams_a_pause(
-    default_model_dir, tiny_llama_dir, tmp_path, tensor_parallel_size
+    default_model_dir, tmp_path, tensor_parallel_size
 ):
     """``kill -9`` of the scheduler: the launcher starts it again, one restart for the fault;
     a one-rank worker registers with it again (its model stays loaded), while a
@@ -269,15 +261,13 @@ def test_killing_the_scheduler_mid_stream_costs_the_streams_a_pause(
     (``generated_token_ids``) once the new scheduler has a worker. Every stream ends as
     undisturbed; the new scheduler counts the moves."""
     log_path = tmp_path / "serve.log"
-    model = () if tensor_parallel_size == 1 else tiny_model_flags(tiny_llama_dir)
     serve = ServeProcess(
-        *model,
         *("--log-level", "INFO"),  # the resubmission lines
         *("--tensor-parallel-size", str(tensor_parallel_size)),
         log_path=log_path,
     )
     try:
-        # The issue's 32 mixed streams; 8 with two ranks sharing the two cores.
+        # The issue's 32 mixed streams; 8 with three ranks sharing the two cores.
         bodies = [mixed_request(index) for index in range(32 if tensor_parallel_size == 1 else 8)]
         undisturbed = run_all(serve.base_url, bodies)
         (scheduler,) = serve.pids_of("switchyard-scheduler")
@@ -304,7 +294,7 @@ def test_killing_the_scheduler_mid_stream_costs_the_streams_a_pause(
             assert serve.pids_of("switchyard-worker") == workers  # the model was not reloaded
             assert "dropping its requests and registering again" in log
         else:
-            assert "started worker group 'hybrid' again: worker-0, worker-1" in log
+            assert "started worker group 'hybrid' again: worker-0, worker-1, worker-2" in log
             assert not set(serve.pids_of("switchyard-worker")) & set(workers)
         assert wait_for_health_ok(serve) == {"status": "ok"}
         label = frozenset({("model_name", DEFAULT_MODEL_NAME), ("reason", "scheduler_restarted")})

@@ -70,6 +70,8 @@ from worker.settings import WorkerSettings
 logger = logging.getLogger("switchyard")
 
 READY_TIMEOUT_S = 600.0
+READY_POLL_S = 0.05
+"""Between reads of ``/ready`` while starting: a local request, and every start waits on it."""
 SERVING_GROUPS_FAMILY = "switchyard:num_requests_running_by_group"
 """The /metrics family with a series for each serving text generation group."""
 MAX_METRICS_BYTES = 16 << 20
@@ -362,7 +364,7 @@ class Launcher:
                         return
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(0.25)
+            time.sleep(READY_POLL_S)
         if not self._stopping.is_set():
             raise TimeoutError(f"Switchyard was not ready within {READY_TIMEOUT_S:.0f} s")
 

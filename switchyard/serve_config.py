@@ -249,12 +249,12 @@ def check_lora_adapters(
     """Read each (name, path) adapter as the workers will (``worker.lora_checkpoint``), so one
     the model cannot serve stops ``serve`` (or the offline pipeline) before anything starts,
     with the reason: ``ValueError``. Imports torch: ``serve`` runs it in its prepare-model
-    child."""
+    child, and only when there are adapters: a start without them never waits for torch."""
+    if not adapters:
+        return
     from worker.lora_checkpoint import AdapterProblem, LoRAModelShape, read_adapter
     from worker.models.config import ModelConfig
 
-    if not adapters:
-        return
     shape = LoRAModelShape.of(ModelConfig.from_dir(model_dir))
     for name, path in adapters:
         try:

@@ -13,23 +13,25 @@ import socket
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import setproctitle
 import torch
 import torch.distributed as dist
-from transformers.utils import logging as transformers_logging
 
 from interfaces.logs import LogSettings, configure_logging
 from interfaces.settings import add_flags, from_args
 from interfaces.transport import add_transport_flags, is_loopback, transport_from_args
 from interfaces.worker_to_scheduler import WorkerRole
 from worker.config import WorkerConfig, default_num_threads
-from worker.embeddings import EmbeddingsGenerator
 from worker.model_files import model_name_for, resolve_model
 from worker.model_runner import ModelRunner
 from worker.parallel import GroupBroken, destroy_tensor_parallel, init_tensor_parallel
 from worker.server import WorkerServer
 from worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from worker.embeddings import EmbeddingsGenerator
 
 logger = logging.getLogger("worker")
 
@@ -56,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     title = PROCESS_TITLE.format(rank=args.rank)
     setproctitle.setproctitle(f"{title} {args.group}" if args.group else title)
     configure_logging(f"worker-tp{args.rank}", args.log_level, args.log_format)
-    transformers_logging.disable_progress_bar()  # a bar per load is noise in a server's log
+    # A bar per load is noise in a server's log; read where transformers is first imported
+    # (only for what needs it: an embedding model, a GGUF conversion, a grammar's tokenizer).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _exit_while_loading)
     try:
@@ -115,6 +119,8 @@ def _runner(role: WorkerRole, config: WorkerConfig) -> ModelRunner | EmbeddingsG
     """The model this worker serves: a generator, or for ``embedding`` an encoder."""
     if role is not WorkerRole.EMBEDDING:
         return ModelRunner(config)
+    from worker.embeddings import EmbeddingsGenerator  # transformers: only for an encoder
+
     if config.tensor_parallel_size > 1:
         raise ValueError("an embedding worker runs on one rank (--tensor-parallel-size 1)")
     if config.lora.enable_lora:

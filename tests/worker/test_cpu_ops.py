@@ -209,6 +209,109 @@ def test_the_model_gives_the_same_logits_in_place_flex_and_gathered(tiny_llama_d
         assert torch.equal(other.argmax(-1), logits[0].argmax(-1))
 
 
+@pytest.mark.parametrize("biases", [False, True])
+def test_the_fused_layer_stack_gives_the_layer_modules_results_to_the_bit(
+    tiny_llama_dir, tmp_path, biases
+):
+    """``FusedLayers`` (every layer in one C call) against the layer modules over the same
+    mixed step (a prompt, a chunk after a prefix, a decode): the same logits and the same KV
+    cache, bit for bit; with biases on every linear layer too."""
+    model_dir = tiny_llama_dir
+    if biases:
+        model_dir = _with_biases(tiny_llama_dir, tmp_path)
+    model = load_model(model_dir, CPU, torch.float32)
+    assert model.fused_layers is not None
+    fused = model.fused_layers
+    block_size = 4
+    block_ids, num_blocks = shuffled_blocks([(0, 9), (6, 5), (12, 1)], block_size)
+    generator = torch.Generator().manual_seed(5)
+    prefix_ids = torch.randint(0, model.config.vocab_size, (18,), generator=generator)
+    input_ids = torch.randint(0, model.config.vocab_size, (15,), generator=generator)
+    results = []
+    for stack in (fused, None):
+        model.fused_layers = stack
+        cache = _zero_cache(model, num_blocks, block_size)
+        kind = AttentionKind.IN_PLACE_CPU
+        with torch.no_grad():
+            prefix = build_batch_layout(
+                [0, 0], [6, 12], block_ids[1:], block_size, CPU, kind, num_blocks
+            )
+            model(prefix_ids, prefix.positions, cache, prefix.metadata, torch.tensor([0]))
+            step = build_batch_layout(
+                [0, 6, 12], [9, 5, 1], block_ids, block_size, CPU, kind, num_blocks
+            )
+            logits = model(input_ids, step.positions, cache, step.metadata, torch.arange(15))
+        results.append((logits, cache))
+    (fused_logits, fused_cache), (module_logits, module_cache) = results
+    assert torch.equal(fused_logits, module_logits)
+    for layer in range(model.config.num_hidden_layers):
+        for fused_part, module_part in zip(
+            fused_cache.layer(layer), module_cache.layer(layer), strict=True
+        ):
+            assert torch.equal(fused_part, module_part)
+
+
+def test_the_fused_layer_stack_leaves_lora_rows_and_torch_paths_to_the_modules(tiny_llama_dir):
+    model = load_model(tiny_llama_dir, CPU, torch.float32)
+    fused = model.fused_layers
+    block_ids, num_blocks = shuffled_blocks([(0, 3)], 4)
+    in_place = build_batch_layout([0], [3], block_ids, 4, CPU, AttentionKind.IN_PLACE_CPU, 8)
+    gathered = build_batch_layout([0], [3], block_ids, 4, CPU, AttentionKind.GATHERED, 8)
+    assert fused.serves(in_place.metadata)
+    assert not fused.serves(gathered.metadata)
+
+    class Batch:
+        groups = [object()]  # a row runs with an adapter
+
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    qkv.lora = type("Adapters", (), {"batch": Batch()})()
+    try:
+        assert not fused.serves(in_place.metadata)
+        Batch.groups = []
+        assert fused.serves(in_place.metadata)
+    finally:
+        qkv.lora = None
+    with _kernels_enabled(False):
+        assert load_model(tiny_llama_dir, CPU, torch.float32).fused_layers is None
+    assert load_model(tiny_llama_dir, CPU, torch.bfloat16).fused_layers is None
+    from worker.kv_cache import KVCache
+
+    config = model.config
+    wrong_heads = KVCache(
+        config.num_hidden_layers, num_blocks, 4, 1, config.head_dim, torch.float32, CPU
+    )
+    with pytest.raises(ValueError, match="layer 0's KV cache does not fit"):
+        fused(
+            torch.zeros(3, config.hidden_size),
+            model.rotary_emb.cos_sin(in_place.positions, torch.float32),
+            wrong_heads,
+            in_place.metadata,
+        )
+
+
+def _with_biases(model_dir, tmp_path):
+    """A copy of the tiny Llama whose attention and MLP linear layers have random biases."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "tiny-llama-biases"
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config |= {"attention_bias": True, "mlp_bias": True}
+    (copy / "config.json").write_text(json.dumps(config))
+    (weights_file,) = copy.glob("*.safetensors")
+    weights = load_file(weights_file)
+    generator = torch.Generator().manual_seed(9)
+    for name, weight in list(weights.items()):
+        if name.endswith("_proj.weight"):
+            bias = torch.randn(weight.shape[0], generator=generator) * 0.1
+            weights[name.removesuffix("weight") + "bias"] = bias
+    save_file(weights, weights_file)
+    return copy
+
+
 def _zero_cache(model, num_blocks, block_size):
     from worker.kv_cache import KVCache
 

@@ -531,3 +531,77 @@ void sy_silu_mul(const float* gate_up, int64_t num_tokens, int64_t inner, float*
     for (; d < inner; d++) o[d] = gate[d] / (1.0f + expf(-gate[d])) * up[d];
   }
 }
+
+/* The fused layer stack ---------------------------------------------------------------------
+ * Every decoder layer of a step in one call, so no Python runs between the kernels: at batch
+ * 1 the wrappers, module calls and allocations between the nine kernels of a layer took a
+ * quarter of a decode step, while the other thread waited. The matrix product is panel_gemm's
+ * sy_panel_linear, passed in as a pointer (it is built as a library of its own). Each layer:
+ *   normed = rms_norm(residual += x)          (the first layer: residual is the embeddings)
+ *   q = rope(qkv = normed W_qkv), keys and values rotated into the cache
+ *   x = attention(q) W_o;  normed = rms_norm(residual += x)
+ *   x = silu_mul(normed W_gate_up) W_down
+ * the same kernels in the same order as the layer modules call them, so the result is the
+ * same to the bit. */
+
+typedef void (*LinearFn)(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
+                         const float* bias, float* y);
+
+/* One decoder layer's weights (the linear layers' packed panels and biases, NULL for none)
+ * and its KV cache. */
+typedef struct {
+  const float *input_norm, *post_norm;
+  const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+  float *key_cache, *value_cache;
+} LayerWeights;
+
+/* x_out (num_tokens, hidden) = the last layer's output, residual (num_tokens, hidden; the
+ * embeddings on entry) the residual stream before it, as the module loop leaves them. The step
+ * (cos, sin, slots, block tables, starts) is as sy_rope_write_kv and sy_paged_attention take
+ * it. Returns 0, or -1 when out of memory (x_out and residual are then unset). */
+int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_layers,
+                      int64_t num_tokens, int64_t hidden, int64_t inner, float eps,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      const float* cos, const float* sin, const int64_t* slots,
+                      const int64_t* block_tables, int64_t max_blocks,
+                      const int64_t* query_starts, const int64_t* context_starts,
+                      int64_t num_requests, int64_t block_size, float scale,
+                      int64_t num_threads, float* residual, float* x_out) {
+  const int64_t heads_width = num_heads * head_dim;
+  const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
+  const size_t row = sizeof(float) * (size_t)num_tokens;
+  float* normed = malloc(row * (size_t)hidden);
+  float* qkv = malloc(row * (size_t)qkv_width);
+  float* q = malloc(row * (size_t)heads_width);
+  float* attended = malloc(row * (size_t)heads_width);
+  float* gate_up = malloc(row * 2 * (size_t)inner);
+  float* activated = malloc(row * (size_t)inner);
+  int status = -1;
+  if (!normed || !qkv || !q || !attended || !gate_up || !activated) goto done;
+  for (int64_t l = 0; l < num_layers; l++) {
+    const LayerWeights* w = &layers[l];
+    sy_add_rms_norm(l == 0 ? NULL : x_out, residual, w->input_norm, num_tokens, hidden, eps,
+                    normed);
+    linear(normed, num_tokens, hidden, w->qkv, qkv_width, w->qkv_bias, qkv);
+    sy_rope_write_kv(qkv, num_tokens, num_heads, num_kv_heads, head_dim, cos, sin, slots,
+                     w->key_cache, w->value_cache, q);
+    if (sy_paged_attention(q, w->key_cache, w->value_cache, block_tables, max_blocks,
+                           query_starts, context_starts, num_requests, num_heads, num_kv_heads,
+                           head_dim, block_size, scale, num_threads, attended) != 0)
+      goto done;
+    linear(attended, num_tokens, heads_width, w->o, hidden, w->o_bias, x_out);
+    sy_add_rms_norm(x_out, residual, w->post_norm, num_tokens, hidden, eps, normed);
+    linear(normed, num_tokens, hidden, w->gate_up, 2 * inner, w->gate_up_bias, gate_up);
+    sy_silu_mul(gate_up, num_tokens, inner, activated);
+    linear(activated, num_tokens, inner, w->down, hidden, w->down_bias, x_out);
+  }
+  status = 0;
+done:
+  free(normed);
+  free(qkv);
+  free(q);
+  free(attended);
+  free(gate_up);
+  free(activated);
+  return status;
+}

@@ -9,6 +9,8 @@
   product, with the keys and values stored into their cache slots in the same pass.
 - ``add_rms_norm``: the residual add and the RMSNorm after it, in one pass.
 - ``silu_mul``: SwiGLU's ``silu(gate) * up``.
+- ``decoder_layers``: every decoder layer of a step in one call, the kernels above and the
+  matrix product in the order the layer modules call them (``worker.models.fused_layers``).
 
 Each replaces several torch ops (and their temporaries) per layer. ``applies(tensor)`` says
 whether a tensor's device and dtype are theirs and the library is built (``worker.models.native``);
@@ -42,7 +44,33 @@ _SIGNATURES = {
     "sy_rope_write_kv": (None, [_POINTER] + [_INT] * 4 + [_POINTER] * 6),
     "sy_add_rms_norm": (None, [_POINTER] * 3 + [_INT] * 2 + [_FLOAT, _POINTER]),
     "sy_silu_mul": (None, [_POINTER, _INT, _INT, _POINTER]),
+    "sy_decoder_layers": (
+        ctypes.c_int,
+        [_POINTER] * 2
+        + [_INT] * 4
+        + [_FLOAT]
+        + [_INT] * 3
+        + [_POINTER] * 4
+        + [_INT]
+        + [_POINTER] * 2
+        + [_INT] * 2
+        + [_FLOAT, _INT]
+        + [_POINTER] * 2,
+    ),
 }
+
+
+class LayerWeights(ctypes.Structure):
+    """``cpu_ops.c``'s LayerWeights: one decoder layer's norms, packed linear panels and
+    biases (None for none), and its KV cache, as addresses."""
+
+    _fields_ = [
+        (name, _POINTER)
+        for name in (
+            *("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias"),
+            *("gate_up", "gate_up_bias", "down", "down_bias", "key_cache", "value_cache"),
+        )
+    ]
 
 
 @functools.cache
@@ -195,6 +223,70 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(num_tokens, width // 2)
     library().sy_silu_mul(gate_up.data_ptr(), num_tokens, width // 2, out.data_ptr())
     return out
+
+
+def decoder_layers(
+    linear: int,
+    layers: ctypes.Array,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    context_starts: torch.Tensor,
+    shape: tuple[int, int, int, int, int],
+    eps: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer of ``layers`` (``LayerWeights``, whose addresses the caller keeps valid)
+    over the embeddings ``x`` (num_tokens, hidden), which become the residual stream in place:
+    returns (the last layer's output, the residual stream before it). ``linear`` is the
+    address of panel_gemm's ``sy_panel_linear``; ``shape`` is (inner, num_heads,
+    num_kv_heads, head_dim, block_size); the rest is as ``rope_write_kv`` and
+    ``paged_attention`` take it."""
+    inner, num_heads, num_kv_heads, head_dim, block_size = shape
+    num_tokens, hidden = x.shape
+    num_requests, max_blocks = block_tables.shape
+    _check_float32(x, cos, sin)
+    _check_int64(slots, block_tables, query_starts, context_starts)
+    if cos.shape != (num_tokens, 1, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} do not fit {num_tokens} tokens")
+    if slots.shape != (num_tokens,):
+        raise ValueError(f"{num_tokens} tokens need as many slots")
+    if query_starts.shape != (num_requests + 1,) or context_starts.shape != (num_requests,):
+        raise ValueError(f"{num_requests} block tables need as many starts")
+    if not supports_attention(num_heads, num_kv_heads, head_dim):
+        raise ValueError(f"no paged kernel for {num_heads}/{num_kv_heads} heads of {head_dim}")
+    out = torch.empty_like(x)
+    status = library().sy_decoder_layers(
+        linear,
+        ctypes.addressof(layers),
+        len(layers),
+        num_tokens,
+        hidden,
+        inner,
+        eps,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        block_tables.data_ptr(),
+        max_blocks,
+        query_starts.data_ptr(),
+        context_starts.data_ptr(),
+        num_requests,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+        x.data_ptr(),
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("the layer stack could not allocate its buffers")
+    return out, x
 
 
 def _check_float32(*tensors: torch.Tensor) -> None:

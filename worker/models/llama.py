@@ -24,6 +24,7 @@ from worker.attention import AttentionKind, AttentionMetadata, paged_attention, 
 from worker.kv_cache import KVCache
 from worker.models import cpu_ops
 from worker.models.config import ModelConfig
+from worker.models.fused_layers import FusedLayers
 from worker.models.linear import Linear, Split, VocabEmbedding, prepack_linears
 from worker.models.rotary import RotaryEmbedding
 
@@ -169,6 +170,9 @@ class LlamaForCausalLM(nn.Module):
         self.attention_kind = AttentionKind.GATHERED
         """How attention reads the paged cache (``worker.attention``); set by
         ``finish_loading``."""
+        self.fused_layers: FusedLayers | None = None
+        """Every layer in one C call where each piece has a CPU kernel; set by
+        ``finish_loading``."""
 
     @classmethod
     def empty(
@@ -210,6 +214,7 @@ class LlamaForCausalLM(nn.Module):
             self.attention_kind = AttentionKind.IN_PLACE_CPU
         elif flex_attention.is_available(device):
             self.attention_kind = AttentionKind.FLEX
+        self.fused_layers = FusedLayers.build(self)
         return self.eval()
 
     @property
@@ -250,9 +255,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             x = input_embeddings.clone(memory_format=torch.contiguous_format)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos_sin, kv_cache, metadata)
+        if self.fused_layers is not None and self.fused_layers.serves(metadata):
+            x, residual = self.fused_layers(x, cos_sin, kv_cache, metadata)
+        else:
+            residual = None
+            for layer in self.model.layers:
+                x, residual = layer(x, residual, cos_sin, kv_cache, metadata)
         # (num_sampled, hidden_size): x[i] + residual[i] are fresh rows, safe to add into
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()  # (num_sampled, vocab_size)

@@ -14,7 +14,7 @@ copying it to the device (for FlexAttention, its block mask), which the step tim
 
 Run alone (nothing else on the cores):
   python benchmarks/context_bench.py [--contexts 128,256,...] [--batch-sizes 1,16] \
-      [--device cuda --dtype bfloat16] [--output-json PATH]
+      [--block-size 16] [--device cuda --dtype bfloat16] [--output-json PATH]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from workload import num_cores, resolve_model_dir, write_json
 
 DEFAULT_CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
 DEFAULT_BATCH_SIZES = (1, 16)
-BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = 16
 REPEATS = 10
 
 
@@ -57,9 +57,12 @@ def gathered(model) -> Iterator[None]:
         cpu_ops.applies, model.attention_kind = applies, kind
 
 
-def time_decode_step(model, batch_size: int, context: int) -> tuple[list[float], float]:
-    """(seconds of ``REPEATS`` decode steps of ``batch_size`` requests at ``context`` tokens,
-    the median seconds of building one step's layout) with the model's attention."""
+def time_decode_step(
+    model, batch_size: int, context: int, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[list[float], float]:
+    """(seconds of ``REPEATS`` decode steps of ``batch_size`` requests at ``context`` tokens in
+    blocks of ``block_size``, the median seconds of building one step's layout) with the
+    model's attention."""
     import numpy as np
     import torch
 
@@ -72,12 +75,12 @@ def time_decode_step(model, batch_size: int, context: int) -> tuple[list[float],
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    blocks_per_request = -(-context // BLOCK_SIZE)
+    blocks_per_request = -(-context // block_size)
     num_blocks = batch_size * blocks_per_request
     cache = KVCache(
         config.num_hidden_layers,
         num_blocks,
-        BLOCK_SIZE,
+        block_size,
         model.num_kv_heads,
         config.head_dim,
         model.model.norm.weight.dtype,
@@ -92,7 +95,7 @@ def time_decode_step(model, batch_size: int, context: int) -> tuple[list[float],
             [context - 1] * batch_size,
             [1] * batch_size,
             pool,
-            BLOCK_SIZE,
+            block_size,
             device,
             kind=model.attention_kind,
             num_cache_blocks=num_blocks,
@@ -124,7 +127,12 @@ def time_decode_step(model, batch_size: int, context: int) -> tuple[list[float],
 
 
 def measure(
-    model_dir: Path, contexts: list[int], batch_sizes: list[int], device_name: str, dtype_name: str
+    model_dir: Path,
+    contexts: list[int],
+    batch_sizes: list[int],
+    device_name: str,
+    dtype_name: str,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> dict:
     import torch
 
@@ -139,9 +147,9 @@ def measure(
     rows = []
     for batch_size in batch_sizes:
         for context in contexts:
-            samples, layout_seconds = time_decode_step(model, batch_size, context)
+            samples, layout_seconds = time_decode_step(model, batch_size, context, block_size)
             with gathered(model):
-                gathered_samples, _ = time_decode_step(model, batch_size, context)
+                gathered_samples, _ = time_decode_step(model, batch_size, context, block_size)
             kv_bytes = batch_size * context * kv_bytes_per_token(model, itemsize)
             rows.append(
                 {
@@ -164,6 +172,7 @@ def measure(
         "dtype": dtype_name,
         "attention": model.attention_kind.value,
         "num_threads": torch.get_num_threads(),
+        "block_size": block_size,
         "read_bandwidth_bytes_per_s_median": bandwidth,
         "weight_bytes_per_decode_step": weight_bytes,
         "kv_bytes_per_token": kv_bytes_per_token(model, itemsize),
@@ -193,16 +202,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV cache block"
+    )
     parser.add_argument("--output-json", help="write every measurement here")
     args = parser.parse_args(argv)
     contexts = [int(value) for value in args.contexts.split(",")]
     batch_sizes = [int(value) for value in args.batch_sizes.split(",")]
-    if min(contexts) < 1 or min(batch_sizes) < 1:
-        parser.error("contexts and batch sizes must be positive")
+    if min(contexts) < 1 or min(batch_sizes) < 1 or args.block_size < 1:
+        parser.error("contexts, batch sizes and the block size must be positive")
     print(HEADER)
     print("|---" * 8 + "|")
     results = measure(
-        resolve_model_dir(args.model_path), contexts, batch_sizes, args.device, args.dtype
+        resolve_model_dir(args.model_path),
+        contexts,
+        batch_sizes,
+        args.device,
+        args.dtype,
+        args.block_size,
     )
     bandwidth = results["read_bandwidth_bytes_per_s_median"]
     print(f"read bandwidth (median of 10): {bandwidth / 1e9:.1f} GB/s")

@@ -70,18 +70,23 @@ static inline vec16 vexp(vec16 x) {
   return y * (vec16)exponent;
 }
 
+/* The sum and the largest of v's lanes, by halves: four shuffles each. */
 static inline float hsum(vec16 v) {
-  float lanes[LANES], sum = 0.0f;
-  store(lanes, v);
-  for (int i = 0; i < LANES; i++) sum += lanes[i];
-  return sum;
+  v += __builtin_shuffle(v, (ivec16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, (ivec16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, (ivec16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, (ivec16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
 }
 
+static inline vec16 vmax(vec16 a, vec16 b) { return blend(a > b, a, b); }
+
 static inline float hmax(vec16 v) {
-  float lanes[LANES], best = -INFINITY;
-  store(lanes, v);
-  for (int i = 0; i < LANES; i++) best = lanes[i] > best ? lanes[i] : best;
-  return best;
+  v = vmax(v, __builtin_shuffle(v, (ivec16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  v = vmax(v, __builtin_shuffle(v, (ivec16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  v = vmax(v, __builtin_shuffle(v, (ivec16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  v = vmax(v, __builtin_shuffle(v, (ivec16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  return v[0];
 }
 
 /* Lane j of the result is the sum of p[j]'s lanes: 16 horizontal sums in 15 shuffle-adds. */
@@ -133,15 +138,6 @@ static inline Chunk chunk_at(const Cache* c, const int64_t* table, int64_t first
   return (Chunk){c->key_cache + floats, c->value_cache + floats, first, n};
 }
 
-/* Ask for a chunk's keys and values (all heads) while the one before is being computed: the
- * blocks of a request lie anywhere in the pool, where the hardware prefetcher does not look. */
-static inline void prefetch(Chunk chunk, int64_t stride) {
-  for (int64_t i = 0; i < chunk.n * stride; i += LANES) {
-    __builtin_prefetch(chunk.k + i);
-    __builtin_prefetch(chunk.v + i);
-  }
-}
-
 /* The running softmax of one task's rows: max score m, sum of e^(score - m) l, and the
  * weighted sum of values acc, per row. */
 typedef struct {
@@ -149,47 +145,77 @@ typedef struct {
   float m[MAX_ROW_TASK_ROWS], l[MAX_ROW_TASK_ROWS];
 } Softmax;
 
-/* Scores of row query q (scaled) against the n <= 16 keys at k (one every `stride` floats). */
-static inline __attribute__((always_inline)) vec16 chunk_scores(const float* q, const float* k,
-                                                               int64_t stride, int n,
-                                                               const int dims) {
-  vec16 products[LANES];
-  for (int t = 0; t < LANES; t++) {
-    vec16 sum = {0};
-    if (t < n)
-      for (int v = 0; v < dims; v += LANES) sum += load(q + v) * load(k + t * stride + v);
-    products[t] = sum;
-  }
-  return sum_each(products);
-}
+/* Cache lines to prefetch while a group is folded: `floats` floats from k and from v. */
+typedef struct {
+  const float *k, *v;
+  int64_t floats;
+} Ahead;
 
-/* Fold the n keys at k / v into row `row`'s softmax; the row sees `visible` of them (1..n,
- * by causality). */
-static inline __attribute__((always_inline)) void fold_chunk(Softmax* s, int row,
-                                                             const float* q, const float* k,
-                                                             const float* v, int64_t stride,
-                                                             int n, int visible,
-                                                             const int dims) {
+/* The most rows of one key-value head folded together (GQA: the query heads that share it):
+ * their queries and sums stay in registers, 32 vectors of them at most. */
+#define MAX_GROUP_ROWS(dims) ((dims) <= 64 ? 4 : (dims) <= 128 ? 2 : 1)
+
+/* Fold the n <= 16 keys at k / v (one every `stride` floats) into the softmax of rows
+ * [row0, row0 + R), which read the same key-value head at the same position and see `visible`
+ * of the keys (1..n): each key and value vector is loaded once for all R rows. Scores are
+ * dot products (16 of a row summed at once by sum_each); weighted values are broadcast
+ * multiply-adds into each row's sums. */
+static inline __attribute__((always_inline)) void fold_group(Softmax* s, int row0,
+                                                             const float (*q)[MAX_HEAD_DIM],
+                                                             const float* k, const float* v,
+                                                             int64_t stride, int n,
+                                                             int visible, Ahead ahead,
+                                                             const int R, const int dims) {
+  const int vectors = dims / LANES;
+  /* a sixteenth of the lines ahead at each key: a few at a time, so that the prefetches never
+   * wait for free line fill buffers while there is arithmetic to do */
+  const int64_t per_key = (ahead.floats + LANES * LANES - 1) / (LANES * LANES) * LANES;
+  vec16 scores[4];
+  {
+    vec16 products[4][LANES];
+    for (int t = 0; t < LANES; t++) {
+      for (int64_t i = t * per_key; i < (t + 1) * per_key && i < ahead.floats; i += LANES) {
+        __builtin_prefetch(ahead.k + i);
+        __builtin_prefetch(ahead.v + i);
+      }
+      vec16 sums[4] = {{0}};
+      if (t < n)
+        for (int x = 0; x < vectors; x++) {
+          const vec16 key = load(k + t * stride + x * LANES);
+          for (int r = 0; r < R; r++) sums[r] += load(q[row0 + r] + x * LANES) * key;
+        }
+      for (int r = 0; r < R; r++) products[r][t] = sums[r];
+    }
+    for (int r = 0; r < R; r++) scores[r] = sum_each(products[r]);
+  }
   const ivec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const ivec16 seen = lane < visible;
-  const vec16 scores = blend(seen, chunk_scores(q, k, stride, n, dims), splat(-INFINITY));
-  const float chunk_max = hmax(scores);
-  float* acc = s->acc[row];
-  if (chunk_max > s->m[row]) { /* rescale what was summed under the old max */
-    const float correction = expf(s->m[row] - chunk_max);
-    s->l[row] *= correction;
-    for (int d = 0; d < dims; d += LANES) store(acc + d, load(acc + d) * correction);
-    s->m[row] = chunk_max;
+  float weights[4][LANES], correction[4];
+  for (int r = 0; r < R; r++) {
+    const int row = row0 + r;
+    scores[r] = blend(seen, scores[r], splat(-INFINITY));
+    const float chunk_max = hmax(scores[r]);
+    correction[r] = 1.0f;
+    if (chunk_max > s->m[row]) { /* rescale what was summed under the old max */
+      correction[r] = expf(s->m[row] - chunk_max);
+      s->l[row] *= correction[r];
+      s->m[row] = chunk_max;
+    }
+    const vec16 w = blend(seen, vexp(scores[r] - s->m[row]), splat(0.0f));
+    s->l[row] += hsum(w);
+    store(weights[r], w);
   }
-  const vec16 weights = blend(seen, vexp(scores - s->m[row]), splat(0.0f));
-  s->l[row] += hsum(weights);
-  float w[LANES];
-  store(w, weights);
-  for (int d = 0; d < dims; d += LANES) {
-    vec16 sum = load(acc + d);
-    for (int t = 0; t < visible; t++) sum += w[t] * load(v + t * stride + d);
-    store(acc + d, sum);
-  }
+  vec16 acc[4][MAX_HEAD_DIM / LANES];
+  for (int r = 0; r < R; r++)
+    for (int x = 0; x < vectors; x++)
+      acc[r][x] = load(s->acc[row0 + r] + x * LANES) * correction[r];
+  for (int t = 0; t < visible; t++)
+    for (int x = 0; x < vectors; x++) {
+      const vec16 value = load(v + t * stride + x * LANES);
+      for (int r = 0; r < R; r++) acc[r][x] += weights[r][t] * value;
+    }
+  for (int r = 0; r < R; r++)
+    for (int x = 0; x < vectors; x++) store(s->acc[row0 + r] + x * LANES, acc[r][x]);
 }
 
 /* The rows of a row-by-row task: row i is query q[i] (scaled), at position pos[i], reading
@@ -211,14 +237,33 @@ static inline __attribute__((always_inline)) void attend_rows(const Cache* c,
   const int64_t stride = c->num_kv_heads * c->head_dim;
   for (int64_t first = key_first; first < key_end;) {
     const Chunk chunk = chunk_at(c, table, first, key_end);
-    if (first + chunk.n < key_end) prefetch(chunk_at(c, table, first + chunk.n, key_end), stride);
-    for (int row = 0; row < rows->count; row++) {
+    /* the next chunk (all heads), prefetched in shares as the rows' groups are folded */
+    Chunk next = {chunk.k, chunk.v, first, 0};
+    if (first + chunk.n < key_end) next = chunk_at(c, table, first + chunk.n, key_end);
+    int64_t prefetched = 0;
+    for (int row = 0; row < rows->count;) {
+      int group = 1; /* the rows after this one that read its head at its position */
+      while (group < MAX_GROUP_ROWS(dims) && row + group < rows->count &&
+             rows->head[row + group] == rows->head[row] &&
+             rows->pos[row + group] == rows->pos[row])
+        group++;
       int64_t visible = rows->pos[row] + 1 - first;
-      if (visible <= 0) continue;
       if (visible > chunk.n) visible = chunk.n;
-      const int64_t head = rows->head[row] * c->head_dim;
-      fold_chunk(s, row, rows->q[row], chunk.k + head, chunk.v + head, stride, (int)chunk.n,
-                 (int)visible, dims);
+      const int64_t share = next.n * stride * (row + group) / rows->count - prefetched;
+      const Ahead ahead = {next.k + prefetched, next.v + prefetched, share};
+      prefetched += share;
+      if (visible > 0) {
+        const int64_t head = rows->head[row] * c->head_dim;
+        const float *k = chunk.k + head, *v = chunk.v + head;
+        const int n = (int)chunk.n, seen = (int)visible;
+        switch (group) { /* constant group sizes keep the rows' sums in registers */
+          case 4: fold_group(s, row, rows->q, k, v, stride, n, seen, ahead, 4, dims); break;
+          case 3: fold_group(s, row, rows->q, k, v, stride, n, seen, ahead, 3, dims); break;
+          case 2: fold_group(s, row, rows->q, k, v, stride, n, seen, ahead, 2, dims); break;
+          default: fold_group(s, row, rows->q, k, v, stride, n, seen, ahead, 1, dims);
+        }
+      }
+      row += group;
     }
     first += chunk.n;
   }
@@ -567,6 +612,7 @@ int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_l
                       const int64_t* query_starts, const int64_t* context_starts,
                       int64_t num_requests, int64_t block_size, float scale,
                       int64_t num_threads, float* residual, float* x_out) {
+  if (num_tokens == 0) return 0; /* nothing to compute (and malloc(0) may return NULL) */
   const int64_t heads_width = num_heads * head_dim;
   const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
   const size_t row = sizeof(float) * (size_t)num_tokens;

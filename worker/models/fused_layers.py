@@ -37,7 +37,7 @@ class FusedLayers:
         layers = model.model.layers
         first = layers[0]
         attention, mlp = first.self_attn, first.mlp
-        self._model = model
+        self._qkv = attention.qkv_proj  # its LoRA batch is every layer's
         self._linear = ctypes.cast(panel_gemm.library().sy_panel_linear, ctypes.c_void_p).value
         self._weights = (cpu_ops.LayerWeights * len(layers))()
         for fields, layer in zip(self._weights, layers, strict=True):
@@ -99,7 +99,7 @@ class FusedLayers:
         """Whether this step runs here: attention in place, and no row with a LoRA adapter."""
         if not metadata.in_place_cpu:
             return False
-        lora = self._model.model.layers[0].self_attn.qkv_proj.lora  # one batch for every layer
+        lora = self._qkv.lora
         return lora is None or not lora.batch.groups
 
     def __call__(

@@ -122,13 +122,9 @@ def paged_attention(
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_requests, max_blocks = block_tables.shape
     _check_float32(query, key_cache, value_cache)
-    _check_int64(block_tables, query_starts, context_starts)
     if value_cache.shape != key_cache.shape or key_cache.shape[3] != head_dim:
         raise ValueError(f"caches {tuple(key_cache.shape)} do not fit queries {query.shape}")
-    if query_starts.shape != (num_requests + 1,) or context_starts.shape != (num_requests,):
-        raise ValueError(f"{num_requests} block tables need as many starts")
-    if not supports_attention(num_heads, num_kv_heads, head_dim):
-        raise ValueError(f"no paged kernel for {num_heads}/{num_kv_heads} heads of {head_dim}")
+    _check_step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, head_dim))
     output = torch.empty_like(query)
     status = library().sy_paged_attention(
         query.data_ptr(),
@@ -249,15 +245,12 @@ def decoder_layers(
     num_tokens, hidden = x.shape
     num_requests, max_blocks = block_tables.shape
     _check_float32(x, cos, sin)
-    _check_int64(slots, block_tables, query_starts, context_starts)
+    _check_int64(slots)
     if cos.shape != (num_tokens, 1, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"cos/sin {tuple(cos.shape)} do not fit {num_tokens} tokens")
     if slots.shape != (num_tokens,):
         raise ValueError(f"{num_tokens} tokens need as many slots")
-    if query_starts.shape != (num_requests + 1,) or context_starts.shape != (num_requests,):
-        raise ValueError(f"{num_requests} block tables need as many starts")
-    if not supports_attention(num_heads, num_kv_heads, head_dim):
-        raise ValueError(f"no paged kernel for {num_heads}/{num_kv_heads} heads of {head_dim}")
+    _check_step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, head_dim))
     out = torch.empty_like(x)
     status = library().sy_decoder_layers(
         linear,
@@ -287,6 +280,23 @@ def decoder_layers(
     if status != 0:
         raise MemoryError("the layer stack could not allocate its buffers")
     return out, x
+
+
+def _check_step(
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    context_starts: torch.Tensor,
+    heads: tuple[int, int, int],
+) -> None:
+    """That a step's block tables and starts are int64 and agree, and that the kernel takes
+    ``heads`` (num_heads, num_kv_heads, head_dim)."""
+    _check_int64(block_tables, query_starts, context_starts)
+    num_requests = block_tables.shape[0]
+    if query_starts.shape != (num_requests + 1,) or context_starts.shape != (num_requests,):
+        raise ValueError(f"{num_requests} block tables need as many starts")
+    if not supports_attention(*heads):
+        num_heads, num_kv_heads, head_dim = heads
+        raise ValueError(f"no paged kernel for {num_heads}/{num_kv_heads} heads of {head_dim}")
 
 
 def _check_float32(*tensors: torch.Tensor) -> None:

@@ -16,24 +16,21 @@ with a LoRA adapter (whose products join the linear layers' outputs). Elsewhere,
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from worker import parallel
 from worker.attention import AttentionKind, AttentionMetadata
 from worker.kv_cache import KVCache
 from worker.models import cpu_ops, panel_gemm
 
-if TYPE_CHECKING:
-    from worker.models.llama import LlamaForCausalLM
-
 
 class FusedLayers:
     """The C layer stack of one model: its layers' weight addresses, kept with the model."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        """Use ``build``, which checks that the model fits."""
+    def __init__(self, model: nn.Module) -> None:
+        """Use ``build``, which checks that the model (a ``LlamaForCausalLM``) fits."""
         layers = model.model.layers
         first = layers[0]
         attention, mlp = first.self_attn, first.mlp
@@ -57,8 +54,9 @@ class FusedLayers:
         self._scale = attention.head_dim**-0.5
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM) -> FusedLayers | None:
-        """The layer stack of ``model``, or None where a piece of it has no CPU kernel."""
+    def build(cls, model: nn.Module) -> FusedLayers | None:
+        """The layer stack of ``model`` (a ``LlamaForCausalLM``, loaded), or None where a piece
+        of it has no CPU kernel."""
         layers = model.model.layers
         if (
             model.attention_kind is not AttentionKind.IN_PLACE_CPU
@@ -135,7 +133,7 @@ class FusedLayers:
         )
 
 
-def _linears(layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def _linears(layer: nn.Module) -> dict[str, nn.Module]:
     """A decoder layer's linear layers by their ``LayerWeights`` field names."""
     return {
         "qkv": layer.self_attn.qkv_proj,

@@ -173,7 +173,12 @@ class FakeScheduler:
         poller.register(self._socket, zmq.POLLIN)
         next_step = time.monotonic()
         while not self._stop.is_set():
-            timeout_ms = max(0.0, next_step - time.monotonic()) * 1000
+            # Idle, wait for a message (up to 50 ms, to see stop()); running, until the next
+            # step, in whole milliseconds (ZeroMQ's unit: a fraction rounded down to 0 polled
+            # without waiting, and an idle fake spun a core, slowing the tests beside it).
+            with self._lock:
+                idle = not self._running
+            timeout_ms = 50 if idle else math.ceil(max(0.0, next_step - time.monotonic()) * 1000)
             if poller.poll(timeout=min(timeout_ms, 50)):
                 identity, *_, frame = self._socket.recv_multipart()
                 if not self.silent:

@@ -16,6 +16,8 @@ with a LoRA adapter (whose products join the linear layers' outputs). Elsewhere,
 from __future__ import annotations
 
 import ctypes
+import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -50,6 +52,8 @@ class FusedLayers:
             attention.num_kv_heads,
             attention.head_dim,
         )
+        self._cache: Callable[[], KVCache | None] = lambda: None
+        """The KV cache the weights' fields point at (a weak reference), or None yet."""
         self._eps = first.input_layernorm.eps
         self._scale = attention.head_dim**-0.5
 
@@ -93,6 +97,20 @@ class FusedLayers:
                     return None
         return cls(model)
 
+    def _point_at(self, kv_cache: KVCache) -> None:
+        """Put ``kv_cache``'s layers in the weights' fields, once per cache (its tensors are
+        set when it is built; a step with another cache points at that one)."""
+        self._cache = lambda: None  # until every layer points at it
+        _, _, num_kv_heads, head_dim = self._shape
+        layer_shape = (kv_cache.num_blocks, kv_cache.block_size, num_kv_heads, head_dim)
+        for index, fields in enumerate(self._weights):
+            key_cache, value_cache = kv_cache.layer(index)
+            if not (_fits(key_cache, layer_shape) and _fits(value_cache, layer_shape)):
+                raise ValueError(f"layer {index}'s KV cache does not fit {layer_shape}")
+            fields.key_cache = key_cache.data_ptr()
+            fields.value_cache = value_cache.data_ptr()
+        self._cache = weakref.ref(kv_cache)  # weak: a replaced cache's memory is freed
+
     def serves(self, metadata: AttentionMetadata) -> bool:
         """Whether this step runs here: attention in place, and no row with a LoRA adapter."""
         if not metadata.in_place_cpu:
@@ -110,14 +128,8 @@ class FusedLayers:
         """The layers over ``x`` (num_tokens, hidden; the embeddings, ours, contiguous, and the
         residual stream afterwards): (the last layer's output, the residual stream before it),
         as the module loop returns them."""
-        _, _, num_kv_heads, head_dim = self._shape
-        layer_shape = (kv_cache.num_blocks, kv_cache.block_size, num_kv_heads, head_dim)
-        for index, fields in enumerate(self._weights):  # the cache may have been replaced
-            key_cache, value_cache = kv_cache.layer(index)
-            if not (_fits(key_cache, layer_shape) and _fits(value_cache, layer_shape)):
-                raise ValueError(f"layer {index}'s KV cache does not fit {layer_shape}")
-            fields.key_cache = key_cache.data_ptr()
-            fields.value_cache = value_cache.data_ptr()
+        if self._cache() is not kv_cache:
+            self._point_at(kv_cache)
         return cpu_ops.decoder_layers(
             self._linear,
             self._weights,

@@ -9,6 +9,8 @@ a half-written model behind and later calls return it without touching transform
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -17,9 +19,15 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from interfaces import envs
+
+if TYPE_CHECKING:
+    import gguf
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +94,14 @@ def _cached_conversion(gguf_path: Path) -> Path:
     target = cache_entry(gguf_path)
     if (target / "config.json").is_file():
         return target
-    _check_gguf_architecture(gguf_path)
+    reader = _read_gguf(gguf_path)
+    _check_gguf_architecture(gguf_path, reader)
     target.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         logger.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
-        _convert_gguf(gguf_path, building)
+        with _parsed_once(gguf_path, reader):
+            _convert_gguf(gguf_path, building)
         _make_readable(building)
         try:
             os.rename(building, target)
@@ -111,13 +121,17 @@ def _make_readable(directory: Path) -> None:
         path.chmod(0o644)
 
 
-def _check_gguf_architecture(gguf_path: Path) -> None:
+def _read_gguf(gguf_path: Path) -> gguf.GGUFReader:
+    """Parse ``gguf_path`` into a ``gguf.GGUFReader``; ``ValueError`` if it is no GGUF file."""
     import gguf
 
     try:
-        reader = gguf.GGUFReader(gguf_path)
+        return gguf.GGUFReader(gguf_path)
     except Exception as error:
         raise ValueError(f"{gguf_path} is not a readable GGUF file: {error}") from error
+
+
+def _check_gguf_architecture(gguf_path: Path, reader: gguf.GGUFReader) -> None:
     field = reader.get_field("general.architecture")
     architecture = field.contents() if field is not None else None
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -125,6 +139,40 @@ def _check_gguf_architecture(gguf_path: Path) -> None:
             f"GGUF architecture {architecture!r} in {gguf_path} is not supported; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
+
+
+_gguf_swap = threading.Lock()
+"""Held while names in the gguf module are swapped, so that two conversions never swap them
+together."""
+
+
+@contextlib.contextmanager
+def _parsed_once(gguf_path: Path, reader: gguf.GGUFReader) -> Iterator[None]:
+    """Within the block, transformers reuses ``reader`` and one tensor-name map per shape.
+
+    transformers parses a GGUF file anew for the config, for the weights and for the tokenizer
+    (the default model's 49,152-token vocabulary and merges: ~4 s a parse on two cores), and
+    builds gguf's tensor-name map again for each of the model's 397 modules (~3.6 s). It looks
+    both up in the gguf module at each call, so the block swaps them there:
+    ``gguf.GGUFReader(gguf_path)`` returns ``reader`` (read-only; other paths and modes get a
+    reader of their own) and ``gguf.get_tensor_name_map`` builds each map once.
+    """
+    import gguf
+
+    with _gguf_swap:
+        build_reader, build_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+        def shared_reader(path, mode="r"):
+            if mode == "r" and Path(path).resolve() == gguf_path:
+                return reader
+            return build_reader(path, mode)
+
+        gguf.GGUFReader = shared_reader
+        gguf.get_tensor_name_map = functools.cache(build_name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = build_reader, build_name_map
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:

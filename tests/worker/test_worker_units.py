@@ -13,6 +13,7 @@ from interfaces import SamplingParams, TextContext, TokenGenerator
 from interfaces.scheduler_to_worker import CachedRequestData, NewRequestData, ScheduledStep
 from interfaces.worker_to_scheduler import MAX_KV_BLOCKS
 from scheduler.config import WorkerLimits
+from worker import model_files
 from worker.attention import build_batch_layout
 from worker.config import WorkerConfig
 from worker.kv_cache import (
@@ -70,6 +71,26 @@ def test_resolve_bad_model_raises_value_error(kind, tmp_path):
     paths["bad-gguf"].write_bytes(b"not a gguf file")
     with pytest.raises(ValueError):
         resolve_model(paths[kind])
+
+
+def test_a_conversion_parses_the_file_once_and_gives_gguf_back_its_names(tmp_path):
+    """Within ``_parsed_once`` transformers' calls get the one reader for the file and one
+    tensor-name map per shape; other files are read as usual; afterwards gguf is as it was."""
+    import gguf
+
+    gguf_path, other_path = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    other_path.write_bytes(b"not a gguf file")
+    reader = object()
+    llama = next(arch for arch, name in gguf.MODEL_ARCH_NAMES.items() if name == "llama")
+    with model_files._parsed_once(gguf_path, reader):
+        assert gguf.GGUFReader(str(gguf_path)) is reader
+        with pytest.raises(ValueError, match="GGUF magic invalid"):
+            gguf.GGUFReader(other_path)
+        name_map = gguf.get_tensor_name_map(llama, 2)
+        assert gguf.get_tensor_name_map(llama, 2) is name_map
+        assert name_map.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader
+    assert gguf.get_tensor_name_map is gguf.tensor_mapping.get_tensor_name_map
 
 
 def test_model_name_for():

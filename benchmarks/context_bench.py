@@ -11,6 +11,8 @@ must read (every weight once, plus every request's keys and values at every laye
 device's read bandwidth (``sum()`` of 1 GiB on the CPU, 4 GiB on CUDA), measured in the same
 run. ``layout`` is the median time of building one step's attention layout on the host and
 copying it to the device (for FlexAttention, its block mask), which the step times leave out.
+On CUDA a third time is the in-place step replayed as a CUDA graph (``worker.cuda_graphs``, as
+the worker runs decode steps), the copy of its inputs included.
 
 Run alone (nothing else on the cores):
   python benchmarks/context_bench.py [--contexts 128,256,...] [--batch-sizes 1,16] \
@@ -58,15 +60,22 @@ def gathered(model) -> Iterator[None]:
 
 
 def time_decode_step(
-    model, batch_size: int, context: int, block_size: int = DEFAULT_BLOCK_SIZE
+    model,
+    batch_size: int,
+    context: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    cuda_graph: bool = False,
 ) -> tuple[list[float], float]:
     """(seconds of ``REPEATS`` decode steps of ``batch_size`` requests at ``context`` tokens in
     blocks of ``block_size``, the median seconds of building one step's layout) with the
-    model's attention."""
+    model's attention. With ``cuda_graph``, each step replays a CUDA graph of it
+    (``worker.cuda_graphs``), its inputs' copy to the device included, and the layout time is 0.
+    """
     import numpy as np
     import torch
 
     from worker.attention import build_batch_layout
+    from worker.cuda_graphs import DecodeGraphs
     from worker.kv_cache import KVCache
 
     config, device = model.config, model.model.norm.weight.device
@@ -79,7 +88,7 @@ def time_decode_step(
     num_blocks = batch_size * blocks_per_request
     cache = KVCache(
         config.num_hidden_layers,
-        num_blocks,
+        num_blocks + 1,  # the last one spare, for a graph's padding rows
         block_size,
         model.num_kv_heads,
         config.head_dim,
@@ -98,22 +107,33 @@ def time_decode_step(
             block_size,
             device,
             kind=model.attention_kind,
-            num_cache_blocks=num_blocks,
+            num_cache_blocks=num_blocks + 1,
         )
 
     synchronize()  # the cache's random fill runs on the device: not part of the layout
-    layout_samples = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        layout = build()
-        synchronize()
-        layout_samples.append(time.perf_counter() - start)
     input_ids = torch.randint(100, config.vocab_size, (batch_size,), device=device)
-    logits_indices = torch.arange(batch_size, device=device)
+    layout_samples = [0.0]
+    if cuda_graph:
+        graphs = DecodeGraphs(model, cache, num_blocks, context, [max(batch_size, 2)])
+        graphs.capture()
+        positions, token_ids = [context - 1] * batch_size, input_ids.tolist()
 
-    def step() -> None:
-        model(input_ids, layout.positions, cache, layout.metadata, logits_indices)
-        synchronize()
+        def step() -> None:
+            graphs.run(positions, pool, token_ids)
+            synchronize()
+
+    else:
+        layout_samples = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            layout = build()
+            synchronize()
+            layout_samples.append(time.perf_counter() - start)
+        logits_indices = torch.arange(batch_size, device=device)
+
+        def step() -> None:
+            model(input_ids, layout.positions, cache, layout.metadata, logits_indices)
+            synchronize()
 
     samples = []
     with torch.inference_mode():  # as the worker runs a step
@@ -162,6 +182,11 @@ def measure(
                     "floor_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3,
                 }
             )
+            if device.type == "cuda":
+                graph_samples, _ = time_decode_step(
+                    model, batch_size, context, block_size, cuda_graph=True
+                )
+                rows[-1]["cuda_graph_ms"] = statistics.median(graph_samples) * 1e3
             print(format_row(rows[-1]), flush=True)
     from torch._dynamo.utils import counters
 
@@ -188,10 +213,11 @@ HEADER = (
 
 
 def format_row(row: dict) -> str:
+    graph = f" {row['cuda_graph_ms']:.2f} |" if "cuda_graph_ms" in row else ""
     return (
         f"| {row['batch_size']} | {row['context']} | {row['kv_bytes'] / 1e6:.0f} "
         f"| {row['in_place_ms']:.2f} | {row['gathered_ms']:.2f} | {row['layout_ms']:.2f} "
-        f"| {row['floor_ms']:.2f} | {row['in_place_ms'] / row['floor_ms']:.2f} |"
+        f"| {row['floor_ms']:.2f} | {row['in_place_ms'] / row['floor_ms']:.2f} |{graph}"
     )
 
 
@@ -211,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(value) for value in args.batch_sizes.split(",")]
     if min(contexts) < 1 or min(batch_sizes) < 1 or args.block_size < 1:
         parser.error("contexts, batch sizes and the block size must be positive")
-    print(HEADER)
-    print("|---" * 8 + "|")
+    graphs = args.device == "cuda"  # a third column: the in-place step replayed as a graph
+    print(HEADER + (" CUDA graph (ms) |" if graphs else ""))
+    print("|---" * (9 if graphs else 8) + "|")
     results = measure(
         resolve_model_dir(args.model_path),
         contexts,

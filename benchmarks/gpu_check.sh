@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in one run on a CUDA machine: the GPU-marked tests, decode-step time against
-# context length (FlexAttention beside the gathered path), and serving benchmarks with each
-# attention backend.
+# context length (FlexAttention beside the gathered path and a CUDA graph's replay), and serving
+# benchmarks with decode steps in CUDA graphs and without.
 #
 #   bash benchmarks/gpu_check.sh SHAPE_DIR [OUT_DIR]
 #
@@ -9,8 +9,9 @@
 # random weights (benchmarks/random_model.py), so no weights need to travel. Wheels in .whl/
 # (for a machine without a package index) are installed first into /tmp/site. Every result
 # lands in OUT_DIR (default: $OUT, else gpu-results/). To fit a shorter run, set CONTEXTS and
-# BATCH_SIZES (context_bench.py's lists), CONCURRENCIES and BACKENDS (--attention-backend
-# values) to fewer values, or SKIP_TESTS=1.
+# BATCH_SIZES (context_bench.py's lists), CONCURRENCIES and SERVERS (of graphs, eager and
+# gathered: the server's default, every step eager, the gathered attention path) to fewer
+# values, or SKIP_TESTS=1.
 set -uo pipefail
 shape_dir=${1:?usage: gpu_check.sh SHAPE_DIR [OUT_DIR]}
 out=${2:-${OUT:-gpu-results}}
@@ -39,11 +40,16 @@ TORCH_LOGS=recompiles timeout 200 python3 benchmarks/context_bench.py \
     --model-path /tmp/random-model --device cuda --dtype bfloat16 --contexts "$contexts" \
     --batch-sizes "$batch_sizes" --output-json "$out/context_cuda.json" 2>&1 \
     | grep -v Warning | tee "$out/context_cuda.log"
+declare -A serve_args=(
+    [graphs]=""
+    [eager]="--max-cudagraph-capture-size 0"
+    [gathered]="--attention-backend gathered"
+)
 for concurrency in ${CONCURRENCIES:-16 64}; do
-    for backend in ${BACKENDS:-auto gathered}; do
-        name="serve_c${concurrency}_$backend"
+    for server in ${SERVERS:-graphs eager gathered}; do
+        name="serve_c${concurrency}_$server"
         timeout 150 python3 benchmarks/serve_bench.py --launch --model-path /tmp/random-model \
-            --serve-args="--attention-backend $backend" --concurrency "$concurrency" \
+            --serve-args="${serve_args[$server]}" --concurrency "$concurrency" \
             --num-prompts $((concurrency * 4)) --output-json "$out/$name.json" 2>&1 \
             | tail -25 | tee "$out/$name.log"
     done

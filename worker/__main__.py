@@ -101,6 +101,7 @@ def _config(settings: WorkerSettings) -> WorkerConfig:
         kv_cache_memory=settings.kv_cache_memory,
         block_size=settings.block_size,
         attention_backend=settings.attention_backend,
+        max_cudagraph_capture_size=settings.max_cudagraph_capture_size,
         max_model_len=settings.model.max_model_len,
         seed=settings.seed,
         served_model_name=settings.model.served_model_name or model_name_for(settings.model.path),

@@ -17,6 +17,8 @@ from worker.settings import ATTENTION_BACKENDS, DTYPE_NAMES, WorkerSettings
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 DEFAULT_GPU_KV_CACHE_FRACTION = 0.8
+MAX_CUDAGRAPH_CAPTURE_SIZE = 4096
+"""Every captured size holds a graph and its buffers: more than a worker could batch is refused."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class WorkerConfig:
     ``dtype`` None means float32 on CPU and bfloat16 on CUDA.
     ``attention_backend``: "auto" reads the KV cache in place where a kernel for the device
     exists, "gathered" always copies blocks into padded batches (``worker.attention``).
+    ``max_cudagraph_capture_size``: on CUDA, decode steps of up to this many requests replay
+    CUDA graphs (``worker.cuda_graphs``); 0 runs every step eagerly.
     ``kv_cache_memory`` is bytes when greater than 1, a fraction of free device memory when in
     (0, 1]; None means 1 GiB on CPU and 0.8 of free memory on CUDA.
     ``max_model_len`` None means the model's ``max_position_embeddings``.
@@ -47,6 +51,7 @@ class WorkerConfig:
     kv_cache_memory: float | None = None
     block_size: int = WorkerSettings.block_size
     attention_backend: str = WorkerSettings.attention_backend
+    max_cudagraph_capture_size: int = WorkerSettings.max_cudagraph_capture_size
     max_model_len: int | None = None
     seed: int | None = None
     served_model_name: str | None = None
@@ -73,6 +78,11 @@ class WorkerConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if not 0 <= self.max_cudagraph_capture_size <= MAX_CUDAGRAPH_CAPTURE_SIZE:
+            raise ValueError(
+                f"max_cudagraph_capture_size must be in [0, {MAX_CUDAGRAPH_CAPTURE_SIZE}], "
+                f"got {self.max_cudagraph_capture_size}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")

@@ -72,13 +72,8 @@ def build_flex_layout(
     num_blocks = -(-(starts + query_lens) // block_size)
     if tables.shape[1] < MIN_SIZE:
         tables = np.pad(tables, ((0, 0), (0, MIN_SIZE - tables.shape[1])))
-    used = np.arange(tables.shape[1]) < num_blocks[:, None]  # (num_requests, max_blocks)
-    used_blocks, used_places = tables[used], np.nonzero(used)[1]  # request by request
     logical_index = np.zeros(num_cache_blocks, dtype=np.int64)
-    logical_index[used_blocks] = used_places
-    if not np.array_equal(logical_index[used_blocks], used_places):
-        # a block at two places would hide keys from one of its requests: refuse the step
-        raise RuntimeError("a block of the step is at two places in its requests' tables")
+    place_blocks(tables, num_blocks, logical_index)
     cache = _CacheView(to_device(logical_index, device), block_size, num_cache_blocks, device)
     is_decode = query_lens == 1
     groups = [np.flatnonzero(is_decode), np.flatnonzero(~is_decode)]
@@ -101,6 +96,21 @@ def build_flex_layout(
                 )
             )
     return FlexLayout(tuple(parts))
+
+
+def place_blocks(
+    tables: np.ndarray, num_blocks: np.ndarray, logical_index: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Set ``logical_index[block]`` to the block's place in its table for every block the
+    requests use (request r: the first ``num_blocks[r]`` of ``tables[r]``); return those
+    blocks and their places, request by request. ``RuntimeError`` when a block is at two
+    places: it would hide keys from one of its requests, so the step is refused."""
+    used = np.arange(tables.shape[1]) < num_blocks[:, None]  # (num_requests, max_blocks)
+    used_blocks, used_places = tables[used], np.nonzero(used)[1]
+    logical_index[used_blocks] = used_places
+    if not np.array_equal(logical_index[used_blocks], used_places):
+        raise RuntimeError("a block of the step is at two places in its requests' tables")
+    return used_blocks, used_places
 
 
 @dataclass(frozen=True)
@@ -128,14 +138,12 @@ def _decode_part(
     indices[: len(starts)] = tables
     positions = np.full(batch_size, -1, dtype=np.int64)
     positions[: len(starts)] = starts
-    indices_tensor = to_device(indices, cache.device)
-    block_mask = BlockMask.from_kv_blocks(
-        to_device(counts, cache.device)[:, None, None],  # (batch_size, 1, 1)
-        indices_tensor[:, None, None],  # (batch_size, 1, 1, max_blocks)
-        BLOCK_SIZE=(QUERY_TILE, cache.block_size),
-        mask_mod=_decode_mask(cache, indices_tensor, to_device(positions, cache.device)),
-        seq_lengths=(1, cache.num_blocks * cache.block_size),
-        compute_q_blocks=False,
+    block_mask = decode_block_mask(
+        to_device(counts, cache.device),
+        to_device(indices, cache.device),
+        to_device(positions, cache.device),
+        cache.logical_index,
+        cache.block_size,
     )
     return FlexPart(block_mask, True, batch_size, token_indices)
 
@@ -206,11 +214,34 @@ def _tile_blocks(
     return counts, indices
 
 
-def _decode_mask(cache: _CacheView, tables: torch.Tensor, positions: torch.Tensor):
+def decode_block_mask(
+    counts: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    logical_index: torch.Tensor,
+    block_size: int,
+) -> BlockMask:
+    """The decode part's block mask over a cache of ``len(logical_index)`` blocks: row b
+    visits the first ``counts[b]`` (int32) blocks of ``tables[b]`` (int32) and sees their keys
+    up to ``positions[b]`` (-1: none); ``logical_index`` holds each visited block's place in its
+    table. The mask keeps these tensors, not copies, so a CUDA graph refills them between
+    replays (``worker.cuda_graphs``)."""
+    return BlockMask.from_kv_blocks(
+        counts[:, None, None],  # (batch_size, 1, 1)
+        tables[:, None, None],  # (batch_size, 1, 1, max_blocks)
+        BLOCK_SIZE=(QUERY_TILE, block_size),
+        mask_mod=_decode_mask(logical_index, block_size, tables, positions),
+        seq_lengths=(1, len(logical_index) * block_size),
+        compute_q_blocks=False,
+    )
+
+
+def _decode_mask(
+    logical_index: torch.Tensor, block_size: int, tables: torch.Tensor, positions: torch.Tensor
+):
     """mask_mod of the decode part: row b's query sees the keys of its own blocks (``tables``
     row b) up to ``positions[b]``. The kernel visits only those blocks anyway; the ownership
     check keeps the mask exact where it is applied densely (eager, on the CPU)."""
-    logical_index, block_size = cache.logical_index, cache.block_size
 
     def mask_mod(batch, head, q, kv):
         block = kv // block_size

@@ -71,7 +71,7 @@ def read_images(
 
 def input_embeddings(
     model: Model,
-    input_ids: torch.Tensor,
+    input_ids: Sequence[int],
     images: Sequence[Sequence[RequestImage]],
     num_computed_tokens: Sequence[int],
     counts: Sequence[int],
@@ -86,7 +86,9 @@ def input_embeddings(
     if not spans:
         return None
     _encode([image for _, image, _, _ in spans if image.features is None], model)
-    embeddings = model.embed(input_ids)  # (num_tokens, hidden_size)
+    device = next(model.parameters()).device
+    embeddings = model.embed(torch.tensor(input_ids, dtype=torch.int64, device=device))
+    # (num_tokens, hidden_size)
     for row, image, first, last in spans:
         rows = image.features[first - image.start : last - image.start]
         embeddings[row : row + last - first] = rows.to(embeddings.dtype)

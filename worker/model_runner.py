@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import msgspec
+import numpy as np
 import torch
 
 from interfaces import RequestID, TextGenerationOutput
@@ -36,10 +37,18 @@ from interfaces.scheduler_to_worker import (
     NewRequestData,
     ScheduledStep,
 )
-from interfaces.worker_to_scheduler import GrammarsReady, KVLayout, LoRAUpdated, RequestFailure
+from interfaces.worker_to_scheduler import (
+    CPU_STEP_TOKENS,
+    CUDA_STEP_TOKENS,
+    GrammarsReady,
+    KVLayout,
+    LoRAUpdated,
+    RequestFailure,
+)
 from worker import flex_attention, parallel
 from worker.attention import AttentionKind, build_batch_layout, choose_attention_kind
 from worker.config import WorkerConfig, default_num_threads
+from worker.cuda_graphs import DecodeGraphs, build_decode_graphs
 from worker.grammar_compiler import GrammarCompiler
 from worker.images import RequestImage, input_embeddings, read_images
 from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_blocks_for_budget
@@ -85,12 +94,31 @@ class ModelRunner:
             self.lora = LoRAAdapters(self.model, config.lora, self.device, self.dtype)
         self._max_model_len = _max_model_len(config, self.model_config)
         self.kv_cache = self._allocate_kv_cache()
-        _check_kv_capacity(self.kv_cache.num_blocks * self.block_size, self._max_model_len)
         self.attention_kind = choose_attention_kind(
             self.model.attention_kind, self.block_size, config.attention_backend
         )
+        graphs_wanted = (
+            self.attention_kind is AttentionKind.FLEX
+            and config.max_cudagraph_capture_size > 0
+            and self.tensor_parallel.world_size == 1
+            and self.model_config.vision is None
+        )
+        self._spare_blocks = 1 if graphs_wanted else 0
+        """Blocks at the cache's end kept from the scheduler: CUDA graphs' padding rows
+        write there (``worker.cuda_graphs``)."""
+        _check_kv_capacity(self.num_kv_blocks * self.block_size, self._max_model_len)
         if self.attention_kind is AttentionKind.FLEX:
             flex_attention.warm_up(*self.kv_cache.layer(0), self.model.num_heads)
+        self.decode_graphs: DecodeGraphs | None = None
+        """Decode steps replayed as CUDA graphs; None: every step runs eagerly."""
+        if graphs_wanted:
+            self.decode_graphs = build_decode_graphs(
+                self.model,
+                self.kv_cache,
+                self.num_kv_blocks,
+                self._max_model_len,
+                config.max_cudagraph_capture_size,
+            )
         self.sampler = Sampler(self.device, config.seed)
         self.grammars: GrammarCompiler | None = None
         """Rank 0's: only it samples, so only it follows grammars."""
@@ -121,8 +149,14 @@ class ModelRunner:
         )
 
     @property
+    def step_tokens(self) -> int:
+        """The step budget this worker suggests to the scheduler (``WorkerReady.step_tokens``)."""
+        return CUDA_STEP_TOKENS if self.device.type == "cuda" else CPU_STEP_TOKENS
+
+    @property
     def num_kv_blocks(self) -> int:
-        return self.kv_cache.num_blocks
+        """Blocks the scheduler may use: the cache's, less any spare."""
+        return self.kv_cache.num_blocks - self._spare_blocks
 
     @property
     def block_size(self) -> int:
@@ -334,22 +368,13 @@ class ModelRunner:
             self._check_schedulable(state, count)
         lora_slots = self._lora_slots(states)
         num_computed = [state.num_computed_tokens for state in states]
-        layout = build_batch_layout(
-            num_computed,
-            counts,
-            [state.block_ids for state in states],
-            self.block_size,
-            self.device,
-            kind=self.attention_kind,
-            num_cache_blocks=self.kv_cache.num_blocks,
-        )
         sampling = [
             i
             for i, (s, n) in enumerate(zip(states, counts, strict=True))
             if _reaches_end(s, n) and s.refusal is None
         ]
         # Each sampling request's last token, and with drafts the drafts before it too.
-        last = layout.last_token_indices.tolist()
+        last = (np.cumsum(counts) - 1).tolist()
         rows = [
             last[i] - len(states[i].drafts) + k
             for i in sampling
@@ -361,16 +386,42 @@ class ModelRunner:
             parallel.group_breaks_on_error("run a forward pass"),
             self._lora_rows(lora_slots, counts),
         ):
-            logits = self.model(
-                input_ids,
-                layout.positions,
-                self.kv_cache,
-                layout.metadata,
-                torch.tensor(rows + prompt_rows.flat_indices, dtype=torch.int64).to(self.device),
-                input_embeddings(
-                    self.model, input_ids, [state.images for state in states], num_computed, counts
-                ),
-            )  # (len(rows) + len(prompt_rows.flat_indices), vocab_size)
+            embeddings = input_embeddings(
+                self.model, input_ids, [state.images for state in states], num_computed, counts
+            )
+            graphs = self.decode_graphs
+            if (
+                graphs is not None
+                and graphs.serves(counts)
+                and embeddings is None
+                and not prompt_rows.flat_indices
+                and all(slot is None for slot in lora_slots)
+            ):
+                logits = graphs.run(
+                    num_computed, [state.block_ids for state in states], input_ids
+                )  # (len(states), vocab_size): one row per request
+                if len(rows) < len(states):
+                    logits = logits[torch.tensor(rows, device=self.device)]
+            else:
+                layout = build_batch_layout(
+                    num_computed,
+                    counts,
+                    [state.block_ids for state in states],
+                    self.block_size,
+                    self.device,
+                    kind=self.attention_kind,
+                    num_cache_blocks=self.kv_cache.num_blocks,
+                )
+                logits = self.model(
+                    torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                    layout.positions,
+                    self.kv_cache,
+                    layout.metadata,
+                    torch.tensor(rows + prompt_rows.flat_indices, dtype=torch.int64).to(
+                        self.device
+                    ),
+                    embeddings,
+                )  # (len(rows) + len(prompt_rows.flat_indices), vocab_size)
         for state, count in zip(states, counts, strict=True):
             state.num_computed_tokens += count
         sampled = [states[i] for i in sampling]
@@ -434,14 +485,14 @@ class ModelRunner:
         finally:
             self.lora.batch.clear()
 
-    def _input_ids(self, states: list[RequestState], counts: list[int]) -> torch.Tensor:
+    def _input_ids(self, states: list[RequestState], counts: list[int]) -> list[int]:
         input_ids = []
         for state, count in zip(states, counts, strict=True):
             start = state.num_computed_tokens
             input_ids.extend(state.token_ids[start : start + count])
             if state.drafts:  # a decode: its last token, then its drafts
                 input_ids.extend(state.drafts)
-        return torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        return input_ids
 
     def _state(self, request_id: RequestID) -> RequestState:
         state = self.requests.get(request_id)

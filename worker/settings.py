@@ -85,6 +85,12 @@ class WorkerSettings:
         "blocks copied into a padded batch for scaled_dot_product_attention)",
         choices=ATTENTION_BACKENDS,
     )
+    max_cudagraph_capture_size: int = setting(
+        128,
+        "--max-cudagraph-capture-size",
+        "on CUDA, the largest decode batch replayed as a CUDA graph (graphs are captured for "
+        "2, 4, 8, 16, ... up to it); 0 runs every step eagerly, as vLLM's --enforce-eager does",
+    )
     seed: int | None = setting(
         None, "--seed", "seed for unseeded requests", default_text="fresh randomness"
     )

@@ -1,5 +1,6 @@
 """CUDA (skipped without a GPU): FlexAttention over the paged cache equals the gathered path;
-the worker's greedy tokens equal transformers'; two GPUs over NCCL give one GPU's tokens."""
+decode steps replayed as CUDA graphs equal the eager pass; the worker's greedy tokens (decode
+steps through its graphs) equal transformers'; two GPUs over NCCL give one GPU's tokens."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.support.decode_steps import compare_decode_steps
 from tests.support.paged_batches import MIXED_REQUESTS, attention_outputs
 from tests.support.parity_scheduler import NUM_NEW_TOKENS, DrivenRequest, FakeScheduler
 from tests.support.tensor_parallel_ranks import run_group, scripted_steps, tiny_requests
@@ -14,6 +16,7 @@ from tests.support.tiny_models import VARIANTS, random_variant
 from worker.attention import AttentionKind
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
+from worker.models.loader import load_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,6 +55,27 @@ def test_flex_attention_equals_the_gathered_path(dtype, tolerance, shape):
         torch.testing.assert_close(flex, gathered, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_captured_decode_graphs_equal_the_eager_pass(dtype, tolerance, tmp_path):
+    """Steps of 7, 1, 8 and 5 decodes through graphs of 2, 4 and 8 rows, the buffers refilled
+    each time: the logits and every cache block but the spare one equal FlexAttention's eager
+    pass (to rounding: padded batches may take other matrix kernels)."""
+    random_variant("llama3-rope-bias-tied", tmp_path)
+    model = load_model(tmp_path, CUDA, dtype)
+    for logits, eager, graph_cache, eager_cache, spare in compare_decode_steps(
+        model, AttentionKind.FLEX, capture=True
+    ):
+        torch.testing.assert_close(logits, eager, rtol=tolerance, atol=tolerance)
+        for graph_layer, eager_layer in zip(
+            graph_cache.key_caches + graph_cache.value_caches,
+            eager_cache.key_caches + eager_cache.value_caches,
+            strict=True,
+        ):
+            torch.testing.assert_close(
+                graph_layer[:spare], eager_layer[:spare], rtol=tolerance, atol=tolerance
+            )
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_cuda_architecture_variants_match_transformers_with_chunked_prefill(variant, tmp_path):
     """Flex attention in the worker: prompts prefilled whole and in chunks after their own
@@ -70,6 +94,7 @@ def test_cuda_architecture_variants_match_transformers_with_chunked_prefill(vari
     )
     runner = ModelRunner(config)
     assert runner.attention_kind is AttentionKind.FLEX
+    assert runner.decode_graphs is not None  # the decode steps replay graphs
     chunks = [[23], [10, 31], [5, 33, 32]]
     requests = [DrivenRequest(f"r{i}", p, chunks[i]) for i, p in enumerate(prompts)]
     assert FakeScheduler(runner).generate(requests) == expected
@@ -96,6 +121,7 @@ def test_cuda_greedy_parity_with_transformers(request, model_fixture):
     )
     runner = ModelRunner(config)
     assert runner.device.type == "cuda" and runner.attention_kind is AttentionKind.FLEX
+    assert runner.decode_graphs is not None
     requests = [DrivenRequest(f"r{i}", p, [len(p)]) for i, p in enumerate(prompts)]
     assert FakeScheduler(runner).generate(requests) == expected
 

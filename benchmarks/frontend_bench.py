@@ -58,6 +58,7 @@ from workload import (
 
 from api_server.config import HttpBind
 from interfaces.settings import to_argv
+from interfaces.worker_to_scheduler import CPU_STEP_TOKENS
 from scheduler.config import SchedulerConfig
 from switchyard.launcher import Launcher
 from switchyard.serve_config import ServeConfig
@@ -95,9 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=64, help="most requests in flight")
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts")
     parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
-    )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=CPU_STEP_TOKENS)
     parser.add_argument(
         "--request-timeout", type=float, default=60.0, help="seconds to wait for any chunk"
     )

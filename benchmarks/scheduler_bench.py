@@ -43,7 +43,7 @@ from workload import (
 from interfaces import SamplingParams, TextContext, msgpack_numpy_decoder, msgpack_numpy_encoder
 from interfaces.scheduler_to_api import SchedulerResults
 from interfaces.scheduler_to_worker import ScheduledStep
-from interfaces.worker_to_scheduler import WorkerOutput, WorkerToSchedulerMessage
+from interfaces.worker_to_scheduler import CPU_STEP_TOKENS, WorkerOutput, WorkerToSchedulerMessage
 from scheduler.config import KVCacheConfig, SchedulerConfig
 from scheduler.placement import new_scheduler
 from scheduler.scheduler import Scheduler
@@ -68,9 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
-    )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=CPU_STEP_TOKENS)
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts")
     parser.add_argument("--output-json", help="write config and results here ('-': stdout)")

@@ -15,6 +15,14 @@ MAX_KV_BLOCKS = 1 << 20
 """The most KV blocks a worker reports in ``WorkerReady``: one whose memory budget holds more
 (a small model on a large GPU) uses this many, and the scheduler refuses a handshake claiming
 more than its ``--max-worker-kv-blocks`` (this by default). 16M tokens of 16-token blocks."""
+CPU_STEP_TOKENS = 512
+"""A CPU group's step budget (``WorkerReady.step_tokens``): a burst of prompts prefilled in one
+multi-second step would hold back every running request's next token (docs/performance.md)."""
+CUDA_STEP_TOKENS = 8192
+"""A GPU group's (vLLM's default for its API server): with decode steps in CUDA graphs, a small
+budget leaves the prompts of a burst waiting many steps for their first token."""
+MAX_STEP_TOKENS = 1 << 20
+"""The largest step budget a handshake may suggest."""
 
 
 class WorkerRole(enum.Enum):
@@ -81,6 +89,10 @@ class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
     """LoRA adapters the group can hold at once (0: LoRA is not enabled)."""
     max_lora_rank: int = 0
     """The largest adapter rank it serves."""
+    step_tokens: int = 0
+    """The per-step token budget the group works best with, which its scheduler takes when
+    ``--max-num-batched-tokens`` was not given: ``CPU_STEP_TOKENS`` on a CPU,
+    ``CUDA_STEP_TOKENS`` on CUDA (0: not reported, the CPU's)."""
 
 
 class RequestFailure(msgspec.Struct, array_like=True, frozen=True):

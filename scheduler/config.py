@@ -3,13 +3,14 @@ their flags (``interfaces.settings``): ``SchedulerSettings`` is ``python -m sche
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from dataclasses import dataclass
 
 from interfaces.lora import LoRAOperation, LoRARequest, lora_request_problem
 from interfaces.settings import component, setting
-from interfaces.worker_to_scheduler import MAX_KV_BLOCKS
+from interfaces.worker_to_scheduler import CPU_STEP_TOKENS, CUDA_STEP_TOKENS, MAX_KV_BLOCKS
 from scheduler.speculative import SpeculativeConfig
 
 
@@ -30,8 +31,9 @@ class SchedulerConfig:
     """Limits of one scheduling step.
 
     ``max_num_batched_tokens`` is the single per-step token budget shared by decodes and prefill
-    chunks; ``max_num_seqs`` caps how many requests run at once. With ``enable_prefix_caching``,
-    requests reuse the KV blocks of identical prompt prefixes.
+    chunks; None leaves each worker group's scheduler the budget the group suggests
+    (``with_step_tokens``). ``max_num_seqs`` caps how many requests run at once. With
+    ``enable_prefix_caching``, requests reuse the KV blocks of identical prompt prefixes.
 
     The queue of requests waiting to run is bounded, so that overload turns into quick "try
     again later" answers instead of unbounded memory and latency: a new request is refused
@@ -41,12 +43,11 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = setting(256, "--max-num-seqs", "most requests per step")
-    # 512 keeps a burst of prompts from being prefilled in one multi-second step on a CPU, which
-    # would hold back every request's first token (docs/performance.md); GPUs want 2048-8192.
-    max_num_batched_tokens: int = setting(
-        512,
+    max_num_batched_tokens: int | None = setting(
+        None,
         "--max-num-batched-tokens",
-        "token budget per step (prefill chunks and decodes); raise it on a GPU",
+        "token budget per step (prefill chunks and decodes)",
+        default_text=f"each worker group's: {CPU_STEP_TOKENS} on a CPU, {CUDA_STEP_TOKENS} on CUDA",
     )
     enable_prefix_caching: bool = setting(
         True,
@@ -134,6 +135,13 @@ class SchedulerConfig:
         """``lora_modules`` as (name, path) pairs (checked on construction)."""
         return [_lora_module(module) for module in self.lora_modules]
 
+    def with_step_tokens(self, suggested: int) -> SchedulerConfig:
+        """This config, or where it sets no ``max_num_batched_tokens`` a copy with the budget a
+        worker group ``suggested`` (``WorkerReady.step_tokens``; 0: the CPU's)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return dataclasses.replace(self, max_num_batched_tokens=suggested or CPU_STEP_TOKENS)
+
     @functools.cached_property
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed ``speculative_config`` (checked on construction)."""
@@ -154,7 +162,7 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )

@@ -334,11 +334,10 @@ class DisaggregatedPlacement(Placement):
         while self.queue:
             # Prompts go on to a prefill group while its queue holds less than a step's budget:
             # blocks are reserved for them on a decode group no sooner than needed.
-            budget = self.config.max_num_batched_tokens
             prefill = [
                 g
                 for g in self._of_role(WorkerRole.PREFILL)
-                if g.scheduler.num_waiting_tokens < budget
+                if g.scheduler.num_waiting_tokens < g.scheduler.config.max_num_batched_tokens
             ]
             # The head fits some decode group once blocks are free: it was admitted against the
             # smallest pool, every pool holds max_model_len tokens (the worker checks) and

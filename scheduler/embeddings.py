@@ -48,7 +48,8 @@ class Embeddings:
         self.counters = counters if counters is not None else SchedulerCounters()
         self.departures = Departures(config)
         """The groups that served and left, for ``groups_away``."""
-        self.groups: set[str] = set()
+        self.groups: dict[str, int] = {}
+        """Each serving group's step budget, in tokens."""
         self.queue: deque[_Input] = deque()
         self.in_flight: dict[str, tuple[EmbeddingsStep, list[_Input]]] = {}
         self._wanted: dict[RequestID, _Input] = {}
@@ -56,10 +57,12 @@ class Embeddings:
         aborted input whose id was submitted again is told apart)."""
         self._next_step_id = 0
 
-    def add_group(self, name: str) -> None:
+    def add_group(self, name: str, step_tokens: int = 0) -> None:
+        """Serve group ``name``, with the step budget it suggests (``WorkerReady.step_tokens``)
+        unless the config sets one."""
         if self.departures.returned(name):
             self.counters.worker_restarts += 1
-        self.groups.add(name)
+        self.groups[name] = self.config.with_step_tokens(step_tokens).max_num_batched_tokens
 
     def remove_group(self, name: str, reason: str, cause: str = WORKER_DIED) -> EmbeddingsByClient:
         """Group ``name`` is gone (it left with ``cause``, a ``MIGRATION_REASONS`` label, until
@@ -67,7 +70,7 @@ class Embeddings:
         group (those already retried fail); with no group left, the queue fails."""
         if name in self.groups:
             self.departures.record(name, cause)
-        self.groups.discard(name)
+        self.groups.pop(name, None)
         _, batch = self.in_flight.pop(name, (None, []))
         failed = []
         for item in reversed(batch):  # to the front of the queue, in their order
@@ -148,7 +151,7 @@ class Embeddings:
         for name in idle:
             if name not in self.groups or name in self.in_flight or not self.queue:
                 continue
-            budget, batch = self.config.max_num_batched_tokens, []
+            budget, batch = self.groups[name], []
             while self.queue and (not batch or len(self.queue[0].context.token_ids) <= budget):
                 item = self.queue.popleft()
                 budget -= len(item.context.token_ids)

@@ -143,7 +143,11 @@ class Placement(abc.ABC):
         prefill_only = ready.role is WorkerRole.PREFILL
         group_counters = self.group_counters.setdefault(group.name, GroupCounters())
         scheduler = new_scheduler(
-            self.config, kv_cache, self.counters, prefill_only, group_counters
+            self.config.with_step_tokens(ready.step_tokens),
+            kv_cache,
+            self.counters,
+            prefill_only,
+            group_counters,
         )
         if self.departures.returned(group.name):
             self.counters.worker_restarts += 1

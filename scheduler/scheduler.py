@@ -74,7 +74,7 @@ class Scheduler:
         across the schedulers of one process); ``group_counters``: where to count this group's
         own prefix-cache lookups (kept across its restarts); fresh sets by default."""
         self.prefill_only = prefill_only
-        self.config = config
+        self.config = config.with_step_tokens(0)  # the group's budget, or the CPU's
         self.kv_cache = kv_cache
         self.block_manager = BlockManager(
             kv_cache.num_blocks, kv_cache.block_size, config.enable_prefix_caching

@@ -505,7 +505,7 @@ class SchedulerServer:
             self._retire(registration, registration.error)
             return
         if registration.now_serving and ready.role is WorkerRole.EMBEDDING:
-            self.embeddings.add_group(ready.group)
+            self.embeddings.add_group(ready.group, ready.step_tokens)
             logger.info("serving embedding group %r: %s", ready.group, ready.model_name)
         elif registration.now_serving:
             group = self._workers.groups[ready.group]

@@ -18,10 +18,10 @@ Why these two terms:
 - The floor, ``--stall-timeout`` (30 s): a group's first steps have no history and include its
   warm-up (kernel compilation, first allocations), and a group that only decoded short
   requests has a small slowest step; neither may be fenced for taking a few seconds. A step
-  holds at most ``--max-num-batched-tokens`` tokens (512 by default; requests prefilled in one
-  1920-token step of the default model had their first token after 3.5-5.7 s on two CPU
-  cores, docs/performance.md), so with the defaults the floor is far above a healthy step;
-  raise it with a much larger budget on slow hardware.
+  holds at most ``--max-num-batched-tokens`` tokens (512 by default on a CPU; requests
+  prefilled in one 1920-token step of the default model had their first token after 3.5-5.7 s
+  on two CPU cores, docs/performance.md), so with the defaults the floor is far above a
+  healthy step; raise it with a much larger budget on slow hardware.
 
 A LoRA load runs in the worker's loop between steps, so a step sent behind one waits for it:
 while a group has LoRA updates unanswered its step is not judged, the oldest update may take

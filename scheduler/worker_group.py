@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 from interfaces.lora import MAX_LORA_RANK, MAX_LORAS
 from interfaces.scheduler_to_api import MAX_GROUP_STATS
-from interfaces.worker_to_scheduler import KVLayout, WorkerReady, WorkerRole
+from interfaces.worker_to_scheduler import MAX_STEP_TOKENS, KVLayout, WorkerReady, WorkerRole
 from scheduler.config import WorkerLimits
 
 SHARED_FIELDS = (
     "model_name", "num_kv_blocks", "block_size", "max_model_len", "role", "kv_layout", "vocab_size",
-    "max_loras", "max_lora_rank",
+    "max_loras", "max_lora_rank", "step_tokens",
 )  # fmt: skip
 """What every rank of a group must report alike."""
 MAX_NAME_LENGTH = 256
@@ -62,6 +62,7 @@ def ready_problem(ready: WorkerReady, limits: WorkerLimits) -> str | None:
         ("vocab_size", ready.vocab_size, 0, MAX_VOCAB_SIZE),
         ("max_loras", ready.max_loras, 0, MAX_LORAS),
         ("max_lora_rank", ready.max_lora_rank, 0, MAX_LORA_RANK),
+        ("step_tokens", ready.step_tokens, 0, MAX_STEP_TOKENS),
     )
     for name, value, low, high in bounds:
         if not low <= value <= high:

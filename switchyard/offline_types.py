@@ -125,12 +125,13 @@ class EngineConfig:
 
     ``session_len`` is the context length (prompt plus output; default: the model's);
     ``max_batch_size`` the most requests per step; ``max_prefill_token_num`` the token budget
-    per step; ``cache_max_entry_count`` the KV cache size, as a fraction of free memory or as
-    bytes with a unit ("2GiB"); ``tp`` the tensor-parallel size. ``logits_processors`` are user
-    logits processors' import paths (``pkg.module:Name``, as ``--logits-processors``) the
-    workers load; a ``GenerationConfig`` applies those it names. ``adapters`` (lmdeploy's) are
-    LoRA adapters, name → PEFT directory, loaded at start; a call's ``adapter_name`` picks one.
-    ``max_lora_rank`` bounds their rank (``--max-lora-rank``).
+    per step (None: 512 on a CPU, 8192 on CUDA); ``cache_max_entry_count`` the KV cache size,
+    as a fraction of free memory or as bytes with a unit ("2GiB"); ``tp`` the tensor-parallel
+    size. ``logits_processors`` are user logits processors' import paths (``pkg.module:Name``,
+    as ``--logits-processors``) the workers load; a ``GenerationConfig`` applies those it
+    names. ``adapters`` (lmdeploy's) are LoRA adapters, name → PEFT directory, loaded at
+    start; a call's ``adapter_name`` picks one. ``max_lora_rank`` bounds their rank
+    (``--max-lora-rank``).
     """
 
     tp: int = 1
@@ -138,7 +139,7 @@ class EngineConfig:
     max_batch_size: int = SchedulerConfig.max_num_seqs
     cache_max_entry_count: float | str | None = None
     block_size: int = 16
-    max_prefill_token_num: int = SchedulerConfig.max_num_batched_tokens
+    max_prefill_token_num: int | None = SchedulerConfig.max_num_batched_tokens
     enable_prefix_caching: bool = True
     device_type: str | None = None
     dtype: str | None = None

@@ -360,6 +360,7 @@ class WorkerServer:
             self.receiver.address if self.receiver is not None else "",
             runner.vocab_size,
             *getattr(runner, "lora_limits", (0, 0)),
+            step_tokens=getattr(runner, "step_tokens", 0),
         )
 
     def _send_if_driver(self, socket: zmq.Socket, message: WorkerToSchedulerMessage) -> None:

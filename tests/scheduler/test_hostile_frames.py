@@ -319,6 +319,10 @@ HOSTILE_HANDSHAKES = {
     "a context of 2**40": ({"max_model_len": 2**40}, "max_model_len 1099511627776 is outside"),
     "a vocabulary of 2**40": ({"vocab_size": 2**40}, "vocab_size 1099511627776 is outside"),
     "2**40 LoRA slots": ({"max_loras": 2**40}, "max_loras 1099511627776 is outside [0, 256]"),
+    "a step budget of 2**40 tokens": (
+        {"step_tokens": 2**40},
+        "step_tokens 1099511627776 is outside [0, 1048576]",
+    ),
     "a group name of 100,000 characters": (
         {"group": "g" * 100_000},
         "group must be at most 256 printable characters",

@@ -28,6 +28,7 @@ from interfaces.scheduler_to_worker import (
     Shutdown,
 )
 from interfaces.worker_to_scheduler import (
+    CPU_STEP_TOKENS,
     KVLayout,
     WorkerFailure,
     WorkerOutput,
@@ -105,6 +106,7 @@ def test_worker_serves_steps_survives_hostile_frames_and_shuts_down(
         group=ready.group,
         kv_layout=layout,
         vocab_size=49152,
+        step_tokens=CPU_STEP_TOKENS,  # the step budget a CPU worker suggests
     )
     expected = expected_greedy_tokens(tiny_llama_dir, 2)
 

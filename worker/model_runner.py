@@ -367,7 +367,6 @@ class ModelRunner:
         for state, count in zip(states, counts, strict=True):
             self._check_schedulable(state, count)
         lora_slots = self._lora_slots(states)
-        num_computed = [state.num_computed_tokens for state in states]
         sampling = [
             i
             for i, (s, n) in enumerate(zip(states, counts, strict=True))
@@ -386,42 +385,8 @@ class ModelRunner:
             parallel.group_breaks_on_error("run a forward pass"),
             self._lora_rows(lora_slots, counts),
         ):
-            embeddings = input_embeddings(
-                self.model, input_ids, [state.images for state in states], num_computed, counts
-            )
-            graphs = self.decode_graphs
-            if (
-                graphs is not None
-                and graphs.serves(counts)
-                and embeddings is None
-                and not prompt_rows.flat_indices
-                and all(slot is None for slot in lora_slots)
-            ):
-                logits = graphs.run(
-                    num_computed, [state.block_ids for state in states], input_ids
-                )  # (len(states), vocab_size): one row per request
-                if len(rows) < len(states):
-                    logits = logits[torch.tensor(rows, device=self.device)]
-            else:
-                layout = build_batch_layout(
-                    num_computed,
-                    counts,
-                    [state.block_ids for state in states],
-                    self.block_size,
-                    self.device,
-                    kind=self.attention_kind,
-                    num_cache_blocks=self.kv_cache.num_blocks,
-                )
-                logits = self.model(
-                    torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                    layout.positions,
-                    self.kv_cache,
-                    layout.metadata,
-                    torch.tensor(rows + prompt_rows.flat_indices, dtype=torch.int64).to(
-                        self.device
-                    ),
-                    embeddings,
-                )  # (len(rows) + len(prompt_rows.flat_indices), vocab_size)
+            logits = self._logits(states, counts, input_ids, rows, prompt_rows.flat_indices)
+            # (len(rows) + len(prompt_rows.flat_indices), vocab_size)
         for state, count in zip(states, counts, strict=True):
             state.num_computed_tokens += count
         sampled = [states[i] for i in sampling]
@@ -443,6 +408,52 @@ class ModelRunner:
         finally:
             for state in states:
                 state.drafts = []  # this step's only
+
+    def _logits(
+        self,
+        states: list[RequestState],
+        counts: list[int],
+        input_ids: list[int],
+        rows: list[int],
+        prompt_rows: list[int],
+    ) -> torch.Tensor:
+        """The forward pass over the step's ``input_ids``: float32 logits of flat-batch
+        ``rows + prompt_rows``. A step of single-token decodes replays a CUDA graph
+        (``worker.cuda_graphs``) where one serves it; any other runs eagerly."""
+        num_computed = [state.num_computed_tokens for state in states]
+        block_ids = [state.block_ids for state in states]
+        embeddings = input_embeddings(
+            self.model, input_ids, [state.images for state in states], num_computed, counts
+        )
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and graphs.serves(counts)
+            and embeddings is None
+            and not prompt_rows
+            and (self.lora is None or not self.lora.batch.groups)
+        ):
+            logits = graphs.run(num_computed, block_ids, input_ids)  # a row per request
+            if len(rows) < len(states):
+                logits = logits[torch.tensor(rows, device=self.device)]
+            return logits
+        layout = build_batch_layout(
+            num_computed,
+            counts,
+            block_ids,
+            self.block_size,
+            self.device,
+            kind=self.attention_kind,
+            num_cache_blocks=self.kv_cache.num_blocks,
+        )
+        return self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            layout.positions,
+            self.kv_cache,
+            layout.metadata,
+            torch.tensor(rows + prompt_rows, dtype=torch.int64).to(self.device),
+            embeddings,
+        )
 
     def _follow(
         self, sampled: list[RequestState], capacities: list[int]

@@ -16,7 +16,7 @@ from functools import cache
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from worker.flex_layout import QUERY_TILE, FlexPart, build_flex_layout
 
@@ -70,6 +70,8 @@ def part_attention(
     # decodes: (batch_size, num_heads, 1, head_dim), one query per request;
     # prefills: (1, num_heads, num_rows, head_dim), one sequence
     rows = rows[:, :, None] if part.decodes else rows.transpose(0, 1)[None]
+    if part.splits > 1:  # each request's query once for each slice of its blocks
+        rows = rows.repeat_interleave(part.splits, dim=0)
     output = _kernel(query.device.type)(
         rows,
         keys,
@@ -84,11 +86,25 @@ def part_attention(
             "BLOCK_N": part.block_mask.BLOCK_SIZE[1],
             "FORCE_USE_FLEX_ATTENTION": True,
         },
+        return_aux=AuxRequest(lse=True) if part.splits > 1 else None,
     )
+    if part.splits > 1:
+        return _merge_splits(*output, part.splits)[:num_tokens]
     if part.decodes:  # (batch_size, num_heads, 1, head_dim)
         return output[:num_tokens, :, 0]
     # (1, num_heads, num_rows, head_dim)
     return output[0, :, :num_tokens].transpose(0, 1)  # (num_tokens, num_heads, head_dim)
+
+
+def _merge_splits(output: torch.Tensor, aux, splits: int) -> torch.Tensor:
+    """Each request's attention from its rows' (``splits`` consecutive rows, each over a slice
+    of its keys): the rows' outputs (rows, heads, 1, head_dim) weighted by the softmax of their
+    log-sum-exps (rows, heads, 1), a row that saw no key weighing 0. (num_requests, heads,
+    head_dim), in the output's dtype."""
+    _, num_heads, _, head_dim = output.shape
+    weights = torch.softmax(aux.lse.view(-1, splits, num_heads), dim=1)  # float32
+    merged = (output.view(-1, splits, num_heads, head_dim).float() * weights[..., None]).sum(1)
+    return merged.to(output.dtype)
 
 
 def warm_up(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> None:
@@ -135,8 +151,14 @@ def _kernel(device_type: str):
     return _eager
 
 
-def _eager(query, keys, values, block_mask, scale, enable_gqa, kernel_options):
+def _eager(query, keys, values, block_mask, scale, enable_gqa, kernel_options, return_aux):
     """FlexAttention without compiling; ``kernel_options`` are the Triton kernel's alone."""
     return flex_attention(
-        query, keys, values, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+        query,
+        keys,
+        values,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_aux=return_aux,
     )

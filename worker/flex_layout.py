@@ -48,6 +48,9 @@ class FlexPart:
     decodes: bool
     num_rows: int
     token_indices: torch.Tensor | None
+    splits: int = 1
+    """Decodes: block-mask rows per request, each over its own slice of the request's table
+    (``decode_block_mask``), their outputs merged by their log-sum-exps."""
 
 
 @dataclass(frozen=True)
@@ -220,36 +223,58 @@ def decode_block_mask(
     positions: torch.Tensor,
     logical_index: torch.Tensor,
     block_size: int,
+    splits: int = 1,
 ) -> BlockMask:
-    """The decode part's block mask over a cache of ``len(logical_index)`` blocks: row b
+    """The decode part's block mask over a cache of ``len(logical_index)`` blocks: request b
     visits the first ``counts[b]`` (int32) blocks of ``tables[b]`` (int32) and sees their keys
     up to ``positions[b]`` (-1: none); ``logical_index`` holds each visited block's place in its
     table. The mask keeps these tensors, not copies, so a CUDA graph refills them between
-    replays (``worker.cuda_graphs``)."""
+    replays (``worker.cuda_graphs``).
+
+    With ``splits`` > 1, request b is rows b * splits + s, row s visiting the s-th slice of
+    b's table (``tables`` as wide as a multiple of ``splits``); ``counts`` then holds each
+    row's count, (num_requests * splits,)."""
+    num_rows = tables.shape[0] * splits
     return BlockMask.from_kv_blocks(
-        counts[:, None, None],  # (batch_size, 1, 1)
-        tables[:, None, None],  # (batch_size, 1, 1, max_blocks)
+        counts[:, None, None],  # (num_rows, 1, 1)
+        tables.view(num_rows, -1)[:, None, None],  # (num_rows, 1, 1, blocks per row)
         BLOCK_SIZE=(QUERY_TILE, block_size),
-        mask_mod=_decode_mask(logical_index, block_size, tables, positions),
+        mask_mod=_decode_mask(logical_index, block_size, tables, positions, splits),
         seq_lengths=(1, len(logical_index) * block_size),
         compute_q_blocks=False,
     )
 
 
 def _decode_mask(
-    logical_index: torch.Tensor, block_size: int, tables: torch.Tensor, positions: torch.Tensor
+    logical_index: torch.Tensor,
+    block_size: int,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    splits: int,
 ):
-    """mask_mod of the decode part: row b's query sees the keys of its own blocks (``tables``
-    row b) up to ``positions[b]``. The kernel visits only those blocks anyway; the ownership
-    check keeps the mask exact where it is applied densely (eager, on the CPU)."""
+    """mask_mod of the decode part: a row of request b sees the keys of b's own blocks
+    (``tables`` row b; split: of its slice of them) up to ``positions[b]``. The kernel visits
+    only the row's blocks anyway; the ownership check keeps the mask exact where it is applied
+    densely (eager, on the CPU)."""
+    if splits == 1:
 
-    def mask_mod(batch, head, q, kv):
+        def mask_mod(batch, head, q, kv):
+            block = kv // block_size
+            logical = logical_index[block]
+            owned = tables[batch, logical] == block
+            return owned & (logical * block_size + kv % block_size <= positions[batch])
+
+        return mask_mod
+    per_row = tables.shape[1] // splits
+
+    def split_mask_mod(batch, head, q, kv):
+        request = batch // splits
         block = kv // block_size
         logical = logical_index[block]
-        owned = tables[batch, logical] == block
-        return owned & (logical * block_size + kv % block_size <= positions[batch])
+        owned = (tables[request, logical] == block) & (logical // per_row == batch % splits)
+        return owned & (logical * block_size + kv % block_size <= positions[request])
 
-    return mask_mod
+    return split_mask_mod
 
 
 def _prefill_mask(

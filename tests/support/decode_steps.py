@@ -16,6 +16,7 @@ MAX_MODEL_LEN = 1024
 STEPS = [
     [37, 17, 40, 3, 100, 0, 64],  # seven decodes, one at a block's first slot, a prefix shared
     [5],  # a lone decode: padded to two rows
+    [700],  # a lone long decode: the split graph of two rows, where keys are split
     [16, 31, 32, 47, 500, 1, 2, 900],  # a full bucket of eight, long contexts among them
     [20, 300, 41, 7, 8],  # fewer rows than the last step: its rows must not leak in
 ]
@@ -48,16 +49,25 @@ def copy_cache(cache: KVCache) -> KVCache:
     return copy
 
 
-def compare_decode_steps(model, reference_kind: AttentionKind, capture: bool, max_size: int = 8):
-    """Run ``STEPS`` through one ``DecodeGraphs`` (its graphs captured when ``capture``) and
-    eagerly (attention ``reference_kind``) on two copies of one random cache; yield, per step,
-    (graph logits, eager logits, graph cache, eager cache, spare block)."""
+def compare_decode_steps(
+    model,
+    reference_kind: AttentionKind,
+    capture: bool,
+    max_size: int = 8,
+    processors: int | None = None,
+):
+    """Run ``STEPS`` through one ``DecodeGraphs`` (its graphs captured when ``capture``; keys
+    split for ``processors``) and eagerly (attention ``reference_kind``) on two copies of one
+    random cache; yield, per step, (graph logits, eager logits, graph cache, eager cache, spare
+    block)."""
     requests = [(context, 1) for step in STEPS for context in step]
     block_ids, num_blocks = shared_prefix_batch(requests, BLOCK_SIZE)
     spare = num_blocks  # the cache has one block more than the requests' pool
     graph_cache = random_cache(model, num_blocks + 1)
     eager_cache = copy_cache(graph_cache)
-    graphs = DecodeGraphs(model, graph_cache, spare, MAX_MODEL_LEN, capture_sizes(max_size))
+    graphs = DecodeGraphs(
+        model, graph_cache, spare, MAX_MODEL_LEN, capture_sizes(max_size), processors
+    )
     if capture:
         graphs.capture()
         # The capture's warm-up wrote the spare block only: both caches agree elsewhere.

@@ -12,7 +12,7 @@ from tests.support.decode_steps import compare_decode_steps, random_cache
 from tests.support.parity_scheduler import NUM_NEW_TOKENS, DrivenRequest, FakeScheduler
 from worker.attention import AttentionKind
 from worker.config import WorkerConfig
-from worker.cuda_graphs import DecodeGraphs, capture_sizes
+from worker.cuda_graphs import DecodeGraphs, capture_sizes, key_splits
 from worker.flex_layout import place_blocks
 from worker.model_runner import ModelRunner
 from worker.models.loader import load_model
@@ -26,10 +26,21 @@ def test_capture_sizes_cover_every_batch_up_to_the_largest():
     assert capture_sizes(20) == [2, 4, 8, 16, 20]
 
 
-def test_decode_steps_in_the_static_buffers_equal_the_eager_pass(tiny_llama_dir):
+def test_key_splits_fill_the_processors_with_few_requests():
+    assert [key_splits(size, 9, 132) for size in (2, 4, 8, 16, 24, 32, 64)] == [
+        16, 8, 4, 2, 2, 1, 1,
+    ]  # fmt: skip
+    assert key_splits(2, 9, 1) == 1  # one processor: nothing to fill
+
+
+@pytest.mark.parametrize("processors", [1, 64])
+def test_decode_steps_in_the_static_buffers_equal_the_eager_pass(tiny_llama_dir, processors):
+    """With one processor nothing is split; with 64, the steps with a context of 512 tokens or
+    more take the split graphs: the lone decode at 700 (16 slices) and the eight requests up to
+    900 (8 slices)."""
     model = load_model(tiny_llama_dir, torch.device("cpu"), torch.float32)
     for logits, eager, graph_cache, eager_cache, spare in compare_decode_steps(
-        model, AttentionKind.GATHERED, capture=False
+        model, AttentionKind.GATHERED, capture=False, processors=processors
     ):
         torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
         for graph_layer, eager_layer in zip(

@@ -55,15 +55,17 @@ def test_flex_attention_equals_the_gathered_path(dtype, tolerance, shape):
         torch.testing.assert_close(flex, gathered, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("processors", [None, 1])
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
-def test_captured_decode_graphs_equal_the_eager_pass(dtype, tolerance, tmp_path):
-    """Steps of 7, 1, 8 and 5 decodes through graphs of 2, 4 and 8 rows, the buffers refilled
-    each time: the logits and every cache block but the spare one equal FlexAttention's eager
-    pass (to rounding: padded batches may take other matrix kernels)."""
+def test_captured_decode_graphs_equal_the_eager_pass(dtype, tolerance, processors, tmp_path):
+    """Steps of 7, 1, 1, 8 and 5 decodes through graphs of 2, 4 and 8 rows, the buffers
+    refilled each time, the long steps' keys split (for the GPU's multiprocessors) or not: the
+    logits and every cache block but the spare one equal FlexAttention's eager pass
+    (to rounding: padded batches may take other matrix kernels)."""
     random_variant("llama3-rope-bias-tied", tmp_path)
     model = load_model(tmp_path, CUDA, dtype)
     for logits, eager, graph_cache, eager_cache, spare in compare_decode_steps(
-        model, AttentionKind.FLEX, capture=True
+        model, AttentionKind.FLEX, capture=True, processors=processors
     ):
         torch.testing.assert_close(logits, eager, rtol=tolerance, atol=tolerance)
         for graph_layer, eager_layer in zip(

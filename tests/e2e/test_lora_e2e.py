@@ -98,9 +98,11 @@ def test_mixed_batches_load_unload_and_reload_under_traffic(server, expected, ti
             assert future.result() == expected[name, NUM_TOKENS], model
         unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "alpha"})
         assert unloaded.status_code == 200
-        if not long_alpha.done():  # its adapter is held for it, and reported as running
-            # (beta too, for as long as the scheduler's stats lag its last requests)
-            running = RUNNING_ADAPTERS.search(httpx.get(f"{url}/metrics").text)
+        running = RUNNING_ADAPTERS.search(httpx.get(f"{url}/metrics").text)
+        if not long_alpha.done():  # running when the metrics were read: its adapter is held
+            # for it, and reported as running (beta too, for as long as the scheduler's stats
+            # lag its last requests). Read before asking, not after: on a loaded machine the
+            # stream could end in between.
             assert "alpha" in running.group(1).split(",")
         assert long_alpha.result() == expected["alpha", LONG_TOKENS]
 

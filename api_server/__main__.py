@@ -18,7 +18,9 @@ import argparse
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import setproctitle
 import uvicorn
@@ -126,6 +128,11 @@ def _generation_model_dir(model: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Until the server runs, a SIGTERM/SIGINT is noted rather than fatal: a process stopped
+    # while it starts (a pod scaled down while loading, a sibling on the same socket already
+    # ready) exits 0 once its start-up work ends, without serving.
+    stop_signals: list[int] = []
+    _route_stop_signals(lambda signum, _frame: stop_signals.append(signum))
     args = parse_args(argv)
     configure_logging("api-server", args.log_level, args.log_format)
     setproctitle.setproctitle(PROCESS_TITLE)
@@ -139,10 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", error)
         return 2
     where = {"fd": args.fd} if args.fd is not None else {"host": args.host, "port": args.port}
-    # After a second signal uvicorn restores the handlers it found and re-raises the signal.
-    # With these no-op handlers found, the re-raise ends nothing, so even that exits 0.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: None)
     server_config = uvicorn.Config(
         app,
         log_config=None,  # uvicorn's loggers go through ours (configure_logging)
@@ -153,8 +156,21 @@ def main(argv: list[str] | None = None) -> int:
         **where,
     )
     server = DrainingServer(server_config, app, args.shutdown_timeout)
+    # From here a signal goes to the server, which uvicorn then captures while it serves; a
+    # signal before that makes it stop as soon as it has started. Once it has served, uvicorn
+    # restores the handler it found (this one) and re-raises each signal it captured: the
+    # finished server takes them, so even a second signal exits 0.
+    _route_stop_signals(server.handle_exit)
+    if stop_signals:
+        logger.info("received %s while starting; not serving", signal.Signals(stop_signals[0]).name)
+        return 0
     server.run()
     return 1 if server.refused else 0
+
+
+def _route_stop_signals(handler: Callable[[int, FrameType | None], object]) -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -105,3 +106,36 @@ def test_an_api_server_serves_embeddings_alone_or_refuses_to_serve_nothing() -> 
         build_config(
             parse_args(["--scheduler-addr", "ipc://s", "--max-model-len", "9", *embedding_model])
         )
+
+
+def test_a_sigterm_while_starting_exits_cleanly_before_serving(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """A server told to stop before it serves (Kubernetes scaling down a pod that is still
+    loading, or the launcher stopping a process its sibling already made ready) exits 0 instead
+    of dying of the signal, and never starts to serve."""
+    scheduler = FakeScheduler(f"ipc://{tmp_path}/scheduler.ipc").start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    argv = [sys.executable, "-m", "api_server", "--model", str(default_model_dir)]
+    argv += ["--scheduler-addr", scheduler.address, "--fd", str(listener.fileno())]
+    process = subprocess.Popen(
+        argv, cwd=ROOT, pass_fds=(listener.fileno(),), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        cmdline = Path(f"/proc/{process.pid}/cmdline")
+        deadline = time.monotonic() + 60
+        # setproctitle runs first in main(): from then on the process is starting up.
+        while not cmdline.read_bytes().startswith(b"switchyard-api-server"):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        listener.close()
+        scheduler.stop()
+    assert process.returncode == 0, stderr
+    assert "received SIGTERM while starting" in stderr
+    assert "Uvicorn running" not in stderr and "Application startup complete" not in stderr

@@ -15,7 +15,7 @@ SOURCE = Path(cpu_ops.__file__).with_name("cpu_ops.c")
 def test_a_case_beside_the_same_source_agrees_to_the_bit(capsys):
     if cpu_ops.library() is None:
         pytest.skip("no C compiler here")
-    args = ["--cases", "3x40,1x17", "--rounds", "2", "--compare", str(SOURCE)]
+    args = ["--cases", "3x40,1x17", "--rounds", "2", "--layers", "2", "--compare", str(SOURCE)]
     assert attention_bench.main(args) == 0
     header, _, *rows = capsys.readouterr().out.splitlines()
     assert header == "| batch x context | this | compared | largest gap |"
@@ -28,3 +28,5 @@ def test_cases_and_heads_the_kernel_cannot_take_are_refused():
         attention_bench.main(["--cases", "0x10"])
     with pytest.raises(SystemExit):
         attention_bench.main(["--heads", "9,3,60"])
+    with pytest.raises(SystemExit):
+        attention_bench.main(["--layers", "0"])

@@ -33,7 +33,12 @@ from api_server.config import (
     EngineClientConfig,
     resolve_max_model_len,
 )
-from api_server.generation_config import AUTO, NO_DEFAULTS, load_generation_defaults
+from api_server.generation_config import (
+    AUTO,
+    NO_DEFAULTS,
+    generation_limit,
+    load_generation_defaults,
+)
 from api_server.limits import uvicorn_options
 from api_server.shutdown import DrainingServer
 from interfaces import envs
@@ -68,7 +73,7 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
     envs.shm_namespace()  # a malformed SWITCHYARD_SHM_NAMESPACE fails here, not per image
     model, embedding = settings.model, settings.embedding
     model_dir = served_model_name = max_model_len = None
-    generation_defaults = NO_DEFAULTS
+    generation_defaults, max_new_tokens_limit = NO_DEFAULTS, None
     if model.path is not None:
         model_dir = _generation_model_dir(model.path)
         served_model_name = model.served_model_name or model_dir.resolve().name
@@ -76,6 +81,7 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
         generation_defaults = load_generation_defaults(
             model_dir, settings.generation_config, log=True
         )
+        max_new_tokens_limit = generation_limit(generation_defaults, settings.generation_config)
     elif model.served_model_name is not None or model.max_model_len is not None:
         raise ValueError("--served-model-name and --max-model-len describe --model; give it")
     elif settings.generation_config != AUTO:
@@ -107,6 +113,7 @@ def build_config(args: argparse.Namespace) -> ApiServerConfig:
         media=settings.media,
         request_limits=settings.request_limits,
         generation_defaults=generation_defaults,
+        max_new_tokens_limit=max_new_tokens_limit,
         reasoning_parser=settings.reasoning_parser,
         logits_processor_names=settings.logits_processors.names,
         responses_store=settings.responses_store,

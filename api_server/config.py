@@ -257,6 +257,9 @@ class ApiServerConfig:
     """Where chat images may come from (api_server.images)."""
     generation_defaults: SamplingParamsGenerationConfigDefaults = NO_DEFAULTS
     """Sampling defaults of requests that leave fields out (``--generation-config``)."""
+    max_new_tokens_limit: int | None = None
+    """The most tokens any request may generate: the ``max_new_tokens`` of a generation config
+    given as ``--generation-config DIR``, a server-wide limit as in vLLM; None: none."""
     reasoning_parser: str | None = None
     """Splits chat output into ``reasoning_content`` and ``content`` (``api_server.reasoning``;
     ``--reasoning-parser``); None: no reasoning parsing."""

@@ -5,7 +5,8 @@ temperature 0.6, top_p 0.9). As vLLM's ``--generation-config`` does, they are th
 every request that does not set those fields: ``auto`` (the default) reads the model
 directory's file, ``vllm`` ignores it (OpenAI's defaults: temperature 1, no top-k or top-p
 limit), and a directory reads that directory's file. The fields taken are vLLM's: temperature,
-top_p, top_k, min_p, repetition_penalty and max_new_tokens (the default ``max_tokens``).
+top_p, top_k, min_p, repetition_penalty and max_new_tokens (the default ``max_tokens``; in a
+directory given, also a limit on every request's, as vLLM takes it).
 ``SamplingParamsGenerationConfigDefaults`` is MAX's name for them.
 
 As vLLM reads these files: a value equal to transformers' own default (temperature 1.0,
@@ -188,18 +189,44 @@ def with_generation_defaults(
     return request.model_copy(update=update) if update else request
 
 
+def generation_limit(defaults: SamplingParamsGenerationConfigDefaults, source: str) -> int | None:
+    """The server-wide limit on a request's new tokens that ``--generation-config source`` sets:
+    as in vLLM, a directory given makes its file's ``max_new_tokens`` a limit on every request,
+    where the model's own file (``auto``) only makes it the default of requests that set none.
+    """
+    if source in (AUTO, VLLM) or defaults.max_new_tokens is None:
+        return None
+    logger.info(
+        "max_new_tokens=%d of --generation-config %s limits every request's max_tokens",
+        defaults.max_new_tokens,
+        source,
+    )
+    return defaults.max_new_tokens
+
+
 def with_default_max_new_tokens(
-    context: TextContext, defaults: SamplingParamsGenerationConfigDefaults
+    context: TextContext,
+    defaults: SamplingParamsGenerationConfigDefaults,
+    limit: int | None = None,
 ) -> TextContext:
     """``context`` ending after the model's default ``max_new_tokens`` (but not before its
     ``min_new_tokens``) when its request set no maximum, which the context's room caps as it
-    caps any request without one."""
-    default = defaults.overrides.get("max_new_tokens")
+    caps any request without one; and after ``limit`` new tokens at most, whatever the request
+    asked (``generation_limit``). ``ValueError`` for a request whose ``min_new_tokens`` is above
+    ``limit``."""
     params = context.sampling_params
-    if default is None or params.max_new_tokens is not None:
-        return context
-    max_new_tokens = max(int(default), params.min_new_tokens)
-    if max_new_tokens >= context.max_new_tokens:
+    max_new_tokens = params.max_new_tokens
+    default = defaults.overrides.get("max_new_tokens")
+    if max_new_tokens is None and default is not None:
+        max_new_tokens = max(int(default), params.min_new_tokens)
+    if limit is not None:
+        if params.min_new_tokens > limit:
+            raise ValueError(
+                f"min_tokens ({params.min_new_tokens}) is above this server's limit of {limit} "
+                "new tokens (max_new_tokens of its generation config)"
+            )
+        max_new_tokens = limit if max_new_tokens is None else min(max_new_tokens, limit)
+    if max_new_tokens is None or max_new_tokens >= context.max_new_tokens:
         return context
     return msgspec.structs.replace(
         context,

@@ -325,7 +325,13 @@ async def _new_context(
     except ValueError as error:
         param = "messages" if request.messages is not None else "prompt"
         raise invalid_request(str(error), param=param) from error
-    return with_default_max_new_tokens(context, state.config.generation_defaults)
+    config = state.config
+    try:
+        return with_default_max_new_tokens(
+            context, config.generation_defaults, config.max_new_tokens_limit
+        )
+    except ValueError as error:
+        raise invalid_request(str(error), param="min_tokens") from error
 
 
 def _echo_text(state: ServerState, request: TextGenerationRequest, context: TextContext) -> str:

@@ -19,6 +19,7 @@ from api_server.generation_config import (
     NO_DEFAULTS,
     SamplingParamsGenerationConfigDefaults,
     generation_config_source,
+    generation_limit,
     load_generation_defaults,
     with_default_max_new_tokens,
 )
@@ -32,7 +33,8 @@ MODEL_DEFAULTS = {
     "repetition_penalty": 1.05,
     "max_new_tokens": 7,
 }
-OTHER_DEFAULTS = {"temperature": 0.3, "top_k": 50}  # top_k 50 is transformers' own default
+OTHER_DEFAULTS = {"temperature": 0.3, "top_k": 50, "max_new_tokens": 5}  # top_k 50: transformers'
+"""A directory given: its max_new_tokens is also a limit on every request, as in vLLM."""
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
@@ -69,7 +71,10 @@ def test_transformers_defaults_nulls_and_do_sample_are_no_defaults(tmp_path: Pat
 def test_a_directory_given_takes_its_own_file(tmp_path: Path) -> None:
     model, other = write_config(tmp_path / "model", MODEL_DEFAULTS), tmp_path / "other"
     write_config(other, OTHER_DEFAULTS)
-    assert load_generation_defaults(model, str(other)).overrides == {"temperature": 0.3}
+    defaults = load_generation_defaults(model, str(other))
+    assert defaults.overrides == {"temperature": 0.3, "max_new_tokens": 5}
+    assert generation_limit(defaults, str(other)) == 5
+    assert generation_limit(load_generation_defaults(model), "auto") is None
     with pytest.raises(ValueError) as raised:
         load_generation_defaults(model, str(tmp_path / "missing"))
     expected = f"--generation-config {tmp_path / 'missing'}: there is no "
@@ -166,6 +171,23 @@ def test_the_default_max_new_tokens_is_capped_by_the_room_and_min_tokens() -> No
     asked = context(10, 13, max_new_tokens=3)  # the request's own maximum
     assert with_default_max_new_tokens(asked, defaults) is asked
     assert with_default_max_new_tokens(context(10, 100), NO_DEFAULTS).max_length == 100
+
+
+def test_a_limit_caps_what_a_request_asks_and_refuses_min_tokens_above_it() -> None:
+    defaults = SamplingParamsGenerationConfigDefaults(max_new_tokens=7)
+    asked = context(10, 30, max_new_tokens=20)
+    capped = with_default_max_new_tokens(asked, defaults, limit=7)
+    assert (capped.max_length, capped.sampling_params.max_new_tokens) == (17, 7)
+    below = context(10, 13, max_new_tokens=3)
+    assert with_default_max_new_tokens(below, defaults, limit=7) is below
+    unset = with_default_max_new_tokens(context(10, 100), NO_DEFAULTS, limit=4)
+    assert (unset.max_length, unset.sampling_params.max_new_tokens) == (14, 4)
+    room = context(10, 12)  # the context's room (2) is below the limit
+    assert with_default_max_new_tokens(room, defaults, limit=7) is room
+    at_limit = context(10, 100, min_new_tokens=7)
+    assert with_default_max_new_tokens(at_limit, defaults, limit=7).max_length == 17
+    with pytest.raises(ValueError, match=r"min_tokens \(8\) is above this server's limit of 7"):
+        with_default_max_new_tokens(context(10, 100, min_new_tokens=8), defaults, limit=7)
 
 
 def test_a_bad_file_given_stops_the_api_server_at_start(
@@ -292,10 +314,39 @@ def test_completions_keep_16_unless_max_tokens_is_null_as_in_vllm(server) -> Non
 def test_vllm_ignores_the_file_and_a_directory_takes_its_own(server) -> None:
     assert submit(server, {"seed": 5}, "vllm").sampling_params == SamplingParams(top_k=-1, seed=5)
     assert submit(server, {"seed": 5}, "dir").sampling_params == SamplingParams(
-        top_k=-1, temperature=0.3, seed=5
+        top_k=-1, temperature=0.3, max_new_tokens=5, seed=5
     )
     completion = submit(server, {"seed": 5}, "vllm", route="completions")
     assert completion.sampling_params.max_new_tokens == 16
+
+
+def test_a_directory_given_limits_every_request_as_in_vllm(server) -> None:
+    """The model's own file (auto) only gives a default; a directory's max_new_tokens caps
+    what a request asks (vLLM's ``--generation-config DIR``), and a min_tokens above it is a
+    400 beside an innocent request that still completes."""
+    asked = {"max_tokens": 9, "seed": 5}
+    assert submit(server, asked, "auto", route="completions").sampling_params.max_new_tokens == 9
+    limited = submit(server, asked, "dir", route="completions")
+    assert limited.sampling_params.max_new_tokens == 5
+    assert limited.max_length == limited.num_prompt_tokens + 5
+    chat = submit(server, {"max_completion_tokens": 50, "seed": 5}, "dir")
+    assert chat.sampling_params.max_new_tokens == 5
+    _, app, url, configs = server
+    app.state.server.config = configs["dir"]
+    try:
+        refused = httpx.post(
+            url + "/v1/chat/completions",
+            json={"messages": MESSAGES, "min_tokens": 6, "max_tokens": 8},
+            timeout=10,
+        )
+        innocent = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES}, timeout=10)
+    finally:
+        app.state.server.config = configs["auto"]
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "min_tokens")
+    assert "min_tokens (6) is above this server's limit of 5 new tokens" in error["message"]
+    assert innocent.status_code == 200, innocent.text
 
 
 def test_serve_checks_the_file_before_starting_anything(tmp_path: Path) -> None:

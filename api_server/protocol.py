@@ -53,6 +53,32 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+def bounded_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` as received, checked: identifier names other than
+    ``CHAT_TEMPLATE_RESERVED``, at most ``MAX_CHAT_TEMPLATE_KWARGS_BYTES`` as JSON
+    (``ValueError`` otherwise, which pydantic makes a 400)."""
+    if kwargs is None:
+        return None
+    for name in kwargs:
+        if not name.isidentifier() or name in CHAT_TEMPLATE_RESERVED:
+            raise ValueError(
+                f"chat_template_kwargs may not set {name!r}: names are identifiers other "
+                f"than {', '.join(sorted(CHAT_TEMPLATE_RESERVED))}"
+            )
+    try:
+        num_bytes = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8", "replace"))
+    except RecursionError as error:
+        raise ValueError("chat_template_kwargs is nested too deeply") from error
+    except ValueError as error:  # e.g. an integer of more digits than Python converts
+        raise ValueError(f"chat_template_kwargs cannot be written as JSON: {error}") from error
+    if num_bytes > MAX_CHAT_TEMPLATE_KWARGS_BYTES:
+        raise ValueError(
+            f"chat_template_kwargs takes {num_bytes} bytes as JSON; the limit is "
+            f"{MAX_CHAT_TEMPLATE_KWARGS_BYTES}"
+        )
+    return kwargs
+
+
 class OpenAIBaseModel(BaseModel):
     """Unknown fields are errors (OpenAI: "Unrecognized request argument supplied: X")."""
 
@@ -273,26 +299,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _bounded_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        if kwargs is None:
-            return None
-        for name in kwargs:
-            if not name.isidentifier() or name in CHAT_TEMPLATE_RESERVED:
-                raise ValueError(
-                    f"chat_template_kwargs may not set {name!r}: names are identifiers other "
-                    f"than {', '.join(sorted(CHAT_TEMPLATE_RESERVED))}"
-                )
-        try:
-            num_bytes = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8", "replace"))
-        except RecursionError as error:
-            raise ValueError("chat_template_kwargs is nested too deeply") from error
-        except ValueError as error:  # e.g. an integer of more digits than Python converts
-            raise ValueError(f"chat_template_kwargs cannot be written as JSON: {error}") from error
-        if num_bytes > MAX_CHAT_TEMPLATE_KWARGS_BYTES:
-            raise ValueError(
-                f"chat_template_kwargs takes {num_bytes} bytes as JSON; the limit is "
-                f"{MAX_CHAT_TEMPLATE_KWARGS_BYTES}"
-            )
-        return kwargs
+        return bounded_template_kwargs(kwargs)
 
     @property
     def max_new_tokens(self) -> int | None:

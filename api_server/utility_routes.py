@@ -1,8 +1,10 @@
 """Routes beside generation, as vLLM has them: POST /tokenize, POST /detokenize, GET /version.
 
 /tokenize takes either a ``prompt`` (special tokens added unless ``add_special_tokens`` is false)
-or chat ``messages`` (rendered with the chat template; ``add_generation_prompt`` defaults to
-true, special tokens are not added again unless asked) and answers the token ids, their count
+or chat ``messages`` (rendered with the chat template as a chat completion renders them:
+``add_generation_prompt`` defaults to true, ``chat_template_kwargs`` such as
+``{"enable_thinking": false}`` are template variables that may override it, as in vLLM, and
+special tokens are not added again unless asked) and answers the token ids, their count
 and the server's ``max_model_len``; for a vision-language model each image part counts as the
 image tokens it becomes (the image itself is not fetched). /detokenize turns token ids back into
 text, special tokens included. Neither talks to the scheduler.
@@ -11,13 +13,14 @@ text, special tokens included. Neither talks to the scheduler.
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from api_server.errors import invalid_request
 from api_server.images import check_images_accepted, image_inputs
-from api_server.protocol import ChatMessage, OpenAIBaseModel
+from api_server.protocol import ChatMessage, OpenAIBaseModel, bounded_template_kwargs
 from api_server.request_builder import check_message, check_unicode, generation_message
 from api_server.request_limits import check_prompt_bytes, messages_bytes, text_bytes
 from api_server.tokenizer import HuggingFaceTokenizer
@@ -34,7 +37,14 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     """None: True for a prompt, False for messages (the template adds what it needs)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Variables for the chat template of ``messages``, bounded as a chat completion's."""
     return_token_strs: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _bounded_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return bounded_template_kwargs(kwargs)
 
 
 class TokenizeResponse(BaseModel):
@@ -116,13 +126,21 @@ def _token_ids(
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request("Give exactly one of prompt and messages", param="prompt")
     if body.prompt is not None:
+        if body.chat_template_kwargs is not None:
+            raise invalid_request(
+                "chat_template_kwargs applies to messages, not a prompt",
+                param="chat_template_kwargs",
+            )
         add_special_tokens = body.add_special_tokens is not False
         return tokenizer.encode_now(body.prompt, add_special_tokens)
     messages = body.messages or []
     for index, message in enumerate(messages):
         check_message(index, message)
     images = image_inputs(messages)
-    options = {"add_generation_prompt": body.add_generation_prompt}
+    options = {
+        "add_generation_prompt": body.add_generation_prompt,
+        **(body.chat_template_kwargs or {}),
+    }
     check_images_accepted(images, tokenizer.why_no_images, model_name)
     try:
         prompt = tokenizer.render_messages([generation_message(m) for m in messages], None, options)

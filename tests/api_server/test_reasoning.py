@@ -413,3 +413,33 @@ def test_special_think_tokens_reach_the_parser(default_model_dir: Path, tmp_path
         assert (message.reasoning_content, message.content) == ("Blue.", "Rayleigh.")
     finally:
         harness.close()
+
+
+def test_tokenize_renders_messages_as_the_chat_completion_does(api, serve, client) -> None:
+    """/tokenize takes ``chat_template_kwargs`` as vLLM's does, so it counts the prompt a chat
+    completion with the same kwargs sends; with a prompt, or with bad kwargs, it is a 400."""
+    serve("qwen3", QWEN3_TEMPLATE, "Rayleigh scattering.")
+    kwargs = {"enable_thinking": False}
+    client.chat.completions.create(
+        model=ApiHarness.MODEL_NAME, messages=MESSAGES, extra_body={"chat_template_kwargs": kwargs}
+    )
+    sent = list(api.scheduler.submitted[-1].prompt_token_ids)
+    counted = httpx.post(
+        f"{api.url}/tokenize",
+        json={"messages": MESSAGES, "chat_template_kwargs": kwargs},
+        timeout=10,
+    ).json()
+    assert (counted["tokens"], counted["count"]) == (sent, len(sent))
+    plain = httpx.post(f"{api.url}/tokenize", json={"messages": MESSAGES}, timeout=10).json()
+    assert plain["count"] < counted["count"]  # without the empty think block
+    refused = [
+        ({"prompt": "Hi", "chat_template_kwargs": kwargs}, "applies to messages, not a prompt"),
+        (
+            {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}},
+            "may not set 'messages'",
+        ),
+    ]
+    for body, message in refused:
+        response = httpx.post(f"{api.url}/tokenize", json=body, timeout=10)
+        assert response.status_code == 400, response.text
+        assert message in response.json()["error"]["message"]

@@ -9,12 +9,14 @@ becomes output items (api_server.responses_events), answered whole or as OpenAI'
 stream. With ``store`` (the default) the finished response and its conversation go to the
 store (api_server.response_store), which every API server of a deployment shares: the next
 request may continue it on any of them. A store that cannot be used fails the requests that
-need it with a 503, before any generation; ``store: false`` without ``previous_response_id``
-never touches it.
+need it with a 503, before any generation; a write that fails once the response is finished
+leaves it unstored (``store: false`` in what the client gets) rather than taking its output
+away. ``store: false`` without ``previous_response_id`` never touches the store.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -64,6 +66,7 @@ from api_server.serving import (
 )
 from api_server.text_stream import RequestFailed
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ITEMS = TypeAdapter(list[InputItem])
 _CHAT_PARAMS = {
@@ -225,13 +228,20 @@ class _Answer:
         return events
 
     async def _finished(self, generation: Generation) -> ResponseObject:
-        """The finished response, stored when the request asks."""
+        """The finished response, stored when the request asks. A write that fails (the store
+        cannot be used, or the output made the row too large) does not take the output from
+        the client: the response comes back with ``store: false``, as it is, and the failure
+        is logged."""
         final = finished_response(
             self.response, self.assembler.items, self.finish_reason, generation.usage()
         )
         if self.request.store:
             body = final.model_dump_json()
-            await _stored(self.store.put, final.id, body, self.conversation_json)
+            try:
+                await self.store.put(final.id, body, self.conversation_json)
+            except StoreUnavailable as error:
+                logger.warning("response %s was not stored: %s", final.id, error)
+                final = final.model_copy(update={"store": False})
         return final
 
     def _failed(self, error: Exception) -> ResponseObject:

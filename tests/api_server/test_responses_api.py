@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sqlite3
 import warnings
 from pathlib import Path
@@ -556,24 +557,28 @@ def test_a_store_that_cannot_be_used_fails_only_requests_that_need_it(
     assert http.post("/v1/responses", json={"input": "Hi"}).status_code == 200
 
 
-def test_a_store_write_that_fails_fails_the_response(
-    api: ApiHarness, http: httpx.Client, tmp_path: Path
+def test_a_store_write_that_fails_keeps_the_output_unstored(
+    api: ApiHarness, http: httpx.Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The conversation fits the store, the finished response does not: the whole answer is a
-    503, the stream ends with response.failed."""
+    """The conversation fits the store, the finished response does not: the client still gets
+    its output, whole or streamed, as a completed response with ``store: false`` (it cannot be
+    retrieved or continued), and the failure is logged."""
     working = api.app.state.response_store
     tiny = ResponseStoreConfig(str(tmp_path), max_mb=600 / (1024 * 1024))
     api.app.state.response_store = ResponseStore(tiny)
     try:
-        answer = http.post("/v1/responses", json={"input": "Hi"})
-        assert answer.status_code == 503
-        assert "more than a row may (600; --responses-store-max-mb)" in answer.text
+        with caplog.at_level(logging.WARNING, logger="api_server.open_responses"):
+            answer = http.post("/v1/responses", json={"input": "Hi"})
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert (body["status"], body["store"]) == ("completed", False)
+        assert body["output"][0]["content"][0]["text"] == REPLY
+        assert f"response {body['id']} was not stored" in caplog.text
+        assert "more than a row may (600; --responses-store-max-mb)" in caplog.text
+        assert http.get(f"/v1/responses/{body['id']}").status_code == 404
         events = sse_events(http.post("/v1/responses", json={"input": "Hi", "stream": True}))
-        assert [event["type"] for event in events[-2:]] == [
-            "response.output_item.done",
-            "response.failed",
-        ]
-        assert "more than a row may" in events[-1]["response"]["error"]["message"]
+        assert events[-1]["type"] == "response.completed"
+        assert events[-1]["response"]["store"] is False
         assert events[-1]["response"]["output"][0]["content"][0]["text"] == REPLY
     finally:
         api.app.state.response_store.close()

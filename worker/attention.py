@@ -103,15 +103,11 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """A step's flat token layout: positions, metadata, and where each request's last token is.
-
-    ``positions`` (num_tokens,) are absolute token positions; ``last_token_indices``
-    (num_requests,) index each request's final scheduled token in the flat batch.
-    """
+    """A step's flat token layout: ``positions`` (num_tokens,), each token's absolute position,
+    and the attention metadata. (Which rows give logits the runner works out on the host.)"""
 
     positions: torch.Tensor
     metadata: AttentionMetadata
-    last_token_indices: torch.Tensor
 
 
 def build_batch_layout(
@@ -163,8 +159,7 @@ def build_batch_layout(
             if len(members)
         )
         metadata = AttentionMetadata(slot_tensor, groups)
-    last_token_indices = to_device(query_starts + query_lens - 1, device)
-    return BatchLayout(to_device(positions, device), metadata, last_token_indices)
+    return BatchLayout(to_device(positions, device), metadata)
 
 
 def _group(

@@ -96,7 +96,6 @@ def test_in_place_layout_names_each_requests_blocks_and_starts():
     assert metadata.query_starts.tolist() == [0, 3, 4, 6]
     assert metadata.context_starts.tolist() == [0, 5, 2]
     assert layout.positions.tolist() == [0, 1, 2, 5, 2, 3]
-    assert layout.last_token_indices.tolist() == [2, 3, 5]
 
 
 def test_rope_write_kv_equals_rotate_then_write():

@@ -187,7 +187,6 @@ def test_batch_layout_for_mixed_prefill_and_decode():
     layout = build_batch_layout([0, 5, 2], [3, 1, 2], [[4], [1, 3], [6]], 4, CPU)
     assert layout.positions.tolist() == [0, 1, 2, 5, 2, 3]
     assert layout.metadata.slot_mapping.tolist() == [16, 17, 18, 13, 26, 27]
-    assert layout.last_token_indices.tolist() == [2, 3, 5]
     decodes, prefills = layout.metadata.groups
     assert decodes.token_indices.tolist() == [3]
     assert decodes.block_tables.tolist() == [[1, 3]]

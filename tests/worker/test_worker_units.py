@@ -392,7 +392,8 @@ def test_packed_linear_matches_the_plain_one(packing, monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_kernel_matches_f_linear_for_awkward_shapes(bias):
     """Row counts around the 8-row register block, the 9 to 48 rows that go through 64-feature
-    chunks, and the 64-row task; output counts that are not multiples of the 32-wide panel;
+    chunks, the 64-row task, and more than 64 rows, where two panels go together under 6-row
+    blocks (an odd last panel alone); output counts that are not multiples of the 32-wide panel;
     input sizes around the chunks; a strided input."""
     if panel_gemm.library() is None:
         pytest.skip("no C compiler for the panel kernel")

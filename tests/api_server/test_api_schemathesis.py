@@ -41,7 +41,7 @@ CASES = [
     for mode in GenerationMode
     if label.startswith("POST") or mode is GenerationMode.POSITIVE
 ]
-FUZZ_EXAMPLES = 150
+FUZZ_EXAMPLES = 100
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ CASES = [
     for mode in GenerationMode
     if label.startswith("POST") or mode is GenerationMode.POSITIVE
 ]
-FUZZ_EXAMPLES = 100
+FUZZ_EXAMPLES = 60
 
 
 @pytest.fixture(scope="module")

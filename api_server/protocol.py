@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from interfaces.requests import MAX_LOGPROBS
 from interfaces.sampling import MAX_LOGITS_PROCESSOR_NAME_CHARS, MAX_LOGITS_PROCESSORS
@@ -77,6 +77,10 @@ def bounded_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | N
             f"{MAX_CHAT_TEMPLATE_KWARGS_BYTES}"
         )
     return kwargs
+
+
+ChatTemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(bounded_template_kwargs)]
+"""``chat_template_kwargs`` of a request (chat completions, /tokenize), checked on receipt."""
 
 
 class OpenAIBaseModel(BaseModel):
@@ -292,14 +296,9 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     echo: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: ChatTemplateKwargs = None
     """Extra variables for the chat template, e.g. ``{"enable_thinking": false}`` (vLLM's
     extension); names are identifiers, at most ``MAX_CHAT_TEMPLATE_KWARGS_BYTES`` as JSON."""
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _bounded_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        return bounded_template_kwargs(kwargs)
 
     @property
     def max_new_tokens(self) -> int | None:

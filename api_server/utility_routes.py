@@ -13,14 +13,13 @@ text, special tokens included. Neither talks to the scheduler.
 from __future__ import annotations
 
 from importlib import metadata
-from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel
 
 from api_server.errors import invalid_request
 from api_server.images import check_images_accepted, image_inputs
-from api_server.protocol import ChatMessage, OpenAIBaseModel, bounded_template_kwargs
+from api_server.protocol import ChatMessage, ChatTemplateKwargs, OpenAIBaseModel
 from api_server.request_builder import check_message, check_unicode, generation_message
 from api_server.request_limits import check_prompt_bytes, messages_bytes, text_bytes
 from api_server.tokenizer import HuggingFaceTokenizer
@@ -37,14 +36,9 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     """None: True for a prompt, False for messages (the template adds what it needs)."""
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: ChatTemplateKwargs = None
     """Variables for the chat template of ``messages``, bounded as a chat completion's."""
     return_token_strs: bool = False
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _bounded_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        return bounded_template_kwargs(kwargs)
 
 
 class TokenizeResponse(BaseModel):

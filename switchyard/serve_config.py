@@ -26,7 +26,7 @@ from worker.settings import WorkerSettings
 
 SERVE_WORKER_SETTINGS = (
     *("tensor_parallel_size", "kv_cache_memory", "dtype", "block_size", "attention_backend"),
-    *("device", "max_cudagraph_capture_size"),
+    *("device", "max_cudagraph_capture_size", "float32_matmul_precision"),
     *("grammar_limits", "logits_processors", "lora"),
 )
 """The ``WorkerSettings`` fields ``serve`` takes flags for."""

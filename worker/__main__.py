@@ -101,6 +101,7 @@ def _config(settings: WorkerSettings) -> WorkerConfig:
         kv_cache_memory=settings.kv_cache_memory,
         block_size=settings.block_size,
         attention_backend=settings.attention_backend,
+        float32_matmul_precision=settings.float32_matmul_precision,
         max_cudagraph_capture_size=settings.max_cudagraph_capture_size,
         max_model_len=settings.model.max_model_len,
         seed=settings.seed,

@@ -12,7 +12,12 @@ import torch
 from interfaces.shared_settings import LoRASettings
 from worker.grammar_limits import GrammarLimits
 from worker.parallel import check_rank
-from worker.settings import ATTENTION_BACKENDS, DTYPE_NAMES, WorkerSettings
+from worker.settings import (
+    ATTENTION_BACKENDS,
+    DTYPE_NAMES,
+    FLOAT32_MATMUL_PRECISIONS,
+    WorkerSettings,
+)
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -30,6 +35,9 @@ class WorkerConfig:
     ``dtype`` None means float32 on CPU and bfloat16 on CUDA.
     ``attention_backend``: "auto" reads the KV cache in place where a kernel for the device
     exists, "gathered" always copies blocks into padded batches (``worker.attention``).
+    ``float32_matmul_precision`` is torch's (``torch.set_float32_matmul_precision``), set when
+    the model loads: "high" packs decoder layers for the CPU's tile unit where it has one
+    (``worker.models.tile_gemm``) and allows TF32 on CUDA.
     ``max_cudagraph_capture_size``: on CUDA, decode steps of up to this many requests replay
     CUDA graphs (``worker.cuda_graphs``); 0 runs every step eagerly.
     ``kv_cache_memory`` is bytes when greater than 1, a fraction of free device memory when in
@@ -51,6 +59,7 @@ class WorkerConfig:
     kv_cache_memory: float | None = None
     block_size: int = WorkerSettings.block_size
     attention_backend: str = WorkerSettings.attention_backend
+    float32_matmul_precision: str = WorkerSettings.float32_matmul_precision
     max_cudagraph_capture_size: int = WorkerSettings.max_cudagraph_capture_size
     max_model_len: int | None = None
     seed: int | None = None
@@ -78,6 +87,11 @@ class WorkerConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.float32_matmul_precision not in FLOAT32_MATMUL_PRECISIONS:
+            raise ValueError(
+                f"float32_matmul_precision must be one of {FLOAT32_MATMUL_PRECISIONS}, "
+                f"got {self.float32_matmul_precision!r}"
             )
         if not 0 <= self.max_cudagraph_capture_size <= MAX_CUDAGRAPH_CAPTURE_SIZE:
             raise ValueError(

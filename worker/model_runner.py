@@ -82,6 +82,7 @@ class ModelRunner:
         self.tensor_parallel = tensor_parallel()
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or default_num_threads())
+        torch.set_float32_matmul_precision(config.float32_matmul_precision)  # packing reads it
         self.model = load_model(config.model_dir, self.device, self.dtype)
         self.model_config: ModelConfig = self.model.config
         self.lora: LoRAAdapters | None = None

@@ -22,6 +22,9 @@ from worker.grammar_limits import GrammarLimits
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 """The dtypes of weights, activations and the KV cache (``worker.config.DTYPES``)."""
 ATTENTION_BACKENDS = ("auto", "gathered")
+FLOAT32_MATMUL_PRECISIONS = ("highest", "high")
+"""torch.set_float32_matmul_precision's settings the worker offers ("medium", plain bfloat16
+products, it does not)."""
 """How attention reads the paged KV cache (``worker.attention.choose_attention_kind``)."""
 TENSOR_PARALLELISM = "tensor parallelism"
 DISAGGREGATION = "disaggregation"
@@ -84,6 +87,15 @@ class WorkerSettings:
         "float32, FlexAttention on CUDA; gathered elsewhere) or gathered (each request's "
         "blocks copied into a padded batch for scaled_dot_product_attention)",
         choices=ATTENTION_BACKENDS,
+    )
+    float32_matmul_precision: str = setting(
+        "highest",
+        "--float32-matmul-precision",
+        "torch.set_float32_matmul_precision for float32 models: highest, or high, where products "
+        "may round through bfloat16 halves or TF32 (on the CPU, with AMX: decoder layers' products "
+        "as three bfloat16 products, relative error ~5e-6 instead of ~1e-6, several times faster "
+        "for prefills and large batches)",
+        choices=FLOAT32_MATMUL_PRECISIONS,
     )
     max_cudagraph_capture_size: int = setting(
         128,

@@ -122,6 +122,7 @@ def serve_argv(tmp_path: Path) -> list[str]:
         *("--device", "cpu", "--kv-cache-memory", "64MiB"),
         *("--dtype", "float16", "--block-size", "32", "--max-model-len", "100"),
         *("--attention-backend", "gathered", "--max-cudagraph-capture-size", "16"),
+        *("--float32-matmul-precision", "high"),
         *("--tensor-parallel-size", "2", "--grammar-compile-timeout", "3.5"),
         *("--max-grammar-bytes", "1000", "--max-grammar-alternatives", "10"),
         *("--grammar-cache-bytes", "4096", "--api-key", "secret", "--allowed-origins", "a,b"),
@@ -287,7 +288,7 @@ def role_samples(media_dir: Path) -> dict[str, object]:
         "worker": WorkerSettings(
             ModelSettings("model.gguf", "name", 100),
             SchedulerAddress("ipc://backend"),
-            *("cuda:1", 0.5, "float16", 32, "gathered", 16, 3, 2),
+            *("cuda:1", 0.5, "float16", 32, "gathered", "high", 16, 3, 2),
             *(2, 1, "10.0.0.1", 1234, WorkerRole.DECODE, "decode-0", "tcp://10.0.0.1:7"),
             "/tmp/worker.alive",
             GrammarLimits(3.5, 1000, 10, 4096),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tests.support.paged_batches import shuffled_blocks
 from worker.attention import AttentionKind, build_batch_layout, paged_attention, write_kv
-from worker.models import cpu_ops
+from worker.models import cpu_ops, tile_gemm
 from worker.models.loader import load_model
 from worker.models.rotary import RotaryEmbedding
 
@@ -208,17 +208,28 @@ def test_the_model_gives_the_same_logits_in_place_flex_and_gathered(tiny_llama_d
         assert torch.equal(other.argmax(-1), logits[0].argmax(-1))
 
 
+@pytest.mark.parametrize("precision", ["highest", "high"])
 @pytest.mark.parametrize("biases", [False, True])
 def test_the_fused_layer_stack_gives_the_layer_modules_results_to_the_bit(
-    tiny_llama_dir, tmp_path, biases
+    tiny_llama_dir, tmp_path, biases, precision
 ):
     """``FusedLayers`` (every layer in one C call) against the layer modules over the same
     mixed step (a prompt, a chunk after a prefix, a decode): the same logits and the same KV
-    cache, bit for bit; with biases on every linear layer too."""
+    cache, bit for bit; with biases on every linear layer too, and with the layers in tile
+    form ("high" float32 matmul precision) as in panels."""
+    if precision == "high" and not tile_gemm.available():
+        pytest.skip("no AMX-BF16 tile unit here")
     model_dir = tiny_llama_dir
     if biases:
         model_dir = _with_biases(tiny_llama_dir, tmp_path)
-    model = load_model(model_dir, CPU, torch.float32)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        model = load_model(model_dir, CPU, torch.float32)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    packing = model.model.layers[0].mlp.down_proj.packing
+    assert packing == ("tiles" if precision == "high" else "panels")
     assert model.fused_layers is not None
     fused = model.fused_layers
     block_size = 4

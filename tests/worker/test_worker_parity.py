@@ -18,6 +18,7 @@ from tests.support.parity_scheduler import NUM_NEW_TOKENS, DrivenRequest, FakeSc
 from tests.support.tiny_models import VARIANTS, random_variant
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
+from worker.models import tile_gemm
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -82,6 +83,39 @@ def test_chunked_prefill_mixed_with_decode(runner, prompts, expected):
     requests = [DrivenRequest(f"chunked-{i}", p, chunks[i]) for i, p in enumerate(prompts)]
     outputs = FakeScheduler(runner, seed=2).generate(requests)
     assert outputs == {f"chunked-{i}": tokens for i, tokens in enumerate(expected)}
+
+
+@pytest.fixture(scope="module")
+def high_precision_runner(model_dir: Path) -> ModelRunner:
+    """The worker with --float32-matmul-precision high: decoder layers in tile form where the
+    CPU has AMX-BF16 (worker.models.tile_gemm)."""
+    if not tile_gemm.available():
+        pytest.skip("no AMX-BF16 tile unit here")
+    config = WorkerConfig(
+        model_dir,
+        device="cpu",
+        kv_cache_memory=64 << 20,
+        max_model_len=512,
+        seed=0,
+        float32_matmul_precision="high",
+    )
+    before = torch.get_float32_matmul_precision()
+    try:
+        runner = ModelRunner(config)
+    finally:
+        torch.set_float32_matmul_precision(before)  # read when packing, at load: done
+    assert runner.model.model.layers[0].self_attn.qkv_proj.packing == "tiles"
+    return runner
+
+
+def test_high_precision_products_keep_greedy_parity(high_precision_runner, prompts, expected):
+    """Products through bfloat16 halves (relative error ~5e-6) still give transformers' float32
+    greedy tokens, prompts prefilled whole and in chunks beside decodes."""
+    first, second, third = (len(p) for p in prompts)
+    chunks = [[first], [5, second // 2 - 5, second - second // 2], [third - 7, 7]]
+    requests = [DrivenRequest(f"high-{i}", p, chunks[i]) for i, p in enumerate(prompts)]
+    outputs = FakeScheduler(high_precision_runner, seed=3).generate(requests)
+    assert outputs == {f"high-{i}": tokens for i, tokens in enumerate(expected)}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -243,7 +243,13 @@ def test_worker_config_validation(tmp_path):
         torch.float32,
         tmp_path.name,
     )
-    for bad in ({"device": "tpu"}, {"dtype": "int8"}, {"block_size": 0}, {"kv_cache_memory": 0}):
+    for bad in (
+        {"device": "tpu"},
+        {"dtype": "int8"},
+        {"block_size": 0},
+        {"kv_cache_memory": 0},
+        {"float32_matmul_precision": "medium"},
+    ):
         with pytest.raises(ValueError):
             WorkerConfig(tmp_path, **bad)
 

@@ -7,7 +7,8 @@ OpenMP), 30 layers of 9 calls. ``FusedLayers`` hands the whole stack to C instea
 kernels in the same order, so the logits are the same to the bit.
 
 It serves a model where every piece has a CPU kernel: float32 on the CPU with attention in place
-(``AttentionKind.IN_PLACE_CPU``), every linear layer packed in panels (``panel_gemm``), one
+(``AttentionKind.IN_PLACE_CPU``), every linear layer packed in panels (``panel_gemm``) or every
+one in tile form (``tile_gemm``, at "high" float32 matmul precision), one
 rank (tensor parallelism sums partial products between the kernels), and steps where no row runs
 with a LoRA adapter (whose products join the linear layers' outputs). Elsewhere, and whenever
 ``serves`` says no, the layer modules run as before.
@@ -25,7 +26,7 @@ from torch import nn
 from worker import parallel
 from worker.attention import AttentionKind, AttentionMetadata
 from worker.kv_cache import KVCache
-from worker.models import cpu_ops, panel_gemm
+from worker.models import cpu_ops, panel_gemm, tile_gemm
 
 
 class FusedLayers:
@@ -37,7 +38,11 @@ class FusedLayers:
         first = layers[0]
         attention, mlp = first.self_attn, first.mlp
         self._qkv = attention.qkv_proj  # its LoRA batch is every layer's
-        self._linear = ctypes.cast(panel_gemm.library().sy_panel_linear, ctypes.c_void_p).value
+        if attention.qkv_proj.packing == "tiles":
+            product = tile_gemm.library().sy_tile_linear
+        else:
+            product = panel_gemm.library().sy_panel_linear
+        self._linear = ctypes.cast(product, ctypes.c_void_p).value
         self._weights = (cpu_ops.LayerWeights * len(layers))()
         for fields, layer in zip(self._weights, layers, strict=True):
             fields.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -81,6 +86,7 @@ class FusedLayers:
             "gate_up": (hidden, 2 * inner),
             "down": (inner, hidden),
         }
+        packing = attention.qkv_proj.packing  # every linear layer's, or the stack cannot run
         for layer in layers:
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(norm.eps != first.input_layernorm.eps for norm in norms):
@@ -89,9 +95,7 @@ class FusedLayers:
                 return None
             for name, linear in _linears(layer).items():
                 k, n = inputs_outputs[name]
-                if linear.packing != "panels" or not _fits(
-                    linear.packed_weight, (-(-n // panel_gemm.PANEL), k, panel_gemm.PANEL)
-                ):
+                if linear.packing != packing or not _packed_fits(linear, packing, k, n):
                     return None
                 if linear.out_features != n or not _fits(linear.bias, (n,), optional=True):
                     return None
@@ -155,14 +159,29 @@ def _linears(layer: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def _fits(tensor: torch.Tensor | None, shape: tuple[int, ...], optional: bool = False) -> bool:
-    """Whether ``tensor`` is a contiguous float32 CPU tensor of ``shape`` (or None, if
+def _packed_fits(linear: nn.Module, packing: str | None, k: int, n: int) -> bool:
+    """Whether ``linear`` holds a (n, k) weight packed for one of the stack's products."""
+    if packing == "panels":
+        shape = (-(-n // panel_gemm.PANEL), k, panel_gemm.PANEL)
+        return _fits(linear.packed_weight, shape)
+    if packing == "tiles":
+        return _fits(linear.packed_weight, tile_gemm.tile_shape(n, k), dtype=torch.int16)
+    return False
+
+
+def _fits(
+    tensor: torch.Tensor | None,
+    shape: tuple[int, ...],
+    optional: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> bool:
+    """Whether ``tensor`` is a contiguous ``dtype`` CPU tensor of ``shape`` (or None, if
     ``optional``)."""
     if tensor is None:
         return optional
     return (
         tuple(tensor.shape) == shape
-        and tensor.dtype == torch.float32
+        and tensor.dtype == dtype
         and tensor.device.type == "cpu"
         and tensor.is_contiguous()
     )

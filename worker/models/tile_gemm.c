@@ -1,0 +1,309 @@
+/* Switchyard's CPU matrix product at "high" float32 precision, on Intel's tile unit (AMX).
+ *
+ * torch.set_float32_matmul_precision("high") lets float32 products "treat each float32 number as
+ * the sum of two bfloat16 numbers". Here each value v becomes hi = bf16(v) and lo = bf16(v - hi),
+ * 16 of float32's 24 significand bits, and
+ *
+ *     x . w  =  x_hi . w_hi  +  x_hi . w_lo  +  x_lo . w_hi        (x_lo . w_lo and the rest of
+ *                                                                   each value, ~2^-16, dropped)
+ *
+ * summed in float32 by the tile unit's bfloat16 dot products (TDPBF16PS: 16 x 16 outputs, 32
+ * multiply-adds deep, sixteen times the vector unit's multiply-adds per cycle). Three products
+ * for one still leave about five times the arithmetic rate of float32 multiply-adds: prefills
+ * and large batches, which float32 arithmetic bounds, run faster; the results carry a relative
+ * error of ~5e-6 instead of ~1e-6 (the float32 kernel's, from summation order).
+ *
+ * The weight W (n, k) is split once, when it is packed (sy_tile_pack): per panel of 32 outputs,
+ * per step of 32 input features, the hi then the lo tile of each 16-output half, a tile being 16
+ * rows of 16 pairs (w[2j][o], w[2j + 1][o]) as TDPBF16PS reads them: 4 bytes per weight, as
+ * float32. Each product splits its input rows into blocks of 16 ([block][step][hi, lo][16][32]
+ * bf16), then every panel multiplies every block, in chunks of CHUNK_STEPS steps that each block
+ * multiplies while the chunk is in L1 (one block streams the panel from memory instead). A block
+ * is one row block x one panel in four accumulator tiles, its three products always in the same
+ * order, so a row's result does not depend on how many rows share the product: the same tokens
+ * whether a request runs alone or in a batch, as with the float32 kernel. (Two blocks sharing
+ * each weight tile measured 10-15 % faster for large products but leave no tile to sum x_lo .
+ * w_hi apart: a lone block would then wait on one chain of dependent sums, or sum in another
+ * order than blocks in pairs.) Products of one to a few rows, which stream the weights, run at
+ * up to the float32 kernel's rate, slower when the tile unit's latency shows.
+ *
+ * Built where the compiler targets a CPU with AMX-BF16 (-march=native on Sapphire Rapids and
+ * later); elsewhere sy_tile_available() is 0 and the worker keeps the float32 kernel. Linux lends
+ * a process the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM), once.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define PANEL 32      /* outputs per panel, as panel_gemm.c */
+#define TILE_ROWS 16  /* rows of an input or accumulator tile; input pairs of a weight tile */
+#define TILE_K 32     /* input features per step */
+#define TILE_ELEMS (TILE_ROWS * TILE_K) /* bf16 per tile: 1 KB */
+#define STEP_ELEMS (4 * TILE_ELEMS)     /* a panel's step: hi and lo of both halves */
+#define CHUNK_STEPS 4 /* steps of a panel (16 KB) every row block multiplies while in L1 */
+#define PASS_BYTES (1 << 20) /* split input rows of one pass (4 B per feature), kept in L2 */
+#define MAX_PASS_ROWS 256
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+} TileConfig;
+
+int sy_tile_available(void) {
+  static int granted = -1;
+  if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                     18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+}
+
+/* Tiles 0-3: 16 x 16 float32 accumulators; 4-5: input row blocks; 6-7: weight tiles. */
+static void configure_tiles(void) {
+  TileConfig config;
+  memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; t++) {
+    config.rows[t] = TILE_ROWS;
+    config.bytes_per_row[t] = 64;
+  }
+  /* GCC does not see ldtilecfg read the struct and drops the memset of tiles 8-15, whose
+   * garbage then faults: make the stores happen first. */
+  __asm__ __volatile__("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+/* hi and lo bfloat16 of 32 floats (v0 then v1): lo holds what rounding to hi lost. */
+static inline void split32(__m512 v0, __m512 v1, __m512i* hi, __m512i* lo) {
+  const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+  const __m512 h0 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+  const __m512 h1 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+  *hi = h;
+  *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, h1), _mm512_sub_ps(v0, h0));
+}
+
+/* 16 floats at p, zeros past `valid` of them. */
+static inline __m512 load_part(const float* p, int64_t valid) {
+  if (valid >= 16) return _mm512_loadu_ps(p);
+  if (valid <= 0) return _mm512_setzero_ps();
+  return _mm512_maskz_loadu_ps((__mmask16)((1u << valid) - 1), p);
+}
+
+/* Panel p (k, 32 floats, as panel_gemm packs it) in tile form at `tiles`. */
+static void pack_panel(const float* panel, int64_t k, int64_t steps, uint16_t* tiles) {
+  const __m512i low_pairs =
+      _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i high_pairs =
+      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t s = 0; s < steps; s++) {
+    for (int half = 0; half < 2; half++) {
+      for (int j = 0; j < TILE_ROWS; j++) {
+        const int64_t i = s * TILE_K + 2 * j;
+        const __m512 w0 = i < k ? _mm512_loadu_ps(panel + i * PANEL + 16 * half)
+                                : _mm512_setzero_ps();
+        const __m512 w1 = i + 1 < k ? _mm512_loadu_ps(panel + (i + 1) * PANEL + 16 * half)
+                                    : _mm512_setzero_ps();
+        __m512i hi, lo;
+        split32(_mm512_permutex2var_ps(w0, low_pairs, w1),
+                _mm512_permutex2var_ps(w0, high_pairs, w1), &hi, &lo);
+        uint16_t* row = tiles + s * STEP_ELEMS + half * TILE_ELEMS + j * TILE_K;
+        _mm512_storeu_si512(row, hi);
+        _mm512_storeu_si512(row + 2 * TILE_ELEMS, lo);
+      }
+    }
+  }
+}
+
+/* Tile form of a weight packed in panels (ceil(n / 32), k, 32): ceil(n / 32) x ceil(k / 32) x
+ * 4 KB at `tiles`. */
+void sy_tile_pack(const float* panels, int64_t k, int64_t n, uint16_t* tiles) {
+  const int64_t steps = (k + TILE_K - 1) / TILE_K;
+  const int64_t num_panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < num_panels; p++)
+    pack_panel(panels + p * k * PANEL, k, steps, tiles + p * steps * STEP_ELEMS);
+}
+
+/* Input rows 16 block .. 16 block + 15 of x (zero past m) at their place in a. */
+static void split_block(const float* x, int64_t m, int64_t k, int64_t steps, int64_t block,
+                        uint16_t* a) {
+  uint16_t* out = a + block * steps * 2 * TILE_ELEMS;
+  for (int r = 0; r < TILE_ROWS; r++) {
+    const int64_t row = block * TILE_ROWS + r;
+    for (int64_t s = 0; s < steps; s++) {
+      __m512i hi = _mm512_setzero_si512(), lo = hi;
+      if (row < m) {
+        const float* p = x + row * k + s * TILE_K;
+        const int64_t valid = k - s * TILE_K;
+        split32(load_part(p, valid), load_part(p + 16, valid - 16), &hi, &lo);
+      }
+      _mm512_storeu_si512(out + 2 * s * TILE_ELEMS + r * TILE_K, hi);
+      _mm512_storeu_si512(out + (2 * s + 1) * TILE_ELEMS + r * TILE_K, lo);
+    }
+  }
+}
+
+/* Request all 64 cache lines of a step of the weights from memory at once, before its tile
+ * loads ask for them 16 at a time: more reads in flight (measured: one row's product reads
+ * the weights up to twice as fast; fetching steps further ahead did not help). */
+static inline void fetch_step(const uint16_t* ws) {
+  for (int i = 0; i < STEP_ELEMS * (int)sizeof(uint16_t); i += 64)
+    _mm_prefetch((const char*)ws + i, _MM_HINT_T0);
+}
+
+/* One step's three products for a row block (x: its hi tile, then its lo tile): x_hi . w_hi
+ * then x_hi . w_lo into accumulator tiles 0 (outputs 0-15) and 1 (16-31), x_lo . w_hi into
+ * tiles 2 and 3, so four independent chains of sums overlap the tile unit's latency. Every
+ * path takes them in this order. */
+static inline __attribute__((always_inline)) void step_products(const uint16_t* x,
+                                                                const uint16_t* ws) {
+  _tile_loadd(4, x, 64);              /* x hi */
+  _tile_loadd(5, x + TILE_ELEMS, 64); /* x lo */
+  _tile_loadd(6, ws, 64);             /* w hi, outputs 0-15 */
+  _tile_loadd(7, ws + TILE_ELEMS, 64); /* w hi, outputs 16-31 */
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+  _tile_loadd(6, ws + 2 * TILE_ELEMS, 64); /* w lo */
+  _tile_loadd(7, ws + 3 * TILE_ELEMS, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+}
+
+/* acc = the row blocks of a times one panel in tile form. acc holds, per block, 16 rows x 32
+ * outputs of x_hi . w_hi + x_hi . w_lo sums, then 16 x 32 of x_lo . w_hi sums (added with the
+ * bias when copied out). A product of more than one block goes in chunks of `chunk` steps that
+ * every block multiplies while the chunk is in L1, its accumulator tiles stored to acc between
+ * chunks. Every row's sums are taken in the same order whatever the number of rows, so a row's
+ * result does not depend on the others in the product (as in panel_gemm.c). */
+static void panel_product(const uint16_t* a, const uint16_t* w, int64_t steps, int64_t blocks,
+                          int64_t chunk, int fetch, float* acc) {
+  const int stride = PANEL * sizeof(float);
+  for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
+    const int64_t s1 = s0 + chunk < steps ? s0 + chunk : steps;
+    for (int64_t block = 0; block < blocks; block++) {
+      const uint16_t* x = a + block * steps * 2 * TILE_ELEMS;
+      float* high = acc + block * 2 * TILE_ROWS * PANEL; /* hi . hi + hi . lo */
+      float* low = high + TILE_ROWS * PANEL;                /* lo . hi */
+      if (s0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, high, stride);
+        _tile_loadd(1, high + 16, stride);
+        _tile_loadd(2, low, stride);
+        _tile_loadd(3, low + 16, stride);
+      }
+      for (int64_t s = s0; s < s1; s++) {
+        if (fetch) fetch_step(w + s * STEP_ELEMS);
+        step_products(x + 2 * s * TILE_ELEMS, w + s * STEP_ELEMS);
+      }
+      _tile_stored(0, high, stride);
+      _tile_stored(1, high + 16, stride);
+      _tile_stored(2, low, stride);
+      _tile_stored(3, low + 16, stride);
+    }
+  }
+}
+
+/* The calling thread's buffer for split inputs, of at least `bytes`, kept for its next calls.
+ * Out of memory (for at most a few MB) there is no float32 copy of the weights to fall back on,
+ * and no way to report it through the linear layers' void signature: say so and abort. */
+static uint16_t* input_buffer(size_t bytes) {
+  static __thread void* buffer;
+  static __thread size_t size;
+  if (size < bytes) {
+    free(buffer);
+    bytes = (bytes + 4095) & ~(size_t)4095;
+    buffer = aligned_alloc(64, bytes);
+    size = bytes;
+    if (buffer == NULL) {
+      fprintf(stderr, "tile_gemm: out of memory for %zu bytes of split inputs\n", bytes);
+      abort();
+    }
+  }
+  return buffer;
+}
+
+/* Rows [0, m) of y (m <= MAX_PASS_ROWS), their inputs split into a. */
+static void tile_pass(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
+                      const float* bias, float* y, uint16_t* a) {
+  const int64_t steps = (k + TILE_K - 1) / TILE_K;
+  const int64_t blocks = (m + TILE_ROWS - 1) / TILE_ROWS;
+  const int64_t num_panels = (n + PANEL - 1) / PANEL;
+  const int64_t chunk = blocks > 1 ? CHUNK_STEPS : steps; /* one block: nothing to reuse */
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < blocks; block++) split_block(x, m, k, steps, block, a);
+    /* the implicit barrier: every row block is split */
+    float acc[2 * MAX_PASS_ROWS * PANEL] __attribute__((aligned(64))); /* 64 KB */
+    configure_tiles();
+#pragma omp for schedule(static) nowait
+    for (int64_t p = 0; p < num_panels; p++) {
+      const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+      float panel_bias[PANEL] __attribute__((aligned(64))) = {0};
+      if (bias) memcpy(panel_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
+      const uint16_t* w = tiles + p * steps * STEP_ELEMS;
+      /* one block streams the weights from memory; more reuse a chunk from L1 */
+      panel_product(a, w, steps, blocks, chunk, blocks == 1, acc);
+      const __m512 b0 = _mm512_load_ps(panel_bias), b1 = _mm512_load_ps(panel_bias + 16);
+      for (int64_t r = 0; r < m; r++) { /* (high + low) + bias */
+        float* high = acc + (r / TILE_ROWS * 2 * TILE_ROWS + r % TILE_ROWS) * PANEL;
+        const float* low = high + TILE_ROWS * PANEL;
+        _mm512_store_ps(high, _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(high),
+                                                          _mm512_load_ps(low)), b0));
+        _mm512_store_ps(high + 16, _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(high + 16),
+                                                               _mm512_load_ps(low + 16)), b1));
+        memcpy(y + r * n + p * PANEL, high, (size_t)cols * sizeof(float));
+      }
+    }
+    _tile_release();
+  }
+}
+
+/* y (m, n) = x (m, k) W^T + bias (n, or NULL), W in tile form (sy_tile_pack); all row-major,
+ * contiguous. In passes of as many rows as PASS_BYTES of split inputs hold. */
+void sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
+                    const float* bias, float* y) {
+  const int64_t steps = (k + TILE_K - 1) / TILE_K;
+  const int64_t row_bytes = steps * 2 * TILE_K * sizeof(uint16_t);
+  int64_t pass_rows = PASS_BYTES / row_bytes / (2 * TILE_ROWS) * (2 * TILE_ROWS);
+  pass_rows = pass_rows < 2 * TILE_ROWS   ? 2 * TILE_ROWS
+              : pass_rows > MAX_PASS_ROWS ? MAX_PASS_ROWS
+                                          : pass_rows;
+  const int64_t rows = m < pass_rows ? m : pass_rows;
+  if (!sy_tile_available()) { /* callers check first (tile_gemm.available) */
+    fprintf(stderr, "tile_gemm: this process may not use the tile registers\n");
+    abort();
+  }
+  uint16_t* a = input_buffer((size_t)((rows + TILE_ROWS - 1) / TILE_ROWS) * TILE_ROWS * row_bytes);
+  for (int64_t start = 0; start < m; start += pass_rows) {
+    const int64_t pass = m - start < pass_rows ? m - start : pass_rows;
+    tile_pass(x + start * k, pass, k, tiles, n, bias, y + start * n, a);
+  }
+}
+
+#else /* no AMX-BF16 here: nothing to call but sy_tile_available */
+int sy_tile_available(void) { return 0; }
+void sy_tile_pack(const float* panels, int64_t k, int64_t n, uint16_t* tiles) {
+  (void)panels, (void)k, (void)n, (void)tiles;
+  abort();
+}
+void sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
+                    const float* bias, float* y) {
+  (void)x, (void)m, (void)k, (void)tiles, (void)n, (void)bias, (void)y;
+  abort();
+}
+#endif

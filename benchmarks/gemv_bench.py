@@ -7,6 +7,9 @@ LM head: 538 MB of fp32), one pass of ``x W^T`` for each ``--rows`` count with
 - oneDNN's packed kernel (the worker's fallback without a C compiler);
 - Switchyard's own kernel over column panels (``worker/models/panel_gemm.c``; skipped where
   it cannot be built);
+- at "high" float32 matmul precision, its kernel over the tile form (``worker/models/tile_gemm.c``:
+  three bfloat16 products on AMX; skipped without AMX-BF16), every matrix in tile form here
+  (the worker keeps the LM head in panels);
 
 and ``sum()`` of a 1 GiB tensor, the read bandwidth ``benchmarks/roofline.py`` reports. This is
 why the worker has its own kernel (docs/performance.md).
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from workload import num_cores
 
-from worker.models import panel_gemm
+from worker.models import panel_gemm, tile_gemm
 
 NUM_LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -64,6 +67,11 @@ def main() -> None:
         panels = [panel_gemm.pack(w) for w in weights]
         kernels["Switchyard panels"] = lambda x, i: panel_gemm.linear(
             x, panels[i], None, weights[i].shape[0]
+        )
+    if tile_gemm.available():
+        tiles = [tile_gemm.pack(w) for w in weights]
+        kernels["Switchyard tiles"] = lambda x, i: tile_gemm.linear(
+            x, tiles[i], None, *weights[i].shape
         )
 
     print(f"{len(weights)} matrices, {parameters * 4 / 1e6:.0f} MB of fp32, {args.threads} threads")

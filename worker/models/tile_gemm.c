@@ -24,8 +24,9 @@
  * whether a request runs alone or in a batch, as with the float32 kernel. (Two blocks sharing
  * each weight tile measured 10-15 % faster for large products but leave no tile to sum x_lo .
  * w_hi apart: a lone block would then wait on one chain of dependent sums, or sum in another
- * order than blocks in pairs.) Products of one to a few rows, which stream the weights, run at
- * up to the float32 kernel's rate, slower when the tile unit's latency shows.
+ * order than blocks in pairs.) A product of fewer than 16 rows (decode steps) configures tiles
+ * of that many rows, whose dot products take time in proportion: the same sums, and the weights
+ * streamed at about the float32 kernel's rate.
  *
  * Built where the compiler targets a CPU with AMX-BF16 (-march=native on Sapphire Rapids and
  * later); elsewhere sy_tile_available() is 0 and the worker keeps the float32 kernel. Linux lends
@@ -64,13 +65,14 @@ int sy_tile_available(void) {
   return granted;
 }
 
-/* Tiles 0-3: 16 x 16 float32 accumulators; 4-5: input row blocks; 6-7: weight tiles. */
-static void configure_tiles(void) {
+/* Tiles 0-3: `rows` x 16 float32 accumulators; 4-5: `rows` input rows; 6-7: weight tiles (16
+ * pairs of inputs). */
+static void configure_tiles(int rows) {
   TileConfig config;
   memset(&config, 0, sizeof config);
   config.palette = 1;
   for (int t = 0; t < 8; t++) {
-    config.rows[t] = TILE_ROWS;
+    config.rows[t] = t < 6 ? rows : TILE_ROWS;
     config.bytes_per_row[t] = 64;
   }
   /* GCC does not see ldtilecfg read the struct and drops the memset of tiles 8-15, whose
@@ -249,7 +251,9 @@ static void tile_pass(const float* x, int64_t m, int64_t k, const uint16_t* tile
     for (int64_t block = 0; block < blocks; block++) split_block(x, m, k, steps, block, a);
     /* the implicit barrier: every row block is split */
     float acc[2 * MAX_PASS_ROWS * PANEL] __attribute__((aligned(64))); /* 64 KB */
-    configure_tiles();
+    /* A product of fewer than 16 rows (decodes) multiplies only those: the tile unit's time
+     * goes with the rows, and each row's sums are the same whatever the tile's height. */
+    configure_tiles(m < TILE_ROWS ? (int)m : TILE_ROWS);
 #pragma omp for schedule(static) nowait
     for (int64_t p = 0; p < num_panels; p++) {
       const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;

@@ -17,6 +17,17 @@ from worker.models import native
 
 SOURCE = Path(__file__).with_name("panel_gemm.c")
 PANEL = 32  # output features per panel; must match panel_gemm.c
+LINEAR_ARGTYPES = [
+    ctypes.c_void_p,  # x (m, k)
+    ctypes.c_int64,  # m
+    ctypes.c_int64,  # k
+    ctypes.c_void_p,  # the packed weight
+    ctypes.c_int64,  # n
+    ctypes.c_void_p,  # bias or NULL
+    ctypes.c_void_p,  # y (m, n)
+]
+"""The C signature of a linear layer's product (cpu_ops.c's LinearFn): this kernel's and
+tile_gemm's."""
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -67,14 +78,6 @@ def library() -> ctypes.CDLL | None:
     lib = native.load(SOURCE)
     if lib is None:
         return None
-    lib.sy_panel_linear.argtypes = [
-        ctypes.c_void_p,  # x
-        ctypes.c_int64,  # m
-        ctypes.c_int64,  # k
-        ctypes.c_void_p,  # panels
-        ctypes.c_int64,  # n
-        ctypes.c_void_p,  # bias or NULL
-        ctypes.c_void_p,  # y
-    ]
+    lib.sy_panel_linear.argtypes = LINEAR_ARGTYPES
     lib.sy_panel_linear.restype = None
     return lib

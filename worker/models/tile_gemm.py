@@ -97,14 +97,6 @@ def library() -> ctypes.CDLL | None:
     lib.sy_tile_available.restype = ctypes.c_int
     lib.sy_tile_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.sy_tile_pack.restype = None
-    lib.sy_tile_linear.argtypes = [
-        ctypes.c_void_p,  # x
-        ctypes.c_int64,  # m
-        ctypes.c_int64,  # k
-        ctypes.c_void_p,  # tiles
-        ctypes.c_int64,  # n
-        ctypes.c_void_p,  # bias or NULL
-        ctypes.c_void_p,  # y
-    ]
+    lib.sy_tile_linear.argtypes = panel_gemm.LINEAR_ARGTYPES
     lib.sy_tile_linear.restype = None
     return lib

@@ -31,17 +31,20 @@ class Engine:
         max_model_len: int,
         budget: int,
         speculative_config: str | None = None,
+        device: str = "cpu",
     ):
         model = ModelConfig.from_dir(model_dir)
         block_bytes = bytes_per_block(
             model.num_hidden_layers, BLOCK_SIZE, model.num_key_value_heads, model.head_dim,
             torch.float32,
         )  # fmt: skip
+        spare = 1 if device == "cuda" else 0  # CUDA graphs pad their rows into a spare block
         self.runner = ModelRunner(
             WorkerConfig(
                 model_dir,
-                device="cpu",
-                kv_cache_memory=num_blocks * block_bytes,
+                device=device,
+                dtype="float32",
+                kv_cache_memory=(num_blocks + spare) * block_bytes,
                 max_model_len=max_model_len,
             )
         )

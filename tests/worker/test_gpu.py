@@ -1,6 +1,7 @@
 """CUDA (skipped without a GPU): FlexAttention over the paged cache equals the gathered path;
 decode steps replayed as CUDA graphs equal the eager pass; the worker's greedy tokens (decode
-steps through its graphs) equal transformers'; two GPUs over NCCL give one GPU's tokens."""
+steps through its graphs) equal transformers'; speculative decoding gives the tokens of
+decoding one at a time; two GPUs over NCCL give one GPU's tokens."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from interfaces import SamplingParams
 from tests.support.decode_steps import compare_decode_steps
+from tests.support.engine import Engine
 from tests.support.paged_batches import MIXED_REQUESTS, attention_outputs
 from tests.support.parity_scheduler import NUM_NEW_TOKENS, DrivenRequest, FakeScheduler
 from tests.support.tensor_parallel_ranks import run_group, scripted_steps, tiny_requests
@@ -34,6 +37,8 @@ STEPS = [
 ]
 """Steps of different shapes (a mixed step; long decodes beside a chunk; prompts; a lone
 decode; a chunk shorter than a query tile), all through one compiled kernel."""
+
+SPECULATIVE_NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 
 
 @pytest.fixture(autouse=True)
@@ -126,6 +131,31 @@ def test_cuda_greedy_parity_with_transformers(request, model_fixture):
     assert runner.decode_graphs is not None
     requests = [DrivenRequest(f"r{i}", p, [len(p)]) for i, p in enumerate(prompts)]
     assert FakeScheduler(runner).generate(requests) == expected
+
+
+@pytest.mark.parametrize(
+    "params", [None, SamplingParams(temperature=0.5, top_p=0.95, seed=5, presence_penalty=0.1)]
+)
+def test_cuda_speculative_decoding_gives_the_tokens_of_one_at_a_time(params, tmp_path):
+    """n-gram drafts verified on the GPU (eager steps of several query tokens a request, the
+    rejected drafts' cache slots rewritten later): greedy and seeded sampling with a penalty
+    give the tokens of plain decoding (whose steps replay CUDA graphs)."""
+    random_variant("qwen2", tmp_path)
+    generator = torch.Generator().manual_seed(1)
+    prompts = {}
+    for i, (length, period) in enumerate([(60, 5), (90, 7), (33, 3), (120, 11)]):
+        pattern = torch.randint(3, 512, (period,), generator=generator).tolist()
+        prompts[f"r{i}"] = (pattern * (length // period + 1))[:length]
+    runs = {}
+    for speculative in (None, SPECULATIVE_NGRAM):
+        engine = Engine(tmp_path, 64, 256, 128, speculative, device="cuda")
+        assert engine.runner.decode_graphs is not None
+        runs[speculative] = engine, engine.generate(prompts, params, num_new_tokens=48)
+    (_, plain), (engine, speculative) = runs[None], runs[SPECULATIVE_NGRAM]
+    assert speculative == plain
+    counters = engine.scheduler.counters
+    assert counters.spec_decode_num_draft_tokens > 0
+    assert counters.spec_decode_num_accepted_tokens > 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

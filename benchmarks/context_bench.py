@@ -12,11 +12,15 @@ device's read bandwidth (``sum()`` of 1 GiB on the CPU, 4 GiB on CUDA), measured
 run. ``layout`` is the median time of building one step's attention layout on the host and
 copying it to the device (for FlexAttention, its block mask), which the step times leave out.
 On CUDA a third time is the in-place step replayed as a CUDA graph (``worker.cuda_graphs``, as
-the worker runs decode steps), the copy of its inputs included.
+the worker runs decode steps), the copy of its inputs included. With ``--shared-prefix N``
+every request's first N tokens lie in the same blocks (as prefix caching leaves requests with
+one system prompt), which the CPU kernel reads once for all of them; the floor counts them
+once.
 
 Run alone (nothing else on the cores):
   python benchmarks/context_bench.py [--contexts 128,256,...] [--batch-sizes 1,16] \
-      [--block-size 16] [--device cuda --dtype bfloat16] [--output-json PATH]
+      [--block-size 16] [--shared-prefix 512] [--device cuda --dtype bfloat16] \
+      [--output-json PATH]
 """
 
 from __future__ import annotations
@@ -65,10 +69,12 @@ def time_decode_step(
     context: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
     cuda_graph: bool = False,
+    shared_prefix: int = 0,
 ) -> tuple[list[float], float]:
     """(seconds of ``REPEATS`` decode steps of ``batch_size`` requests at ``context`` tokens in
     blocks of ``block_size``, the median seconds of building one step's layout) with the
-    model's attention. With ``cuda_graph``, each step replays a CUDA graph of it
+    model's attention; every request's first ``shared_prefix`` tokens (whole blocks) lie in the
+    first request's blocks. With ``cuda_graph``, each step replays a CUDA graph of it
     (``worker.cuda_graphs``), its inputs' copy to the device included, and the layout time is 0.
     """
     import numpy as np
@@ -98,6 +104,8 @@ def time_decode_step(
     for tensor in (*cache.key_caches, *cache.value_caches):
         tensor.normal_()
     pool = np.random.default_rng(0).permutation(num_blocks).reshape(batch_size, -1).tolist()
+    for table in pool[1:]:
+        table[: shared_prefix // block_size] = pool[0][: shared_prefix // block_size]
 
     def build():
         return build_batch_layout(
@@ -153,6 +161,7 @@ def measure(
     device_name: str,
     dtype_name: str,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    shared_prefix: int = 0,
 ) -> dict:
     import torch
 
@@ -167,10 +176,13 @@ def measure(
     rows = []
     for batch_size in batch_sizes:
         for context in contexts:
-            samples, layout_seconds = time_decode_step(model, batch_size, context, block_size)
+            shared = min(shared_prefix, context - 1) // block_size * block_size
+            timing = {"block_size": block_size, "shared_prefix": shared}
+            samples, layout_seconds = time_decode_step(model, batch_size, context, **timing)
             with gathered(model):
-                gathered_samples, _ = time_decode_step(model, batch_size, context, block_size)
-            kv_bytes = batch_size * context * kv_bytes_per_token(model, itemsize)
+                gathered_samples, _ = time_decode_step(model, batch_size, context, **timing)
+            unique_tokens = shared + batch_size * (context - shared)
+            kv_bytes = unique_tokens * kv_bytes_per_token(model, itemsize)
             rows.append(
                 {
                     "batch_size": batch_size,
@@ -184,7 +196,7 @@ def measure(
             )
             if device.type == "cuda":
                 graph_samples, _ = time_decode_step(
-                    model, batch_size, context, block_size, cuda_graph=True
+                    model, batch_size, context, cuda_graph=True, **timing
                 )
                 rows[-1]["cuda_graph_ms"] = statistics.median(graph_samples) * 1e3
             print(format_row(rows[-1]), flush=True)
@@ -198,6 +210,7 @@ def measure(
         "attention": model.attention_kind.value,
         "num_threads": torch.get_num_threads(),
         "block_size": block_size,
+        "shared_prefix": shared_prefix,
         "read_bandwidth_bytes_per_s_median": bandwidth,
         "weight_bytes_per_decode_step": weight_bytes,
         "kv_bytes_per_token": kv_bytes_per_token(model, itemsize),
@@ -231,12 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV cache block"
     )
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens every request shares (whole blocks, as a prefix-cache hit leaves them)",
+    )
     parser.add_argument("--output-json", help="write every measurement here")
     args = parser.parse_args(argv)
     contexts = [int(value) for value in args.contexts.split(",")]
     batch_sizes = [int(value) for value in args.batch_sizes.split(",")]
     if min(contexts) < 1 or min(batch_sizes) < 1 or args.block_size < 1:
         parser.error("contexts, batch sizes and the block size must be positive")
+    if args.shared_prefix < 0:
+        parser.error("--shared-prefix must not be negative")
     graphs = args.device == "cuda"  # a third column: the in-place step replayed as a graph
     print(HEADER + (" CUDA graph (ms) |" if graphs else ""))
     print("|---" * (9 if graphs else 8) + "|")
@@ -247,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         args.device,
         args.dtype,
         args.block_size,
+        args.shared_prefix,
     )
     bandwidth = results["read_bandwidth_bytes_per_s_median"]
     print(f"read bandwidth (median of 10): {bandwidth / 1e9:.1f} GB/s")

@@ -3,7 +3,8 @@
 Attention in place must equal the gathered ``scaled_dot_product_attention`` path for every
 shape the layout produces: decodes, whole prompts and chunks after a cached prefix in one
 batch, grouped-query and multi-head attention, blocks smaller and larger than the kernel's
-16-key chunk, and a lone decode whose context is split over the threads.
+16-key chunk, a lone decode whose context is split over the threads, and decodes that share a
+cached prefix (read once for all of them).
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler for the kernels")
 
 
-def _random_batch(requests, block_size, num_kv_heads, head_dim, seed=0):
-    """Caches of random keys/values and each request's blocks, shuffled over the pool."""
+def _random_batch(requests, block_size, num_kv_heads, head_dim, seed=0, shared=()):
+    """Caches of random keys/values and each request's blocks, shuffled over the pool; then
+    for each (request, source, n) of ``shared``, the request's first n blocks are the
+    source's (a prefix-cache hit)."""
     block_ids, num_blocks = shuffled_blocks(requests, block_size, seed)
+    for request, source, n in shared:
+        block_ids[request][:n] = block_ids[source][:n]
     generator = torch.Generator().manual_seed(seed)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.randn(shape, generator=generator)
@@ -33,9 +38,11 @@ def _random_batch(requests, block_size, num_kv_heads, head_dim, seed=0):
     return key_cache, value_cache, block_ids
 
 
-def _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size):
+def _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size, shared=()):
     """(in place, gathered) attention outputs for ``requests`` [(num_computed, num_new)]."""
-    key_cache, value_cache, block_ids = _random_batch(requests, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache, block_ids = _random_batch(
+        requests, block_size, num_kv_heads, head_dim, shared=shared
+    )
     starts, counts = zip(*requests, strict=True)
     num_tokens = sum(counts)
     query = torch.randn(num_tokens, num_heads, head_dim, generator=torch.Generator().manual_seed(1))
@@ -64,6 +71,78 @@ def test_in_place_attention_equals_the_gathered_path(num_heads, num_kv_heads, he
     requests = [(0, 37), (17, 1), (40, 33), (3, 1), (100, 1), (0, 1), (64, 16)]
     in_place, gathered = _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size)
     torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=2e-6)
+
+
+SHARING_REQUESTS = [
+    (37, 1), (100, 1), (150, 1), (96, 1), (63, 1), (64, 1), (40, 9), (130, 1), (129, 1),
+    (200, 1), (17, 1), (120, 1),
+]  # fmt: skip
+SHARING_BLOCKS = [
+    (1, 2, 6), (3, 2, 6), (11, 2, 6), (5, 2, 4), (4, 7, 4), (6, 7, 2), (8, 7, 8), (9, 7, 2),
+]  # fmt: skip
+"""Decodes of 16-token blocks sharing cached prefixes: four share 6 blocks and a fifth 4 of
+them (left out: grouping it would read more); one whose every key is in the 4 blocks it shares
+with two that share 8 (nothing of its own to read); a chunk and a decode that share only 2 (too
+few to group)."""
+SHARING_GROUPS = [[1, 2, 3, 11], [4, 7, 8]], [96, 64]
+
+
+def _groups(requests, shared, num_heads, num_kv_heads):
+    """How the kernel groups the decodes of ``requests``: (members of each group, sorted by
+    their first; the keys each group shares)."""
+    _, _, block_ids = _random_batch(requests, 16, num_kv_heads, 16, shared=shared)
+    starts, counts = zip(*requests, strict=True)
+    layout = build_batch_layout(starts, counts, block_ids, 16, CPU, AttentionKind.IN_PLACE_CPU)
+    metadata = layout.metadata
+    group_of, shared_keys = cpu_ops.shared_prefix_groups(
+        metadata.block_tables,
+        metadata.query_starts,
+        metadata.context_starts,
+        num_heads,
+        num_kv_heads,
+        16,
+    )
+    members = {}
+    for request, group in enumerate(group_of):
+        if group >= 0:
+            members.setdefault(group, []).append(request)
+    groups = sorted(members.values())
+    return groups, [shared_keys[group[0]] for group in groups]
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 128), (4, 1, 64), (6, 2, 48)]
+)
+def test_decodes_sharing_a_prefix_read_it_once_and_equal_the_gathered_path(
+    num_heads, num_kv_heads, head_dim, num_threads
+):
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        in_place, gathered = _both_ways(
+            SHARING_REQUESTS, num_heads, num_kv_heads, head_dim, 16, SHARING_BLOCKS
+        )
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=2e-6)
+    assert _groups(SHARING_REQUESTS, SHARING_BLOCKS, num_heads, num_kv_heads) == SHARING_GROUPS
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_many_decodes_sharing_a_long_prefix_in_several_tasks(num_threads):
+    """30 decodes after a 20-block prefix (more members than one task holds, the prefix in
+    parts), beside a prompt and a decode of their own."""
+    requests = [(325 + 7 * i, 1) for i in range(30)] + [(0, 20), (50, 1)]
+    shared = [(i, 0, 20) for i in range(1, 30)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        in_place, gathered = _both_ways(requests, 9, 3, 64, 16, shared)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=2e-6)
+    assert _groups(requests, shared, 9, 3) == ([list(range(30))], [320])
 
 
 def test_head_shapes_without_a_kernel_keep_the_gathered_path():

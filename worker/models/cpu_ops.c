@@ -15,7 +15,10 @@
  *     the lanes of a vector, so scores and weighted values are broadcast multiply-adds, as in
  *     a matrix product;
  *   - a lone decode over a long context (threads to spare) is split into parts of the context
- *     whose results are merged at the end (split-K, as flash-decoding does).
+ *     whose results are merged at the end (split-K, as flash-decoding does);
+ *   - decodes whose block tables begin with the same blocks (a prefix-cache hit) read those
+ *     keys once for all of them, as the lanes of prefill tiles, and their own keys after them
+ *     one by one; each row's parts are merged as a split decode's are ("Shared prefixes").
  *
  * Plain C with GCC/Clang vector extensions (16 x float) and OpenMP; worker/models/cpu_ops.py
  * compiles it on first use and checks every shape before calling in: these functions trust
@@ -32,6 +35,7 @@
 #define FEW_ROWS 4       /* a prefill tile of at most this many rows goes row by row */
 #define MASKED -1e30f    /* the score of a key a row cannot see (finite: no inf - inf) */
 #define MIN_PART_KEYS 512 /* keys per context part when a decode's context is split */
+#define MAX_SPLIT_PARTS 64 /* parts of a lone decode's context at most */
 
 typedef float vec16 __attribute__((vector_size(64)));
 typedef int32_t ivec16 __attribute__((vector_size(64)));
@@ -269,6 +273,21 @@ static inline __attribute__((always_inline)) void attend_rows(const Cache* c,
   }
 }
 
+/* Every row's softmax state in s from keys [key_first, key_end) (none: l = 0). */
+static void fold_rows(const Cache* c, const int64_t* table, const Rows* rows, int64_t key_first,
+                      int64_t key_end, Softmax* s) {
+  for (int row = 0; row < rows->count; row++) {
+    s->m[row] = -INFINITY;
+    s->l[row] = 0.0f;
+    memset(s->acc[row], 0, (size_t)c->head_dim * sizeof(float));
+  }
+  switch (c->head_dim) { /* constant head sizes unroll the inner loops */
+    case 64: attend_rows(c, table, rows, key_first, key_end, s, 64); break;
+    case 128: attend_rows(c, table, rows, key_first, key_end, s, 128); break;
+    default: attend_rows(c, table, rows, key_first, key_end, s, (int)c->head_dim);
+  }
+}
+
 /* A row-by-row task: tokens [token_first, token_first + num_tokens) of the flat batch at
  * positions from position_first, key-value heads [h_first, h_first + h_count), keys
  * [key_first, key_end). Leaves each row's softmax state in s, and writes the normalised rows
@@ -287,15 +306,8 @@ static void run_row_task(const Cache* c, const float* q, const int64_t* table,
     for (int64_t d = 0; d < dims; d++) rows.q[row][d] = query[d] * c->scale;
     rows.pos[row] = position_first + row / heads;
     rows.head[row] = head / group;
-    s->m[row] = -INFINITY;
-    s->l[row] = 0.0f;
-    memset(s->acc[row], 0, (size_t)dims * sizeof(float));
   }
-  switch (dims) { /* constant head sizes unroll the inner loops */
-    case 64: attend_rows(c, table, &rows, key_first, key_end, s, 64); break;
-    case 128: attend_rows(c, table, &rows, key_first, key_end, s, 128); break;
-    default: attend_rows(c, table, &rows, key_first, key_end, s, (int)dims);
-  }
+  fold_rows(c, table, &rows, key_first, key_end, s);
   if (out == NULL) return;
   for (int row = 0; row < rows.count; row++) {
     const int64_t token = token_first + row / heads, head = h_first * group + row % heads;
@@ -309,16 +321,20 @@ static void run_row_task(const Cache* c, const float* q, const int64_t* table,
  * transposed, qt[d] = (row 0's q[d], row 1's q[d], ...), so a key's scores for all rows are
  * sum_d k[d] * qt[d]: broadcast multiply-adds over eight keys at once, as in a matrix product,
  * with no horizontal sums; the softmax statistics are vectors over the rows, and so is the
- * output, ot[d] += p_t * v_t[d]. Rows past the tile's have position -1 and see nothing. */
+ * output, ot[d] += p_t * v_t[d]. Rows past the tile's have position -1 and see nothing. Keys
+ * [key_first, key_end); each row's softmax state (max, sum, weighted values) is left in m_out,
+ * l_out and ot. */
 static inline __attribute__((always_inline)) void attend_lanes(const Cache* c,
                                                                const int64_t* table, int64_t h,
                                                                const float* qt, ivec16 pos,
+                                                               int64_t key_first,
                                                                int64_t key_end, float* ot,
-                                                               vec16* l_out, const int dims) {
+                                                               vec16* m_out, vec16* l_out,
+                                                               const int dims) {
   const int64_t stride = c->num_kv_heads * c->head_dim;
   vec16 m = splat(MASKED), l = {0};
   for (int d = 0; d < dims; d++) store(ot + d * LANES, (vec16){0});
-  for (int64_t first = 0; first < key_end;) {
+  for (int64_t first = key_first; first < key_end;) {
     const Chunk chunk = chunk_at(c, table, first, key_end);
     const float* k = chunk.k + h * c->head_dim;
     const float* v = chunk.v + h * c->head_dim;
@@ -356,7 +372,19 @@ static inline __attribute__((always_inline)) void attend_lanes(const Cache* c,
     }
     first += n;
   }
+  *m_out = m;
   *l_out = l;
+}
+
+/* attend_lanes for any head size, the common ones unrolled. */
+static void attend_lanes_any(const Cache* c, const int64_t* table, int64_t h, const float* qt,
+                             ivec16 pos, int64_t key_first, int64_t key_end, float* ot,
+                             vec16* m, vec16* l) {
+  switch (c->head_dim) {
+    case 64: attend_lanes(c, table, h, qt, pos, key_first, key_end, ot, m, l, 64); break;
+    case 128: attend_lanes(c, table, h, qt, pos, key_first, key_end, ot, m, l, 128); break;
+    default: attend_lanes(c, table, h, qt, pos, key_first, key_end, ot, m, l, (int)c->head_dim);
+  }
 }
 
 /* A lane task: tokens [token_first, token_first + num_tokens) of the flat batch (at most
@@ -378,13 +406,8 @@ static void run_lane_task(const Cache* c, const float* q, const int64_t* table,
   }
   ivec16 pos;
   memcpy(&pos, positions, sizeof pos);
-  vec16 l;
-  const int64_t key_end = position_first + num_tokens;
-  switch (dims) {
-    case 64: attend_lanes(c, table, h, qt, pos, key_end, ot, &l, 64); break;
-    case 128: attend_lanes(c, table, h, qt, pos, key_end, ot, &l, 128); break;
-    default: attend_lanes(c, table, h, qt, pos, key_end, ot, &l, (int)dims);
-  }
+  vec16 m, l;
+  attend_lanes_any(c, table, h, qt, pos, 0, position_first + num_tokens, ot, &m, &l);
   float sums[LANES];
   store(sums, l);
   for (int row = 0; row < rows; row++) {
@@ -394,19 +417,20 @@ static void run_lane_task(const Cache* c, const float* q, const int64_t* table,
   }
 }
 
-/* Merge the parts' softmax states of one decode row into out (the flash-decoding reduction). */
-static void combine_parts(const Softmax* parts, int64_t num_parts, int row, int64_t dims,
-                          float* out) {
-  float m = -INFINITY, l = 0.0f;
-  for (int64_t p = 0; p < num_parts; p++) m = parts[p].m[row] > m ? parts[p].m[row] : m;
+/* Merge n softmax states of one row (max m[i], sum l[i], weighted values acc[i]) into its
+ * normalised output (the flash-decoding reduction); states with no keys (l = 0) add nothing. */
+static void merge_states(int64_t n, const float* m, const float* l, const float* const* acc,
+                         int64_t dims, float* out) {
+  float top = -INFINITY, sum = 0.0f;
+  for (int64_t i = 0; i < n; i++) top = m[i] > top ? m[i] : top;
   for (int64_t d = 0; d < dims; d++) out[d] = 0.0f;
-  for (int64_t p = 0; p < num_parts; p++) {
-    if (parts[p].l[row] == 0.0f) continue;
-    const float weight = expf(parts[p].m[row] - m);
-    l += parts[p].l[row] * weight;
-    for (int64_t d = 0; d < dims; d++) out[d] += parts[p].acc[row][d] * weight;
+  for (int64_t i = 0; i < n; i++) {
+    if (l[i] == 0.0f) continue;
+    const float weight = expf(m[i] - top);
+    sum += l[i] * weight;
+    for (int64_t d = 0; d < dims; d++) out[d] += acc[i][d] * weight;
   }
-  for (int64_t d = 0; d < dims; d++) out[d] /= l;
+  for (int64_t d = 0; d < dims; d++) out[d] /= sum;
 }
 
 /* One request decoding over a long context, with threads to spare: each of num_parts tasks
@@ -424,10 +448,399 @@ static int split_decode(const Cache* c, const float* q, const int64_t* table, in
     run_row_task(c, q, table, 0, 1, position, 0, c->num_kv_heads, first, end, &parts[part],
                  NULL);
   }
-  for (int64_t head = 0; head < c->num_heads; head++)
-    combine_parts(parts, num_parts, (int)head, c->head_dim, out + head * c->head_dim);
+  for (int64_t head = 0; head < c->num_heads; head++) {
+    float m[MAX_SPLIT_PARTS], l[MAX_SPLIT_PARTS];
+    const float* acc[MAX_SPLIT_PARTS];
+    for (int64_t part = 0; part < num_parts; part++) {
+      m[part] = parts[part].m[head];
+      l[part] = parts[part].l[head];
+      acc[part] = parts[part].acc[head];
+    }
+    merge_states(num_parts, m, l, acc, c->head_dim, out + head * c->head_dim);
+  }
   free(parts);
   return 0;
+}
+
+/* Shared prefixes. Decodes whose block tables begin with the same blocks (prefix-cache hits:
+ * the same system prompt, say) form a group, whose rows read those keys once for all of them.
+ * A SHARED task takes 16 of the group's rows (its members' query heads of one key-value head)
+ * as the lanes of a vector, as a prefill tile does, over one part of the shared keys; an OWN
+ * task folds one member's keys after the prefix into all its heads, as a decode does. Their
+ * softmax states are kept (STATE floats each) and merged row by row at the end. For 16 decodes
+ * after a 512-token prompt the prompt's keys are read 3 times a layer (once a tile) instead of
+ * 16, and their arithmetic runs at the prefill tiles' rate, over twice the decode's. */
+#define MIN_SHARED_KEYS 64       /* a prefix shorter than this is read by each decode alone */
+#define MIN_SHARED_PART_KEYS 128 /* keys per part when a shared prefix is split into tasks */
+#define MAX_SHARED_PARTS 16
+#define MAX_SPLIT_DEPTH 8 /* how often decodes sharing a prefix are split into groups at most */
+#define STATE(dims) ((dims) + 2) /* m, l and the weighted values of one row */
+
+typedef enum { DECODE, TILE, SHARED, OWN } TaskKind;
+
+typedef struct {
+  TaskKind kind;
+  int64_t r;     /* DECODE, TILE: the request; OWN: the member; SHARED: the group */
+  int64_t h;     /* TILE, SHARED: the key-value head */
+  int64_t first; /* TILE: the tile's first token in its request; SHARED: its first row */
+  int64_t count; /* SHARED: rows (at most LANES) */
+  int64_t part;  /* SHARED: which part of the prefix */
+} Task;
+
+typedef struct {
+  int64_t first, count;    /* its members: members[first .. first + count) */
+  int64_t shared_keys;     /* keys [0, shared_keys) lie in blocks every member holds */
+  int64_t num_parts, keys_per_part;
+  int64_t states;          /* its first shared state: part p, member i, head x at
+                              states + (p * count + i) * num_heads + x */
+} Group;
+
+/* How a step's attention is split into tasks; the same for every layer. */
+typedef struct {
+  Task* tasks;
+  int64_t num_tasks;
+  Group* groups;
+  int64_t num_groups;
+  int64_t *members, *group_of; /* request of each member; group of each member */
+  int64_t num_members;
+  int64_t own_states; /* member i's head x: state own_states + i * num_heads + x */
+  float* states;
+} Plan;
+
+/* The decodes' tables as they are sorted: blocks [0, full) of a request are full and seen. */
+typedef struct {
+  const int64_t* tables;
+  int64_t max_blocks;
+  const int64_t* full;
+} Tables;
+
+static int64_t common_blocks(const Tables* t, int64_t a, int64_t b) {
+  const int64_t n = t->full[a] < t->full[b] ? t->full[a] : t->full[b];
+  const int64_t *x = t->tables + a * t->max_blocks, *y = t->tables + b * t->max_blocks;
+  int64_t i = 0;
+  while (i < n && x[i] == y[i]) i++;
+  return i;
+}
+
+static int tables_before(const Tables* t, int64_t a, int64_t b) { /* lexicographic order */
+  const int64_t i = common_blocks(t, a, b);
+  if (i < t->full[a] && i < t->full[b])
+    return t->tables[a * t->max_blocks + i] < t->tables[b * t->max_blocks + i];
+  return t->full[a] < t->full[b] || (t->full[a] == t->full[b] && a < b);
+}
+
+/* Sort requests idx[0 .. n) by their tables (merge sort, scratch of n). */
+static void sort_by_table(const Tables* t, int64_t* idx, int64_t* scratch, int64_t n) {
+  if (n < 2) return;
+  const int64_t half = n / 2;
+  sort_by_table(t, idx, scratch, half);
+  sort_by_table(t, idx + half, scratch, n - half);
+  int64_t i = 0, j = half, k = 0;
+  while (i < half && j < n) scratch[k++] = tables_before(t, idx[j], idx[i]) ? idx[j++] : idx[i++];
+  while (i < half) scratch[k++] = idx[i++];
+  while (j < n) scratch[k++] = idx[j++];
+  memcpy(idx, scratch, (size_t)n * sizeof(int64_t));
+}
+
+/* Split sorted decodes [a, b) into groups, common[i] being the blocks decodes i - 1 and i
+ * share: one group over all of them, sharing their least common prefix, or (where that reads
+ * more) groups on either side of the places where it is least. Returns the keys a grouping
+ * saves (the shared blocks each member but the first does not read) and, with out set,
+ * appends its groups there. */
+static int64_t split_groups(const int64_t* common, int64_t a, int64_t b, int64_t min_blocks,
+                            int depth, Group* out, int64_t* num_out) {
+  if (b - a < 2) return 0;
+  int64_t least = common[a + 1];
+  for (int64_t i = a + 2; i < b; i++) least = common[i] < least ? common[i] : least;
+  const int64_t whole = least >= min_blocks ? (b - a - 1) * least : 0;
+  int64_t parts = 0; /* each piece is shorter: the least is at one place at least */
+  if (depth > 0)
+    for (int64_t i = a, j = a + 1; j <= b; j++)
+      if (j == b || common[j] == least) {
+        parts += split_groups(common, i, j, min_blocks, depth - 1, NULL, NULL);
+        i = j;
+      }
+  if (out == NULL) return whole > parts ? whole : parts;
+  if (whole >= parts) {
+    if (whole > 0) out[(*num_out)++] = (Group){a, b - a, least, 0, 0, 0};
+    return whole;
+  }
+  for (int64_t i = a, j = a + 1; j <= b; j++)
+    if (j == b || common[j] == least) {
+      split_groups(common, i, j, min_blocks, depth - 1, out, num_out);
+      i = j;
+    }
+  return parts;
+}
+
+static void free_plan(Plan* p) {
+  free(p->tasks);
+  free(p->groups);
+  free(p->members);
+  free(p->group_of);
+  free(p->states);
+}
+
+/* The step's tasks: decodes one task each (or grouped by their shared prefix), prefills a
+ * task per key-value head and tile of 16 / group tokens. Returns -1 when out of memory. */
+static int plan_step(const Cache* c, const int64_t* block_tables, int64_t max_blocks,
+                     const int64_t* query_starts, const int64_t* context_starts,
+                     int64_t num_requests, int64_t num_threads, Plan* p) {
+  memset(p, 0, sizeof *p);
+  const int64_t group = c->num_heads / c->num_kv_heads, tile = LANES / group;
+  const int whole_decodes = c->num_heads <= MAX_ROW_TASK_ROWS;
+  const size_t n = (size_t)(num_requests > 0 ? num_requests : 1);
+  int64_t* full = malloc(n * sizeof(int64_t));
+  int64_t* scratch = malloc(n * sizeof(int64_t));
+  int64_t* common = malloc(n * sizeof(int64_t));
+  p->members = malloc(n * sizeof(int64_t));
+  p->group_of = malloc(n * sizeof(int64_t));
+  p->groups = malloc(n * sizeof(Group));
+  int status = -1;
+  if (!full || !scratch || !common || !p->members || !p->group_of || !p->groups) goto done;
+
+  /* decodes that could share: sorted by their tables, neighbours' common blocks counted */
+  const int64_t min_blocks = (MIN_SHARED_KEYS + c->block_size - 1) / c->block_size;
+  int64_t num_candidates = 0;
+  for (int64_t r = 0; r < num_requests; r++) {
+    full[r] = (context_starts[r] + 1) / c->block_size;
+    if (whole_decodes && query_starts[r + 1] - query_starts[r] == 1 && full[r] >= min_blocks)
+      p->members[num_candidates++] = r;
+  }
+  const Tables tables = {block_tables, max_blocks, full};
+  sort_by_table(&tables, p->members, scratch, num_candidates);
+  for (int64_t i = 1; i < num_candidates; i++)
+    common[i] = common_blocks(&tables, p->members[i - 1], p->members[i]);
+  split_groups(common, 0, num_candidates, min_blocks, MAX_SPLIT_DEPTH, p->groups,
+               &p->num_groups);
+
+  /* keep the grouped decodes only, group by group */
+  for (int64_t r = 0; r < num_requests; r++) scratch[r] = -1; /* each request's member index */
+  int64_t num_states = 0, num_tasks = 0;
+  for (int64_t g = 0; g < p->num_groups; g++) {
+    Group* x = &p->groups[g];
+    const int64_t first = p->num_members;
+    for (int64_t i = 0; i < x->count; i++) {
+      const int64_t r = p->members[x->first + i];
+      scratch[r] = first + i;
+    }
+    x->first = first; /* members are rewritten below, in this order */
+    p->num_members += x->count;
+    const int64_t blocks = x->shared_keys; /* split_groups left the shared blocks here */
+    x->shared_keys = blocks * c->block_size;
+    const int64_t tiles = (x->count * group + LANES - 1) / LANES; /* of a key-value head */
+    x->num_parts = 1;
+    while (x->num_parts < MAX_SHARED_PARTS && x->num_parts * 2 <= blocks &&
+           c->num_kv_heads * tiles * x->num_parts < 4 * num_threads &&
+           x->shared_keys / (2 * x->num_parts) >= MIN_SHARED_PART_KEYS)
+      x->num_parts *= 2;
+    x->keys_per_part = (blocks + x->num_parts - 1) / x->num_parts * c->block_size;
+    x->states = num_states;
+    num_states += x->num_parts * x->count * c->num_heads;
+    num_tasks += x->num_parts * c->num_kv_heads * tiles;
+  }
+  for (int64_t r = 0; r < num_requests; r++)
+    if (scratch[r] >= 0) p->members[scratch[r]] = r;
+  for (int64_t g = 0; g < p->num_groups; g++)
+    for (int64_t i = 0; i < p->groups[g].count; i++) p->group_of[p->groups[g].first + i] = g;
+  p->own_states = num_states;
+  num_states += p->num_members * c->num_heads;
+  for (int64_t r = 0; r < num_requests; r++) {
+    const int64_t num_tokens = query_starts[r + 1] - query_starts[r];
+    num_tasks += num_tokens == 1 && whole_decodes
+                     ? 1
+                     : (num_tokens + tile - 1) / tile * c->num_kv_heads;
+  }
+  p->tasks = malloc((size_t)(num_tasks > 0 ? num_tasks : 1) * sizeof(Task));
+  p->states = malloc((size_t)(num_states > 0 ? num_states : 1) * STATE(c->head_dim) *
+                     sizeof(float));
+  if (!p->tasks || !p->states) goto done;
+
+  /* the shared prefixes' tasks first (the longest), then each request's */
+  for (int64_t g = 0; g < p->num_groups; g++) {
+    const Group* x = &p->groups[g];
+    for (int64_t part = 0; part < x->num_parts; part++)
+      for (int64_t h = 0; h < c->num_kv_heads; h++)
+        for (int64_t row = 0; row < x->count * group; row += LANES) {
+          const int64_t rows = x->count * group - row < LANES ? x->count * group - row : LANES;
+          p->tasks[p->num_tasks++] = (Task){SHARED, g, h, row, rows, part};
+        }
+  }
+  for (int64_t r = 0; r < num_requests; r++) {
+    const int64_t num_tokens = query_starts[r + 1] - query_starts[r];
+    if (num_tokens == 1 && whole_decodes) {
+      p->tasks[p->num_tasks++] = scratch[r] >= 0 ? (Task){OWN, scratch[r], 0, 0, 0, 0}
+                                                 : (Task){DECODE, r, 0, 0, 0, 0};
+      continue;
+    }
+    for (int64_t offset = 0; offset < num_tokens; offset += tile)
+      for (int64_t h = 0; h < c->num_kv_heads; h++)
+        p->tasks[p->num_tasks++] = (Task){TILE, r, h, offset, 0, 0};
+  }
+  status = 0;
+done:
+  free(full);
+  free(scratch);
+  free(common);
+  if (status != 0) free_plan(p);
+  return status;
+}
+
+/* Keep rows [row_first, row_first + count) of s as consecutive states from `states`. */
+static void keep_states(const Softmax* s, int64_t row_first, int64_t count, int64_t dims,
+                        float* states) {
+  for (int64_t i = 0; i < count; i++) {
+    float* state = states + i * STATE(dims);
+    state[0] = s->m[row_first + i];
+    state[1] = s->l[row_first + i];
+    memcpy(state + 2, s->acc[row_first + i], (size_t)dims * sizeof(float));
+  }
+}
+
+/* A SHARED task: rows [first, first + count) (row i: member i / group's query head
+ * h * group + i % group) of a group, as the lanes of a vector, over one part of the keys the
+ * group shares, all of which every row sees; their softmax states kept. */
+static void run_shared_task(const Cache* c, const Plan* p, const Task* t, const float* q,
+                            const int64_t* block_tables, int64_t max_blocks,
+                            const int64_t* query_starts) {
+  const Group* x = &p->groups[t->r];
+  const int64_t group = c->num_heads / c->num_kv_heads, dims = c->head_dim;
+  float qt[MAX_HEAD_DIM * LANES], ot[MAX_HEAD_DIM * LANES];
+  int32_t positions[LANES];
+  memset(qt, 0, sizeof qt);
+  for (int lane = 0; lane < LANES; lane++) positions[lane] = -1;
+  for (int64_t lane = 0; lane < t->count; lane++) {
+    const int64_t row = t->first + lane;
+    const int64_t r = p->members[x->first + row / group], head = t->h * group + row % group;
+    const float* query = q + (query_starts[r] * c->num_heads + head) * dims;
+    for (int64_t d = 0; d < dims; d++) qt[d * LANES + lane] = query[d] * c->scale;
+    positions[lane] = (int32_t)x->shared_keys; /* past every shared key */
+  }
+  ivec16 pos;
+  memcpy(&pos, positions, sizeof pos);
+  const int64_t key_first = t->part * x->keys_per_part;
+  const int64_t key_end = key_first + x->keys_per_part < x->shared_keys
+                              ? key_first + x->keys_per_part
+                              : x->shared_keys;
+  vec16 m, l;
+  attend_lanes_any(c, block_tables + p->members[x->first] * max_blocks, t->h, qt, pos,
+                   key_first, key_end, ot, &m, &l);
+  float ms[LANES], ls[LANES];
+  store(ms, m);
+  store(ls, l);
+  for (int64_t lane = 0; lane < t->count; lane++) {
+    const int64_t row = t->first + lane, i = row / group, head = t->h * group + row % group;
+    float* state =
+        p->states + (x->states + (t->part * x->count + i) * c->num_heads + head) * STATE(dims);
+    state[0] = ls[lane] > 0.0f ? ms[lane] : -INFINITY;
+    state[1] = ls[lane];
+    for (int64_t d = 0; d < dims; d++) state[2 + d] = ot[d * LANES + lane];
+  }
+}
+
+static void run_task(const Cache* c, const Plan* p, const Task* t, const float* q,
+                     const int64_t* block_tables, int64_t max_blocks,
+                     const int64_t* query_starts, const int64_t* context_starts, float* out) {
+  const int64_t group = c->num_heads / c->num_kv_heads, tile = LANES / group;
+  const int64_t dims = c->head_dim;
+  Softmax s; /* with run_row_task's Rows, ~130 KB of this thread's stack (of 8 MB) */
+  if (t->kind == SHARED) {
+    run_shared_task(c, p, t, q, block_tables, max_blocks, query_starts);
+    return;
+  }
+  if (t->kind == OWN) {
+    const int64_t r = p->members[t->r];
+    const Group* x = &p->groups[p->group_of[t->r]];
+    run_row_task(c, q, block_tables + r * max_blocks, query_starts[r], 1, context_starts[r], 0,
+                 c->num_kv_heads, x->shared_keys, context_starts[r] + 1, &s, NULL);
+    keep_states(&s, 0, c->num_heads, dims,
+                p->states + (p->own_states + t->r * c->num_heads) * STATE(dims));
+    return;
+  }
+  const int64_t r = t->r, num_tokens = query_starts[r + 1] - query_starts[r];
+  const int64_t* table = block_tables + r * max_blocks;
+  if (t->kind == DECODE) {
+    run_row_task(c, q, table, query_starts[r], 1, context_starts[r], 0, c->num_kv_heads, 0,
+                 context_starts[r] + 1, &s, out);
+    return;
+  }
+  const int64_t tile_tokens = num_tokens - t->first < tile ? num_tokens - t->first : tile;
+  const int64_t position = context_starts[r] + t->first;
+  if (tile_tokens * group <= FEW_ROWS)
+    run_row_task(c, q, table, query_starts[r] + t->first, tile_tokens, position, t->h, 1, 0,
+                 position + tile_tokens, &s, out);
+  else
+    run_lane_task(c, q, table, query_starts[r] + t->first, tile_tokens, position, t->h, out);
+}
+
+/* A grouped decode's rows: its shared parts' states and its own, merged. */
+static void merge_member(const Cache* c, const Plan* p, int64_t member,
+                         const int64_t* query_starts, float* out) {
+  const Group* x = &p->groups[p->group_of[member]];
+  const int64_t dims = c->head_dim, i = member - x->first, r = p->members[member];
+  for (int64_t head = 0; head < c->num_heads; head++) {
+    float m[MAX_SHARED_PARTS + 1], l[MAX_SHARED_PARTS + 1];
+    const float* acc[MAX_SHARED_PARTS + 1];
+    for (int64_t part = 0; part <= x->num_parts; part++) {
+      const int64_t state = part < x->num_parts
+                                ? x->states + (part * x->count + i) * c->num_heads + head
+                                : p->own_states + member * c->num_heads + head;
+      const float* kept = p->states + state * STATE(dims);
+      m[part] = kept[0];
+      l[part] = kept[1];
+      acc[part] = kept + 2;
+    }
+    merge_states(x->num_parts + 1, m, l, acc, dims,
+                 out + (query_starts[r] * c->num_heads + head) * dims);
+  }
+}
+
+static void attend_planned(const Cache* c, const Plan* p, const float* q,
+                           const int64_t* block_tables, int64_t max_blocks,
+                           const int64_t* query_starts, const int64_t* context_starts,
+                           float* out) {
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t task = 0; task < p->num_tasks; task++)
+    run_task(c, p, &p->tasks[task], q, block_tables, max_blocks, query_starts, context_starts,
+             out);
+  if (p->num_members == 0) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t member = 0; member < p->num_members; member++)
+    merge_member(c, p, member, query_starts, out);
+}
+
+/* A lone decode over many keys, threads to spare: the number of parts to split it into. */
+static int64_t lone_decode_parts(const int64_t* query_starts, const int64_t* context_starts,
+                                 int64_t num_requests, int64_t num_heads, int64_t num_threads) {
+  if (num_requests != 1 || query_starts[1] != 1 || num_heads > MAX_ROW_TASK_ROWS) return 1;
+  int64_t num_parts = 1;
+  while (num_parts < num_threads && num_parts < MAX_SPLIT_PARTS &&
+         (context_starts[0] + 1) / (2 * num_parts) >= MIN_PART_KEYS)
+    num_parts *= 2;
+  return num_parts;
+}
+
+/* How sy_paged_attention would group a step's decodes by shared prefix: group_of[r] is the
+ * group of request r (-1: not grouped) and shared_keys[r] the keys its group shares (0).
+ * Returns the number of groups, or -1 when out of memory. */
+int64_t sy_shared_prefix_groups(const int64_t* block_tables, int64_t max_blocks,
+                                const int64_t* query_starts, const int64_t* context_starts,
+                                int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t block_size, int64_t num_threads, int64_t* group_of,
+                                int64_t* shared_keys) {
+  const Cache c = {NULL, NULL, block_size, num_heads, num_kv_heads, 0, 0.0f};
+  Plan plan;
+  if (plan_step(&c, block_tables, max_blocks, query_starts, context_starts, num_requests,
+                num_threads, &plan) != 0)
+    return -1;
+  for (int64_t r = 0; r < num_requests; r++) group_of[r] = -1, shared_keys[r] = 0;
+  for (int64_t i = 0; i < plan.num_members; i++) {
+    group_of[plan.members[i]] = plan.group_of[i];
+    shared_keys[plan.members[i]] = plan.groups[plan.group_of[i]].shared_keys;
+  }
+  const int64_t num_groups = plan.num_groups;
+  free_plan(&plan);
+  return num_groups;
 }
 
 /* out (num_tokens, num_heads, head_dim) = attention of q (same shape) over the paged cache.
@@ -435,9 +848,10 @@ static int split_decode(const Cache* c, const float* q, const int64_t* table, in
  * requests' first rows and then num_tokens; context_starts (num_requests) int64, each
  * request's first query position. Returns 0, or -1 when out of memory (out is then unset).
  *
- * Tasks: a decode is one task over all its heads (its keys are read once, as they lie); a
- * prefill is a task per key-value head and tile of 16 / group tokens, a lane task unless the
- * tile has FEW_ROWS rows or fewer. */
+ * Tasks: a decode is one task over all its heads (its keys are read once, as they lie), or,
+ * where decodes share a prefix, a SHARED task per part of it and key-value head and an OWN
+ * task each (above); a prefill is a task per key-value head and tile of 16 / group tokens, a
+ * lane task unless the tile has FEW_ROWS rows or fewer. */
 int sy_paged_attention(const float* q, const float* key_cache, const float* value_cache,
                        const int64_t* block_tables, int64_t max_blocks,
                        const int64_t* query_starts, const int64_t* context_starts,
@@ -445,54 +859,15 @@ int sy_paged_attention(const float* q, const float* key_cache, const float* valu
                        int64_t head_dim, int64_t block_size, float scale, int64_t num_threads,
                        float* out) {
   const Cache c = {key_cache, value_cache, block_size, num_heads, num_kv_heads, head_dim, scale};
-  const int64_t group = num_heads / num_kv_heads, tile = LANES / group;
-  const int whole_decodes = num_heads <= MAX_ROW_TASK_ROWS;
-  if (num_requests == 1 && query_starts[1] == 1 && whole_decodes && num_threads > 1) {
-    int64_t num_parts = 1; /* a lone decode: split its keys if they are many */
-    while (num_parts < num_threads && (context_starts[0] + 1) / (2 * num_parts) >= MIN_PART_KEYS)
-      num_parts *= 2;
-    if (num_parts > 1)
-      return split_decode(&c, q, block_tables, context_starts[0], num_parts, out);
-  }
-  int64_t* first_task = malloc((size_t)(num_requests + 1) * sizeof(int64_t));
-  if (first_task == NULL) return -1;
-  first_task[0] = 0;
-  for (int64_t r = 0; r < num_requests; r++) {
-    const int64_t num_tokens = query_starts[r + 1] - query_starts[r];
-    const int64_t tasks = num_tokens == 1 && whole_decodes
-                              ? 1
-                              : (num_tokens + tile - 1) / tile * num_kv_heads;
-    first_task[r + 1] = first_task[r] + tasks;
-  }
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t task = 0; task < first_task[num_requests]; task++) {
-    int64_t r = 0; /* the request of this task: binary search over first_task */
-    for (int64_t lo = 0, hi = num_requests - 1; lo <= hi;) {
-      const int64_t mid = (lo + hi) / 2;
-      if (first_task[mid] <= task) r = mid, lo = mid + 1;
-      else hi = mid - 1;
-    }
-    const int64_t* table = block_tables + r * max_blocks;
-    const int64_t num_tokens = query_starts[r + 1] - query_starts[r];
-    if (num_tokens == 1 && whole_decodes) {
-      Softmax s; /* with run_row_task's Rows, ~130 KB of this thread's stack (of 8 MB) */
-      run_row_task(&c, q, table, query_starts[r], 1, context_starts[r], 0, num_kv_heads, 0,
-                   context_starts[r] + 1, &s, out);
-      continue;
-    }
-    const int64_t local = task - first_task[r], h = local % num_kv_heads;
-    const int64_t offset = local / num_kv_heads * tile;
-    const int64_t tile_tokens = num_tokens - offset < tile ? num_tokens - offset : tile;
-    const int64_t position = context_starts[r] + offset;
-    if (tile_tokens * group <= FEW_ROWS) {
-      Softmax s;
-      run_row_task(&c, q, table, query_starts[r] + offset, tile_tokens, position, h, 1, 0,
-                   position + tile_tokens, &s, out);
-    } else {
-      run_lane_task(&c, q, table, query_starts[r] + offset, tile_tokens, position, h, out);
-    }
-  }
-  free(first_task);
+  const int64_t parts =
+      lone_decode_parts(query_starts, context_starts, num_requests, num_heads, num_threads);
+  if (parts > 1) return split_decode(&c, q, block_tables, context_starts[0], parts, out);
+  Plan plan;
+  if (plan_step(&c, block_tables, max_blocks, query_starts, context_starts, num_requests,
+                num_threads, &plan) != 0)
+    return -1;
+  attend_planned(&c, &plan, q, block_tables, max_blocks, query_starts, context_starts, out);
+  free_plan(&plan);
   return 0;
 }
 
@@ -623,7 +998,14 @@ int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_l
   float* gate_up = malloc(row * 2 * (size_t)inner);
   float* activated = malloc(row * (size_t)inner);
   int status = -1;
+  Plan plan = {0}; /* the attention's tasks, the same for every layer */
+  const int64_t parts =
+      lone_decode_parts(query_starts, context_starts, num_requests, num_heads, num_threads);
   if (!normed || !qkv || !q || !attended || !gate_up || !activated) goto done;
+  const Cache shape = {NULL, NULL, block_size, num_heads, num_kv_heads, head_dim, scale};
+  if (parts == 1 && plan_step(&shape, block_tables, max_blocks, query_starts, context_starts,
+                              num_requests, num_threads, &plan) != 0)
+    goto done;
   for (int64_t l = 0; l < num_layers; l++) {
     const LayerWeights* w = &layers[l];
     sy_add_rms_norm(l == 0 ? NULL : x_out, residual, w->input_norm, num_tokens, hidden, eps,
@@ -631,10 +1013,14 @@ int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_l
     linear(normed, num_tokens, hidden, w->qkv, qkv_width, w->qkv_bias, qkv);
     sy_rope_write_kv(qkv, num_tokens, num_heads, num_kv_heads, head_dim, cos, sin, slots,
                      w->key_cache, w->value_cache, q);
-    if (sy_paged_attention(q, w->key_cache, w->value_cache, block_tables, max_blocks,
-                           query_starts, context_starts, num_requests, num_heads, num_kv_heads,
-                           head_dim, block_size, scale, num_threads, attended) != 0)
-      goto done;
+    const Cache c = {w->key_cache, w->value_cache, block_size, num_heads, num_kv_heads,
+                     head_dim, scale};
+    if (parts > 1) {
+      if (split_decode(&c, q, block_tables, context_starts[0], parts, attended) != 0) goto done;
+    } else {
+      attend_planned(&c, &plan, q, block_tables, max_blocks, query_starts, context_starts,
+                     attended);
+    }
     linear(attended, num_tokens, heads_width, w->o, hidden, w->o_bias, x_out);
     sy_add_rms_norm(x_out, residual, w->post_norm, num_tokens, hidden, eps, normed);
     linear(normed, num_tokens, hidden, w->gate_up, 2 * inner, w->gate_up_bias, gate_up);
@@ -643,6 +1029,7 @@ int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_l
   }
   status = 0;
 done:
+  free_plan(&plan);
   free(normed);
   free(qkv);
   free(q);

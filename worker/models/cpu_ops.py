@@ -2,9 +2,11 @@
 
 - ``paged_attention``: each query token attends to its request's cached keys through the block
   table, reading the paged cache where it lies (no gathered or padded copy), with an online
-  softmax over chunks of 16 keys: a decode reads each chunk once for all its heads, a prefill
-  tile computes its rows as the lanes of a vector, and a lone decode over a long context is
-  split over the threads (``cpu_ops.c`` tells how).
+  softmax over chunks of 16 keys: a decode reads each chunk once for all its heads, decodes
+  whose tables begin with the same blocks (a prefix-cache hit) read those once for all of
+  them (``shared_prefix_groups`` tells which), a prefill tile computes its rows as the lanes
+  of a vector, and a lone decode over a long context is split over the threads (``cpu_ops.c``
+  tells how).
 - ``rope_write_kv``: rotary embedding of queries and keys straight from the stacked q/k/v
   product, with the keys and values stored into their cache slots in the same pass.
 - ``add_rms_norm``: the residual add and the RMSNorm after it, in one pass.
@@ -40,6 +42,10 @@ _SIGNATURES = {
     "sy_paged_attention": (
         ctypes.c_int,
         [_POINTER] * 4 + [_INT] + [_POINTER] * 2 + [_INT] * 5 + [_FLOAT, _INT, _POINTER],
+    ),
+    "sy_shared_prefix_groups": (
+        ctypes.c_int64,
+        [_POINTER] + [_INT] + [_POINTER] * 2 + [_INT] * 5 + [_POINTER] * 2,
     ),
     "sy_rope_write_kv": (None, [_POINTER] + [_INT] * 4 + [_POINTER] * 6),
     "sy_add_rms_norm": (None, [_POINTER] * 3 + [_INT] * 2 + [_FLOAT, _POINTER]),
@@ -146,6 +152,38 @@ def paged_attention(
     if status != 0:
         raise MemoryError("paged attention could not allocate its task list")
     return output
+
+
+def shared_prefix_groups(
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    context_starts: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+) -> tuple[list[int], list[int]]:
+    """How ``paged_attention`` groups a step's decodes that share cached blocks (the step as it
+    takes it): (each request's group, -1 for none; the keys its group reads once for all)."""
+    num_requests, max_blocks = block_tables.shape
+    _check_step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, LANES))
+    group_of = torch.empty(num_requests, dtype=torch.int64)
+    shared_keys = torch.empty(num_requests, dtype=torch.int64)
+    status = library().sy_shared_prefix_groups(
+        block_tables.data_ptr(),
+        max_blocks,
+        query_starts.data_ptr(),
+        context_starts.data_ptr(),
+        num_requests,
+        num_heads,
+        num_kv_heads,
+        block_size,
+        torch.get_num_threads(),
+        group_of.data_ptr(),
+        shared_keys.data_ptr(),
+    )
+    if status < 0:
+        raise MemoryError("paged attention could not allocate its task list")
+    return group_of.tolist(), shared_keys.tolist()
 
 
 def rope_write_kv(

@@ -9,7 +9,10 @@ the product, and the worker must pack and run its layers this way only when aske
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +96,51 @@ def test_the_tile_kernel_refuses_mismatched_inputs():
     with pytest.raises(ValueError, match="bias"):
         tile_gemm.linear(torch.randn(2, 64), tiles, torch.randn(31), 32, 64)
     assert tile_gemm.linear(torch.empty(0, 64), tiles, None, 32, 64).shape == (0, 32)
+
+
+OUT_OF_MEMORY_SCRIPT = """
+import ctypes, resource, threading, torch
+from worker.models import tile_gemm
+libc = ctypes.CDLL("libc.so.6")
+libc.mallopt(-8, 1)  # M_ARENA_MAX: one heap (a thread's own would lend it room under the limit)
+libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD: large blocks come from mmap, and go back to it
+torch.set_num_threads(2)
+tiles = tile_gemm.pack(torch.randn(32, 4096))
+x, expected = torch.randn(64, 4096), []
+# each calling thread keeps its own buffer: this one's grows to 64 rows, the main thread's not
+def alone():
+    expected.append(tile_gemm.linear(x, tiles, None, 32, 4096))
+worker = threading.Thread(target=alone)
+worker.start()
+worker.join()
+tile_gemm.linear(x[:2], tiles, None, 32, 4096)  # the threads, and a 2-row buffer
+libc.malloc_trim(0)
+with open("/proc/self/status") as status:
+    used = next(int(line.split()[1]) for line in status if line.startswith("VmSize")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (used + (256 << 10), resource.RLIM_INFINITY))
+try:
+    tile_gemm.linear(x, tiles, None, 32, 4096)  # 64 rows of split inputs: 1 MB
+except MemoryError as error:
+    print("refused:", error)
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+assert torch.equal(tile_gemm.linear(x, tiles, None, 32, 4096), expected[0])
+print("recovered")
+"""
+
+
+def test_a_product_without_memory_for_its_inputs_fails_and_the_next_one_runs():
+    """Out of memory for the split inputs (a 1 MB buffer under an address-space limit), the
+    product raises MemoryError instead of ending the process, and runs once memory is back."""
+    result = subprocess.run(
+        [sys.executable, "-c", OUT_OF_MEMORY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr
+    assert "refused: the tile product could not allocate its split inputs" in result.stdout
+    assert "recovered" in result.stdout
 
 
 def test_layers_pack_tiles_only_at_high_precision_and_never_the_lm_head(high_precision):

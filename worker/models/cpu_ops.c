@@ -964,8 +964,9 @@ void sy_silu_mul(const float* gate_up, int64_t num_tokens, int64_t inner, float*
  * the same kernels in the same order as the layer modules call them, so the result is the
  * same to the bit. */
 
-typedef void (*LinearFn)(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
-                         const float* bias, float* y);
+/* A linear layer's product (sy_panel_linear, sy_tile_linear): 0, or nonzero where it failed. */
+typedef int (*LinearFn)(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
+                        const float* bias, float* y);
 
 /* One decoder layer's weights (the linear layers' packed panels and biases, NULL for none)
  * and its KV cache. */
@@ -978,7 +979,8 @@ typedef struct {
 /* x_out (num_tokens, hidden) = the last layer's output, residual (num_tokens, hidden; the
  * embeddings on entry) the residual stream before it, as the module loop leaves them. The step
  * (cos, sin, slots, block tables, starts) is as sy_rope_write_kv and sy_paged_attention take
- * it. Returns 0, or -1 when out of memory (x_out and residual are then unset). */
+ * it. Returns 0, or -1 when out of memory or a product failed (x_out and residual are then
+ * unset). */
 int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_layers,
                       int64_t num_tokens, int64_t hidden, int64_t inner, float eps,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -1010,7 +1012,7 @@ int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_l
     const LayerWeights* w = &layers[l];
     sy_add_rms_norm(l == 0 ? NULL : x_out, residual, w->input_norm, num_tokens, hidden, eps,
                     normed);
-    linear(normed, num_tokens, hidden, w->qkv, qkv_width, w->qkv_bias, qkv);
+    if (linear(normed, num_tokens, hidden, w->qkv, qkv_width, w->qkv_bias, qkv) != 0) goto done;
     sy_rope_write_kv(qkv, num_tokens, num_heads, num_kv_heads, head_dim, cos, sin, slots,
                      w->key_cache, w->value_cache, q);
     const Cache c = {w->key_cache, w->value_cache, block_size, num_heads, num_kv_heads,
@@ -1021,11 +1023,13 @@ int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_l
       attend_planned(&c, &plan, q, block_tables, max_blocks, query_starts, context_starts,
                      attended);
     }
-    linear(attended, num_tokens, heads_width, w->o, hidden, w->o_bias, x_out);
+    if (linear(attended, num_tokens, heads_width, w->o, hidden, w->o_bias, x_out) != 0) goto done;
     sy_add_rms_norm(x_out, residual, w->post_norm, num_tokens, hidden, eps, normed);
-    linear(normed, num_tokens, hidden, w->gate_up, 2 * inner, w->gate_up_bias, gate_up);
+    if (linear(normed, num_tokens, hidden, w->gate_up, 2 * inner, w->gate_up_bias, gate_up) != 0)
+      goto done;
     sy_silu_mul(gate_up, num_tokens, inner, activated);
-    linear(activated, num_tokens, inner, w->down, hidden, w->down_bias, x_out);
+    if (linear(activated, num_tokens, inner, w->down, hidden, w->down_bias, x_out) != 0)
+      goto done;
   }
   status = 0;
 done:

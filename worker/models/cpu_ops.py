@@ -316,7 +316,7 @@ def decoder_layers(
         out.data_ptr(),
     )
     if status != 0:
-        raise MemoryError("the layer stack could not allocate its buffers")
+        raise MemoryError("the layer stack could not allocate its buffers or its products' inputs")
     return out, x
 
 

@@ -243,12 +243,14 @@ static void many_rows(const float* x, int64_t m, int64_t k, const float* panels,
   }
 }
 
-/* y (m, n) = x (m, k) W^T + bias (n, or NULL), W given as panels; all row-major, contiguous. */
-void sy_panel_linear(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
-                     const float* bias, float* y) {
+/* y (m, n) = x (m, k) W^T + bias (n, or NULL), W given as panels; all row-major, contiguous.
+ * Returns 0 (it needs no memory of its own; the int is the linear layers' signature, which
+ * sy_tile_linear can fail). */
+int sy_panel_linear(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
+                    const float* bias, float* y) {
   if (m > CHUNK) {
     many_rows(x, m, k, panels, n, bias, y);
-    return;
+    return 0;
   }
   const int64_t num_panels = (n + PANEL - 1) / PANEL;
   const int64_t num_chunks = (m + CHUNK - 1) / CHUNK;
@@ -263,4 +265,5 @@ void sy_panel_linear(const float* x, int64_t m, int64_t k, const float* panels, 
     rows_of_panel(x, start, end, k, panels + p * k * PANEL, panel_bias, y + p * PANEL, n, cols,
                   (num_panels - p) * k * LINES_PER_ROW, m <= CHUNKED_MAX);
   }
+  return 0;
 }

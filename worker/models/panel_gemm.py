@@ -26,8 +26,9 @@ LINEAR_ARGTYPES = [
     ctypes.c_void_p,  # bias or NULL
     ctypes.c_void_p,  # y (m, n)
 ]
+LINEAR_RESTYPE = ctypes.c_int
 """The C signature of a linear layer's product (cpu_ops.c's LinearFn): this kernel's and
-tile_gemm's."""
+tile_gemm's; it returns 0, or nonzero where the product failed (tile_gemm's can)."""
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -69,7 +70,7 @@ def linear(
     y = torch.empty(m, out_features, dtype=torch.float32)
     bias_ptr = None if bias is None else bias.data_ptr()
     lib.sy_panel_linear(x.data_ptr(), m, k, panels.data_ptr(), out_features, bias_ptr, y.data_ptr())
-    return y
+    return y  # (it returns 0: it needs no memory of its own)
 
 
 @functools.cache
@@ -79,5 +80,5 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.sy_panel_linear.argtypes = LINEAR_ARGTYPES
-    lib.sy_panel_linear.restype = None
+    lib.sy_panel_linear.restype = LINEAR_RESTYPE
     return lib

@@ -34,7 +34,6 @@
  * a process the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM), once.
  */
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -220,9 +219,9 @@ static void panel_product(const uint16_t* a, const uint16_t* w, int64_t steps, i
   }
 }
 
-/* The calling thread's buffer for split inputs, of at least `bytes`, kept for its next calls.
- * Out of memory (for at most a few MB) there is no float32 copy of the weights to fall back on,
- * and no way to report it through the linear layers' void signature: say so and abort. */
+/* The calling thread's buffer for split inputs, of at least `bytes`, kept for its next calls;
+ * NULL when out of memory (for at most a few MB; the product then fails, and the next call
+ * tries again). */
 static uint16_t* input_buffer(size_t bytes) {
   static __thread void* buffer;
   static __thread size_t size;
@@ -230,11 +229,7 @@ static uint16_t* input_buffer(size_t bytes) {
     free(buffer);
     bytes = (bytes + 4095) & ~(size_t)4095;
     buffer = aligned_alloc(64, bytes);
-    size = bytes;
-    if (buffer == NULL) {
-      fprintf(stderr, "tile_gemm: out of memory for %zu bytes of split inputs\n", bytes);
-      abort();
-    }
+    size = buffer == NULL ? 0 : bytes;
   }
   return buffer;
 }
@@ -279,9 +274,11 @@ static void tile_pass(const float* x, int64_t m, int64_t k, const uint16_t* tile
 }
 
 /* y (m, n) = x (m, k) W^T + bias (n, or NULL), W in tile form (sy_tile_pack); all row-major,
- * contiguous. In passes of as many rows as PASS_BYTES of split inputs hold. */
-void sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
-                    const float* bias, float* y) {
+ * contiguous. In passes of as many rows as PASS_BYTES of split inputs hold. Returns 0, -1 when
+ * out of memory, -2 where this process may not use the tile registers (callers check
+ * tile_gemm.available first); y is then unset. */
+int sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
+                   const float* bias, float* y) {
   const int64_t steps = (k + TILE_K - 1) / TILE_K;
   const int64_t row_bytes = steps * 2 * TILE_K * sizeof(uint16_t);
   int64_t pass_rows = PASS_BYTES / row_bytes / (2 * TILE_ROWS) * (2 * TILE_ROWS);
@@ -289,26 +286,24 @@ void sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles,
               : pass_rows > MAX_PASS_ROWS ? MAX_PASS_ROWS
                                           : pass_rows;
   const int64_t rows = m < pass_rows ? m : pass_rows;
-  if (!sy_tile_available()) { /* callers check first (tile_gemm.available) */
-    fprintf(stderr, "tile_gemm: this process may not use the tile registers\n");
-    abort();
-  }
+  if (!sy_tile_available()) return -2;
   uint16_t* a = input_buffer((size_t)((rows + TILE_ROWS - 1) / TILE_ROWS) * TILE_ROWS * row_bytes);
+  if (a == NULL) return -1;
   for (int64_t start = 0; start < m; start += pass_rows) {
     const int64_t pass = m - start < pass_rows ? m - start : pass_rows;
     tile_pass(x + start * k, pass, k, tiles, n, bias, y + start * n, a);
   }
+  return 0;
 }
 
 #else /* no AMX-BF16 here: nothing to call but sy_tile_available */
 int sy_tile_available(void) { return 0; }
 void sy_tile_pack(const float* panels, int64_t k, int64_t n, uint16_t* tiles) {
-  (void)panels, (void)k, (void)n, (void)tiles;
-  abort();
+  (void)panels, (void)k, (void)n, (void)tiles; /* tile_gemm.pack never calls it here */
 }
-void sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
-                    const float* bias, float* y) {
+int sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
+                   const float* bias, float* y) {
   (void)x, (void)m, (void)k, (void)tiles, (void)n, (void)bias, (void)y;
-  abort();
+  return -2;
 }
 #endif

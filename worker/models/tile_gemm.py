@@ -76,10 +76,19 @@ def linear(
     y = torch.empty(m, out_features, dtype=torch.float32)
     if m:
         bias_ptr = None if bias is None else bias.data_ptr()
-        lib.sy_tile_linear(
+        status = lib.sy_tile_linear(
             x.data_ptr(), m, k, tiles.data_ptr(), out_features, bias_ptr, y.data_ptr()
         )
+        _check_status(status)
     return y
+
+
+def _check_status(status: int) -> None:
+    """Raise for a nonzero status of ``sy_tile_linear``."""
+    if status == -1:
+        raise MemoryError("the tile product could not allocate its split inputs")
+    if status != 0:
+        raise RuntimeError("this process may not use the tile registers (check available())")
 
 
 def available() -> bool:
@@ -99,5 +108,5 @@ def library() -> ctypes.CDLL | None:
     lib.sy_tile_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.sy_tile_pack.restype = None
     lib.sy_tile_linear.argtypes = panel_gemm.LINEAR_ARGTYPES
-    lib.sy_tile_linear.restype = None
+    lib.sy_tile_linear.restype = panel_gemm.LINEAR_RESTYPE
     return lib

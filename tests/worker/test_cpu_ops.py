@@ -340,6 +340,60 @@ def test_the_fused_layer_stack_gives_the_layer_modules_results_to_the_bit(
             assert torch.equal(fused_part, module_part)
 
 
+def test_decodes_sharing_a_prefix_through_the_fused_stack_equal_the_modules_and_gathered(
+    tiny_llama_dir,
+):
+    """A decode step in which three requests share their first four blocks (grouped: the
+    fused stack plans once for every layer, the modules once a layer), beside one that shares
+    nothing: the same logits and cache either way, to the bit, and the gathered path's to
+    rounding."""
+    model = load_model(tiny_llama_dir, CPU, torch.float32)
+    assert model.fused_layers is not None
+    fused, block_size = model.fused_layers, 16
+    requests = [(69, 1), (89, 1), (99, 1), (50, 1)]
+    block_ids, num_blocks = shuffled_blocks(requests, block_size)
+    for shares in (1, 2):
+        block_ids[shares][:4] = block_ids[0][:4]
+    starts, counts = zip(*requests, strict=True)
+    input_ids = torch.randint(0, model.config.vocab_size, (4,), generator=torch.Generator())
+    results = []
+    for stack, kind in [
+        (fused, AttentionKind.IN_PLACE_CPU),
+        (None, AttentionKind.IN_PLACE_CPU),
+        (None, AttentionKind.GATHERED),
+    ]:
+        model.fused_layers = stack
+        cache = _zero_cache(model, num_blocks, block_size)
+        generator = torch.Generator().manual_seed(3)
+        for part in (*cache.key_caches, *cache.value_caches):
+            part.copy_(torch.randn(part.shape, generator=generator))
+        step = build_batch_layout(starts, counts, block_ids, block_size, CPU, kind, num_blocks)
+        if kind is AttentionKind.IN_PLACE_CPU:
+            metadata = step.metadata
+            groups = cpu_ops.shared_prefix_groups(
+                metadata.block_tables,
+                metadata.query_starts,
+                metadata.context_starts,
+                model.config.num_attention_heads,
+                model.num_kv_heads,
+                block_size,
+            )
+            assert groups == ([0, 0, 0, -1], [64, 64, 64, 0])
+        with torch.no_grad():
+            logits = model(input_ids, step.positions, cache, step.metadata, torch.arange(4))
+        results.append((logits, cache))
+    model.fused_layers = fused
+    (fused_logits, fused_cache), (module_logits, module_cache), (gathered_logits, _) = results
+    assert torch.equal(fused_logits, module_logits)
+    for part, other in zip(
+        (*fused_cache.key_caches, *fused_cache.value_caches),
+        (*module_cache.key_caches, *module_cache.value_caches),
+        strict=True,
+    ):
+        assert torch.equal(part, other)
+    torch.testing.assert_close(fused_logits, gathered_logits, rtol=1e-4, atol=1e-4)
+
+
 def test_the_fused_layer_stack_leaves_lora_rows_and_torch_paths_to_the_modules(tiny_llama_dir):
     model = load_model(tiny_llama_dir, CPU, torch.float32)
     fused = model.fused_layers

@@ -126,21 +126,16 @@ def paged_attention(
     """
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    num_requests, max_blocks = block_tables.shape
     _check_float32(query, key_cache, value_cache)
     if value_cache.shape != key_cache.shape or key_cache.shape[3] != head_dim:
         raise ValueError(f"caches {tuple(key_cache.shape)} do not fit queries {query.shape}")
-    _check_step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, head_dim))
+    step = _step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, head_dim))
     output = torch.empty_like(query)
     status = library().sy_paged_attention(
         query.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        block_tables.data_ptr(),
-        max_blocks,
-        query_starts.data_ptr(),
-        context_starts.data_ptr(),
-        num_requests,
+        *step,
         num_heads,
         num_kv_heads,
         head_dim,
@@ -164,16 +159,12 @@ def shared_prefix_groups(
 ) -> tuple[list[int], list[int]]:
     """How ``paged_attention`` groups a step's decodes that share cached blocks (the step as it
     takes it): (each request's group, -1 for none; the keys its group reads once for all)."""
-    num_requests, max_blocks = block_tables.shape
-    _check_step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, LANES))
+    num_requests = block_tables.shape[0]
+    step = _step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, LANES))
     group_of = torch.empty(num_requests, dtype=torch.int64)
     shared_keys = torch.empty(num_requests, dtype=torch.int64)
     status = library().sy_shared_prefix_groups(
-        block_tables.data_ptr(),
-        max_blocks,
-        query_starts.data_ptr(),
-        context_starts.data_ptr(),
-        num_requests,
+        *step,
         num_heads,
         num_kv_heads,
         block_size,
@@ -281,14 +272,13 @@ def decoder_layers(
     ``paged_attention`` take it."""
     inner, num_heads, num_kv_heads, head_dim, block_size = shape
     num_tokens, hidden = x.shape
-    num_requests, max_blocks = block_tables.shape
     _check_float32(x, cos, sin)
     _check_int64(slots)
     if cos.shape != (num_tokens, 1, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"cos/sin {tuple(cos.shape)} do not fit {num_tokens} tokens")
     if slots.shape != (num_tokens,):
         raise ValueError(f"{num_tokens} tokens need as many slots")
-    _check_step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, head_dim))
+    step = _step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, head_dim))
     out = torch.empty_like(x)
     status = library().sy_decoder_layers(
         linear,
@@ -304,11 +294,7 @@ def decoder_layers(
         cos.data_ptr(),
         sin.data_ptr(),
         slots.data_ptr(),
-        block_tables.data_ptr(),
-        max_blocks,
-        query_starts.data_ptr(),
-        context_starts.data_ptr(),
-        num_requests,
+        *step,
         block_size,
         scale,
         torch.get_num_threads(),
@@ -320,21 +306,26 @@ def decoder_layers(
     return out, x
 
 
-def _check_step(
+def _step(
     block_tables: torch.Tensor,
     query_starts: torch.Tensor,
     context_starts: torch.Tensor,
     heads: tuple[int, int, int],
-) -> None:
-    """That a step's block tables and starts are int64 and agree, and that the kernel takes
-    ``heads`` (num_heads, num_kv_heads, head_dim)."""
+) -> tuple[int, int, int, int, int]:
+    """A step as the kernels take it: (block tables, max_blocks, query starts, context starts,
+    num_requests), once checked that the tables and starts are int64 and agree and that the
+    kernel takes ``heads`` (num_heads, num_kv_heads, head_dim)."""
     _check_int64(block_tables, query_starts, context_starts)
-    num_requests = block_tables.shape[0]
+    if block_tables.dim() != 2:
+        raise ValueError(f"block tables must be 2-D, not {tuple(block_tables.shape)}")
+    num_requests, max_blocks = block_tables.shape
     if query_starts.shape != (num_requests + 1,) or context_starts.shape != (num_requests,):
         raise ValueError(f"{num_requests} block tables need as many starts")
     if not supports_attention(*heads):
         num_heads, num_kv_heads, head_dim = heads
         raise ValueError(f"no paged kernel for {num_heads}/{num_kv_heads} heads of {head_dim}")
+    pointers = (block_tables.data_ptr(), query_starts.data_ptr(), context_starts.data_ptr())
+    return pointers[0], max_blocks, pointers[1], pointers[2], num_requests
 
 
 def _check_float32(*tensors: torch.Tensor) -> None:

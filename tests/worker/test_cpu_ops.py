@@ -85,6 +85,8 @@ them (left out: grouping it would read more); one whose every key is in the 4 bl
 with two that share 8 (nothing of its own to read); a chunk and a decode that share only 2 (too
 few to group)."""
 SHARING_GROUPS = [[1, 2, 3, 11], [4, 7, 8]], [96, 64]
+"""The groups, where a key-value head has 3 query heads or more; with one (multi-head
+attention) 3 or 4 decodes are too few rows a head to group (``MIN_SHARED_ROWS``)."""
 
 
 def _groups(requests, shared, num_heads, num_kv_heads):
@@ -126,11 +128,15 @@ def test_decodes_sharing_a_prefix_read_it_once_and_equal_the_gathered_path(
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=2e-6)
-    assert _groups(SHARING_REQUESTS, SHARING_BLOCKS, num_heads, num_kv_heads) == SHARING_GROUPS
+    expected = SHARING_GROUPS if num_heads > num_kv_heads else ([], [])
+    assert _groups(SHARING_REQUESTS, SHARING_BLOCKS, num_heads, num_kv_heads) == expected
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_many_decodes_sharing_a_long_prefix_in_several_tasks(num_threads):
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 128)])
+def test_many_decodes_sharing_a_long_prefix_in_several_tasks(
+    num_heads, num_kv_heads, head_dim, num_threads
+):
     """30 decodes after a 20-block prefix (more members than one task holds, the prefix in
     parts), beside a prompt and a decode of their own."""
     requests = [(325 + 7 * i, 1) for i in range(30)] + [(0, 20), (50, 1)]
@@ -138,11 +144,11 @@ def test_many_decodes_sharing_a_long_prefix_in_several_tasks(num_threads):
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        in_place, gathered = _both_ways(requests, 9, 3, 64, 16, shared)
+        in_place, gathered = _both_ways(requests, num_heads, num_kv_heads, head_dim, 16, shared)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=2e-6)
-    assert _groups(requests, shared, 9, 3) == ([list(range(30))], [320])
+    assert _groups(requests, shared, num_heads, num_kv_heads) == ([list(range(30))], [320])
 
 
 def test_head_shapes_without_a_kernel_keep_the_gathered_path():
@@ -255,6 +261,15 @@ def test_the_kernels_refuse_what_does_not_fit():
             torch.zeros(1, 100), torch.zeros(1, 1, 64), torch.zeros(1, 1, 64),
             torch.zeros(1, dtype=torch.int64), cache, cache, 4,
         )  # fmt: skip
+    with pytest.raises(ValueError, match="2-D"):
+        cpu_ops.paged_attention(query, cache, cache, tables[0], starts, starts[first], 1.0)
+    with pytest.raises(ValueError, match="blocks of no tokens"):
+        empty = torch.zeros(4, 0, 2, 64)
+        cpu_ops.paged_attention(query, empty, empty, tables, starts, starts[first], 1.0)
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        cpu_ops.shared_prefix_groups(tables, starts, starts[first], 4, 2, 0)
+    with pytest.raises(ValueError, match="past its block table"):
+        cpu_ops.shared_prefix_groups(tables, starts, torch.tensor([16]), 4, 2, 16)
 
 
 def test_the_model_gives_the_same_logits_in_place_flex_and_gathered(tiny_llama_dir):
@@ -343,19 +358,19 @@ def test_the_fused_layer_stack_gives_the_layer_modules_results_to_the_bit(
 def test_decodes_sharing_a_prefix_through_the_fused_stack_equal_the_modules_and_gathered(
     tiny_llama_dir,
 ):
-    """A decode step in which three requests share their first four blocks (grouped: the
+    """A decode step in which four requests share their first four blocks (grouped: the
     fused stack plans once for every layer, the modules once a layer), beside one that shares
     nothing: the same logits and cache either way, to the bit, and the gathered path's to
     rounding."""
     model = load_model(tiny_llama_dir, CPU, torch.float32)
     assert model.fused_layers is not None
     fused, block_size = model.fused_layers, 16
-    requests = [(69, 1), (89, 1), (99, 1), (50, 1)]
+    requests = [(69, 1), (89, 1), (99, 1), (75, 1), (50, 1)]
     block_ids, num_blocks = shuffled_blocks(requests, block_size)
-    for shares in (1, 2):
+    for shares in (1, 2, 3):
         block_ids[shares][:4] = block_ids[0][:4]
     starts, counts = zip(*requests, strict=True)
-    input_ids = torch.randint(0, model.config.vocab_size, (4,), generator=torch.Generator())
+    input_ids = torch.randint(0, model.config.vocab_size, (5,), generator=torch.Generator())
     results = []
     for stack, kind in [
         (fused, AttentionKind.IN_PLACE_CPU),
@@ -378,9 +393,9 @@ def test_decodes_sharing_a_prefix_through_the_fused_stack_equal_the_modules_and_
                 model.num_kv_heads,
                 block_size,
             )
-            assert groups == ([0, 0, 0, -1], [64, 64, 64, 0])
+            assert groups == ([0, 0, 0, 0, -1], [64, 64, 64, 64, 0])
         with torch.no_grad():
-            logits = model(input_ids, step.positions, cache, step.metadata, torch.arange(4))
+            logits = model(input_ids, step.positions, cache, step.metadata, torch.arange(5))
         results.append((logits, cache))
     model.fused_layers = fused
     (fused_logits, fused_cache), (module_logits, module_cache), (gathered_logits, _) = results

@@ -471,6 +471,8 @@ static int split_decode(const Cache* c, const float* q, const int64_t* table, in
  * after a 512-token prompt the prompt's keys are read 3 times a layer (once a tile) instead of
  * 16, and their arithmetic runs at the prefill tiles' rate, over twice the decode's. */
 #define MIN_SHARED_KEYS 64       /* a prefix shorter than this is read by each decode alone */
+#define MIN_SHARED_ROWS 8        /* nor by fewer rows a key-value head: a tile's lanes, mostly idle,
+                                    would cost more than the reads they save */
 #define MIN_SHARED_PART_KEYS 128 /* keys per part when a shared prefix is split into tasks */
 #define MAX_SHARED_PARTS 16
 #define MAX_SPLIT_DEPTH 8 /* how often decodes sharing a prefix are split into groups at most */
@@ -544,12 +546,12 @@ static void sort_by_table(const Tables* t, int64_t* idx, int64_t* scratch, int64
 
 /* Split sorted decodes [a, b) into groups, common[i] being the blocks decodes i - 1 and i
  * share: one group over all of them, sharing their least common prefix, or (where that reads
- * more) groups on either side of the places where it is least. Returns the keys a grouping
- * saves (the shared blocks each member but the first does not read) and, with out set,
- * appends its groups there. */
+ * more) groups on either side of the places where it is least; a group has min_members at
+ * least. Returns the keys a grouping saves (the shared blocks each member but the first does
+ * not read) and, with out set, appends its groups there. */
 static int64_t split_groups(const int64_t* common, int64_t a, int64_t b, int64_t min_blocks,
-                            int depth, Group* out, int64_t* num_out) {
-  if (b - a < 2) return 0;
+                            int64_t min_members, int depth, Group* out, int64_t* num_out) {
+  if (b - a < min_members) return 0;
   int64_t least = common[a + 1];
   for (int64_t i = a + 2; i < b; i++) least = common[i] < least ? common[i] : least;
   const int64_t whole = least >= min_blocks ? (b - a - 1) * least : 0;
@@ -557,7 +559,7 @@ static int64_t split_groups(const int64_t* common, int64_t a, int64_t b, int64_t
   if (depth > 0)
     for (int64_t i = a, j = a + 1; j <= b; j++)
       if (j == b || common[j] == least) {
-        parts += split_groups(common, i, j, min_blocks, depth - 1, NULL, NULL);
+        parts += split_groups(common, i, j, min_blocks, min_members, depth - 1, NULL, NULL);
         i = j;
       }
   if (out == NULL) return whole > parts ? whole : parts;
@@ -567,18 +569,19 @@ static int64_t split_groups(const int64_t* common, int64_t a, int64_t b, int64_t
   }
   for (int64_t i = a, j = a + 1; j <= b; j++)
     if (j == b || common[j] == least) {
-      split_groups(common, i, j, min_blocks, depth - 1, out, num_out);
+      split_groups(common, i, j, min_blocks, min_members, depth - 1, out, num_out);
       i = j;
     }
   return parts;
 }
 
-static void free_plan(Plan* p) {
+static void free_plan(Plan* p) { /* and leave it empty: freeing it again does nothing */
   free(p->tasks);
   free(p->groups);
   free(p->members);
   free(p->group_of);
   free(p->states);
+  memset(p, 0, sizeof *p);
 }
 
 /* The step's tasks: decodes one task each (or grouped by their shared prefix), prefills a
@@ -611,7 +614,10 @@ static int plan_step(const Cache* c, const int64_t* block_tables, int64_t max_bl
   sort_by_table(&tables, p->members, scratch, num_candidates);
   for (int64_t i = 1; i < num_candidates; i++)
     common[i] = common_blocks(&tables, p->members[i - 1], p->members[i]);
-  split_groups(common, 0, num_candidates, min_blocks, MAX_SPLIT_DEPTH, p->groups,
+  const int64_t min_members = (MIN_SHARED_ROWS + group - 1) / group > 2
+                                  ? (MIN_SHARED_ROWS + group - 1) / group
+                                  : 2;
+  split_groups(common, 0, num_candidates, min_blocks, min_members, MAX_SPLIT_DEPTH, p->groups,
                &p->num_groups);
 
   /* keep the grouped decodes only, group by group */
@@ -634,7 +640,9 @@ static int plan_step(const Cache* c, const int64_t* block_tables, int64_t max_bl
            c->num_kv_heads * tiles * x->num_parts < 4 * num_threads &&
            x->shared_keys / (2 * x->num_parts) >= MIN_SHARED_PART_KEYS)
       x->num_parts *= 2;
-    x->keys_per_part = (blocks + x->num_parts - 1) / x->num_parts * c->block_size;
+    const int64_t blocks_per_part = (blocks + x->num_parts - 1) / x->num_parts;
+    x->num_parts = (blocks + blocks_per_part - 1) / blocks_per_part; /* none of them empty */
+    x->keys_per_part = blocks_per_part * c->block_size;
     x->states = num_states;
     num_states += x->num_parts * x->count * c->num_heads;
     num_tasks += x->num_parts * c->num_kv_heads * tiles;
@@ -743,7 +751,7 @@ static void run_task(const Cache* c, const Plan* p, const Task* t, const float* 
                      const int64_t* query_starts, const int64_t* context_starts, float* out) {
   const int64_t group = c->num_heads / c->num_kv_heads, tile = LANES / group;
   const int64_t dims = c->head_dim;
-  Softmax s; /* with run_row_task's Rows, ~130 KB of this thread's stack (of 8 MB) */
+  Softmax s; /* with run_row_task's Rows, ~210 KB of this thread's stack at most (of 8 MB) */
   if (t->kind == SHARED) {
     run_shared_task(c, p, t, q, block_tables, max_blocks, query_starts);
     return;

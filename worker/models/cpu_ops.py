@@ -127,6 +127,8 @@ def paged_attention(
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     _check_float32(query, key_cache, value_cache)
+    if block_size < 1:
+        raise ValueError("the caches have blocks of no tokens")
     if value_cache.shape != key_cache.shape or key_cache.shape[3] != head_dim:
         raise ValueError(f"caches {tuple(key_cache.shape)} do not fit queries {query.shape}")
     step = _step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, head_dim))
@@ -161,6 +163,11 @@ def shared_prefix_groups(
     takes it): (each request's group, -1 for none; the keys its group reads once for all)."""
     num_requests = block_tables.shape[0]
     step = _step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, LANES))
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, not {block_size}")
+    ends = context_starts + (query_starts[1:] - query_starts[:-1])
+    if num_requests and int(ends.max()) > block_tables.shape[1] * block_size:
+        raise ValueError("a request's tokens reach past its block table")
     group_of = torch.empty(num_requests, dtype=torch.int64)
     shared_keys = torch.empty(num_requests, dtype=torch.int64)
     status = library().sy_shared_prefix_groups(

@@ -56,21 +56,29 @@ def linear(
     """``x`` (m, k) W^T + ``bias`` for W packed by ``pack``: (m, out_features), float32."""
     lib = library()
     assert lib is not None, "linear() needs the built library; check library() first"
-    if x.dtype != torch.float32:
-        raise TypeError(f"the panel kernel multiplies float32, not {x.dtype}")
-    x = x.contiguous()
+    x = checked_operands(x, bias, panels.shape[1], out_features, "panel")
     m, k = x.shape
-    if panels.shape[1] != k:
-        raise ValueError(f"input has {k} features, the weight expects {panels.shape[1]}")
     # The kernel trusts these sizes: check them here rather than read out of bounds there.
     if not (panels.shape[0] - 1) * PANEL < out_features <= panels.shape[0] * PANEL:
         raise ValueError(f"{out_features} outputs do not fit {panels.shape[0]} panels")
-    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features):
-        raise ValueError(f"bias must be {out_features} float32 values")
     y = torch.empty(m, out_features, dtype=torch.float32)
     bias_ptr = None if bias is None else bias.data_ptr()
     lib.sy_panel_linear(x.data_ptr(), m, k, panels.data_ptr(), out_features, bias_ptr, y.data_ptr())
     return y  # (it returns 0: it needs no memory of its own)
+
+
+def checked_operands(
+    x: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int, kernel: str
+) -> torch.Tensor:
+    """``x`` contiguous, once checked that it and ``bias`` fit a float32 product of
+    ``in_features`` to ``out_features`` (this kernel's and tile_gemm's, which trust them)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"the {kernel} kernel multiplies float32, not {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features):
+        raise ValueError(f"bias must be {out_features} float32 values")
+    return x.contiguous()
 
 
 @functools.cache

@@ -60,19 +60,13 @@ def linear(
     shape alone does not say how many the weight has.)"""
     lib = library()
     assert lib is not None, "linear() needs the built library; check available() first"
-    if x.dtype != torch.float32:
-        raise TypeError(f"the tile kernel multiplies float32, not {x.dtype}")
-    x = x.contiguous()
+    x = panel_gemm.checked_operands(x, bias, in_features, out_features, "tile")
     m, k = x.shape
-    if k != in_features:
-        raise ValueError(f"input has {k} features, the weight expects {in_features}")
     # The kernel trusts these sizes: check them here rather than read out of bounds there.
     if tuple(tiles.shape) != tile_shape(out_features, k) or tiles.dtype != torch.int16:
         raise ValueError(f"tiles {tuple(tiles.shape)} are not a ({out_features}, {k}) weight")
     if not tiles.is_contiguous():
         raise ValueError("tiles must be contiguous")
-    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features):
-        raise ValueError(f"bias must be {out_features} float32 values")
     y = torch.empty(m, out_features, dtype=torch.float32)
     if m:
         bias_ptr = None if bias is None else bias.data_ptr()

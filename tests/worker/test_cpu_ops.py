@@ -68,7 +68,7 @@ def _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size, shared=(
 )
 def test_in_place_attention_equals_the_gathered_path(num_heads, num_kv_heads, head_dim, block_size):
     # a whole prompt, decodes, a chunk after a cached prefix, a one-token prompt
-    requests = [(0, 37), (17, 1), (40, 33), (3, 1), (100, 1), (0, 1), (64, 16)]
+    requests = [(0, 37), (17, 1), (40, 33), (3, 1), (100, 1), (0, 1), (64, 16), (300, 45)]
     in_place, gathered = _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size)
     torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=2e-6)
 

@@ -11,9 +11,9 @@
  * 2018), so nothing is gathered or padded:
  *   - a decode is one task over all its heads: each chunk's keys and values for every head
  *     are one contiguous stretch of the cache, read once (and the next one prefetched);
- *   - a prefill is a task per key-value head and tile of 16 / group tokens, whose rows are
- *     the lanes of a vector, so scores and weighted values are broadcast multiply-adds, as in
- *     a matrix product;
+ *   - a prefill is a task per key-value head and tile of 32 / group tokens, whose rows are
+ *     the lanes of two vectors, so scores and weighted values are broadcast multiply-adds, as
+ *     in a matrix product, each key and value element loaded once for both;
  *   - a lone decode over a long context (threads to spare) is split into parts of the context
  *     whose results are merged at the end (split-K, as flash-decoding does);
  *   - decodes whose block tables begin with the same blocks (a prefix-cache hit) read those
@@ -32,6 +32,7 @@
 #define LANES 16
 #define MAX_HEAD_DIM 256 /* a multiple of LANES; cpu_ops.py checks both */
 #define MAX_ROW_TASK_ROWS 64 /* query heads of a decode read in one task; more: one per kv head */
+#define TILE_ROWS (2 * LANES) /* query rows of a prefill tile at most: two vectors' lanes */
 #define FEW_ROWS 4       /* a prefill tile of at most this many rows goes row by row */
 #define MASKED -1e30f    /* the score of a key a row cannot see (finite: no inf - inf) */
 #define MIN_PART_KEYS 512 /* keys per context part when a decode's context is split */
@@ -55,24 +56,50 @@ static inline vec16 blend(ivec16 mask, vec16 a, vec16 b) {
   return (vec16)(((ivec16)a & mask) | ((ivec16)b & ~mask));
 }
 
-/* e^x for every lane (Cephes' expf: e^x = 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial; a
- * relative error of ~2e-7). x is clamped to [-87, 88], where 2^n stays a normal float. */
-static inline vec16 vexp(vec16 x) {
-  x = blend(x < splat(-87.0f), splat(-87.0f), x);
-  x = blend(x > splat(88.0f), splat(88.0f), x);
-  const vec16 round = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-  const vec16 n = (x * splat(1.44269504088896341f) + round) - round;
-  const vec16 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  vec16 p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  const vec16 y = p * r * r + r + splat(1.0f);
-  const ivec16 exponent = (__builtin_convertvector(n, ivec16) + 127) << 23;
-  return y * (vec16)exponent;
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* x rounded to the nearest integer, ties to even, and p * 2^n: one instruction each. */
+static inline vec16 round_even(vec16 x) {
+  return (vec16)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+static inline vec16 times_pow2(vec16 p, vec16 n) {
+  return (vec16)_mm512_scalef_ps((__m512)p, (__m512)n);
+}
+static inline vec16 vmax(vec16 a, vec16 b) { return (vec16)_mm512_max_ps((__m512)a, (__m512)b); }
+#else
+static inline vec16 round_even(vec16 x) { /* |x| <= 2^22: adding 1.5 * 2^23 rounds */
+  const vec16 round = splat(12582912.0f);
+  return (x + round) - round;
+}
+static inline vec16 times_pow2(vec16 p, vec16 n) { /* n an integer of at least -127 */
+  n = blend(n > splat(127.0f), splat(127.0f), n);     /* 2^127 p: as near inf as it gets */
+  const ivec16 exponent = (__builtin_convertvector(n, ivec16) + 127) << 23;
+  return p * (vec16)exponent;
+}
+static inline vec16 vmax(vec16 a, vec16 b) { return blend(a > b, a, b); }
+#endif
+
+#define LOG2E 1.44269504088896341f
+
+/* 2^t for every lane: 2^n 2^f, n = round(t), |f| <= 1/2, 2^f by Cephes' exp2f polynomial (a
+ * relative error of ~2e-7). t is held at -127 or more: 2^t is 0 below it (a subnormal nobody
+ * needs), and -inf gives 0, not NaN. Ten vector instructions with AVX-512. */
+static inline vec16 vexp2(vec16 t) {
+  t = vmax(t, splat(-127.0f));
+  const vec16 n = round_even(t), f = t - n;
+  vec16 p = splat(1.535336188319500e-4f);
+  p = p * f + splat(1.339887440266574e-3f);
+  p = p * f + splat(9.618437357674640e-3f);
+  p = p * f + splat(5.550332471162809e-2f);
+  p = p * f + splat(2.402264791363012e-1f);
+  p = p * f + splat(6.931472028550421e-1f);
+  p = p * f + splat(1.0f);
+  return times_pow2(p, n);
+}
+
+/* e^x for every lane, as 2^(x log2 e): the rounding of the product adds a relative error of
+ * |x| * 6e-8 (softmax weights: the largest terms, where x is near 0, are the exact ones). */
+static inline vec16 vexp(vec16 x) { return vexp2(x * splat(LOG2E)); }
 
 /* The sum and the largest of v's lanes, by halves: four shuffles each. */
 static inline float hsum(vec16 v) {
@@ -82,8 +109,6 @@ static inline float hsum(vec16 v) {
   v += __builtin_shuffle(v, (ivec16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
   return v[0];
 }
-
-static inline vec16 vmax(vec16 a, vec16 b) { return blend(a > b, a, b); }
 
 static inline float hmax(vec16 v) {
   v = vmax(v, __builtin_shuffle(v, (ivec16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
@@ -317,103 +342,136 @@ static void run_row_task(const Cache* c, const float* q, const int64_t* table,
   }
 }
 
-/* Many rows (a prefill tile): the rows are the 16 lanes of a vector. Queries are held
- * transposed, qt[d] = (row 0's q[d], row 1's q[d], ...), so a key's scores for all rows are
- * sum_d k[d] * qt[d]: broadcast multiply-adds over eight keys at once, as in a matrix product,
- * with no horizontal sums; the softmax statistics are vectors over the rows, and so is the
- * output, ot[d] += p_t * v_t[d]. Rows past the tile's have position -1 and see nothing. Keys
- * [key_first, key_end); each row's softmax state (max, sum, weighted values) is left in m_out,
- * l_out and ot. */
-static inline __attribute__((always_inline)) void attend_lanes(const Cache* c,
-                                                               const int64_t* table, int64_t h,
-                                                               const float* qt, ivec16 pos,
-                                                               int64_t key_first,
-                                                               int64_t key_end, float* ot,
-                                                               vec16* m_out, vec16* l_out,
-                                                               const int dims) {
+/* Many rows (a prefill tile): the rows are the lanes of V vectors, 16 each. Queries are held
+ * transposed, qt[d][v] = (row 16v's q[d], row 16v + 1's q[d], ...), so a key's scores for all
+ * rows are sum_d k[d] * qt[d]: broadcast multiply-adds over eight keys at once, as in a matrix
+ * product, each key element loaded once for the V vectors, with no horizontal sums; the
+ * softmax statistics are vectors over the rows, and so is the output, ot[d][v] += p_t * v_t[d].
+ * Row i sees keys up to position pos[i], and every row of the tile at least up to all_see:
+ * only the chunks past it are masked. Rows past the tile's have position -1 (masked chunks
+ * hide every key from them; their lanes are never read). Keys [key_first, key_end); each row's
+ * softmax state (max, sum, weighted values) is left in m_out, l_out and ot. */
+static inline __attribute__((always_inline)) void attend_lanes(
+    const Cache* c, const int64_t* table, int64_t h, const float* qt, const ivec16* pos,
+    int64_t all_see, int64_t key_first, int64_t key_end, float* ot, vec16* m_out, vec16* l_out,
+    const int dims, const int V) {
   const int64_t stride = c->num_kv_heads * c->head_dim;
-  vec16 m = splat(MASKED), l = {0};
-  for (int d = 0; d < dims; d++) store(ot + d * LANES, (vec16){0});
+  vec16 m[2], l[2];
+  for (int x = 0; x < V; x++) m[x] = splat(MASKED), l[x] = (vec16){0};
+  for (int d = 0; d < dims * V; d++) store(ot + d * LANES, (vec16){0});
   for (int64_t first = key_first; first < key_end;) {
     const Chunk chunk = chunk_at(c, table, first, key_end);
     const float* k = chunk.k + h * c->head_dim;
     const float* v = chunk.v + h * c->head_dim;
     const int n = (int)chunk.n;
-    vec16 scores[LANES], chunk_max = m;
-    for (int group = 0; group < n; group += 8) { /* eight independent sums hide latency */
+    vec16 scores[2][LANES], correction[2];
+    for (int group = 0; group < n; group += 8) { /* eight independent sums a vector */
       const float* keys[8];
       for (int j = 0; j < 8; j++) keys[j] = k + (group + j < n ? group + j : n - 1) * stride;
-      vec16 sums[8] = {{0}};
+      vec16 sums[2][8];
+      for (int x = 0; x < V; x++)
+        for (int j = 0; j < 8; j++) sums[x][j] = (vec16){0};
       for (int d = 0; d < dims; d++) {
-        const vec16 column = load(qt + d * LANES);
-        for (int j = 0; j < 8; j++) sums[j] += keys[j][d] * column;
+        vec16 column[2];
+        for (int x = 0; x < V; x++) column[x] = load(qt + (d * V + x) * LANES);
+        for (int j = 0; j < 8; j++) {
+          const float key = keys[j][d];
+          for (int x = 0; x < V; x++) sums[x][j] += key * column[x];
+        }
       }
-      for (int j = 0; j < 8 && group + j < n; j++) scores[group + j] = sums[j];
+      for (int x = 0; x < V; x++)
+        for (int j = 0; j < 8 && group + j < n; j++) scores[x][group + j] = sums[x][j];
     }
-    for (int t = 0; t < n; t++) {
-      scores[t] = blend(pos >= (int32_t)(first + t), scores[t], splat(MASKED));
-      chunk_max = blend(scores[t] > chunk_max, scores[t], chunk_max);
-    }
-    const vec16 correction = vexp(m - chunk_max);
-    m = chunk_max;
-    l *= correction;
-    for (int t = 0; t < n; t++) {
-      scores[t] = blend(pos >= (int32_t)(first + t), vexp(scores[t] - m), splat(0.0f));
-      l += scores[t];
+    const int masked = first + n - 1 > all_see; /* a chunk on the diagonal, or past a row */
+    for (int x = 0; x < V; x++) {
+      vec16* score = scores[x];
+      if (masked)
+        for (int t = 0; t < n; t++)
+          score[t] = blend(pos[x] >= (int32_t)(first + t), score[t], splat(MASKED));
+      vec16 top[LANES]; /* the chunk's largest score a row: a tree of maxes, not a chain */
+      for (int t = 0; t < LANES; t++) top[t] = t < n ? score[t] : m[x];
+      for (int width = LANES / 2; width > 0; width /= 2)
+        for (int t = 0; t < width; t++) top[t] = vmax(top[t], top[t + width]);
+      const vec16 chunk_max = vmax(m[x], top[0]);
+      correction[x] = vexp(m[x] - chunk_max);
+      m[x] = chunk_max;
+      l[x] *= correction[x];
+      const vec16 m2 = chunk_max * splat(LOG2E); /* e^(s - m) = 2^(s log2 e - m log2 e) */
+      for (int t = 0; t < n; t++) score[t] = vexp2(score[t] * splat(LOG2E) - m2);
+      if (masked)
+        for (int t = 0; t < n; t++)
+          score[t] = blend(pos[x] >= (int32_t)(first + t), score[t], splat(0.0f));
+      for (int t = 0; t < n; t++) l[x] += score[t];
     }
     for (int d0 = 0; d0 < dims; d0 += 8) {
-      vec16 sums[8];
-      for (int j = 0; j < 8; j++) sums[j] = load(ot + (d0 + j) * LANES) * correction;
+      vec16 sums[2][8];
+      for (int x = 0; x < V; x++)
+        for (int j = 0; j < 8; j++)
+          sums[x][j] = load(ot + ((d0 + j) * V + x) * LANES) * correction[x];
       for (int t = 0; t < n; t++) {
         const float* value = v + t * stride + d0;
-        for (int j = 0; j < 8; j++) sums[j] += value[j] * scores[t];
+        for (int j = 0; j < 8; j++) {
+          const float element = value[j];
+          for (int x = 0; x < V; x++) sums[x][j] += element * scores[x][t];
+        }
       }
-      for (int j = 0; j < 8; j++) store(ot + (d0 + j) * LANES, sums[j]);
+      for (int x = 0; x < V; x++)
+        for (int j = 0; j < 8; j++) store(ot + ((d0 + j) * V + x) * LANES, sums[x][j]);
     }
     first += n;
   }
-  *m_out = m;
-  *l_out = l;
+  for (int x = 0; x < V; x++) m_out[x] = m[x], l_out[x] = l[x];
 }
 
-/* attend_lanes for any head size, the common ones unrolled. */
+/* attend_lanes for any head size, the common ones unrolled, over one vector of rows or two. */
 static void attend_lanes_any(const Cache* c, const int64_t* table, int64_t h, const float* qt,
-                             ivec16 pos, int64_t key_first, int64_t key_end, float* ot,
-                             vec16* m, vec16* l) {
-  switch (c->head_dim) {
-    case 64: attend_lanes(c, table, h, qt, pos, key_first, key_end, ot, m, l, 64); break;
-    case 128: attend_lanes(c, table, h, qt, pos, key_first, key_end, ot, m, l, 128); break;
-    default: attend_lanes(c, table, h, qt, pos, key_first, key_end, ot, m, l, (int)c->head_dim);
-  }
+                             const ivec16* pos, int64_t all_see, int64_t key_first,
+                             int64_t key_end, float* ot, vec16* m, vec16* l, int vectors) {
+  const int64_t a = all_see, f = key_first, e = key_end;
+  if (vectors == 2)
+    switch (c->head_dim) {
+      case 64: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, 64, 2); break;
+      case 128: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, 128, 2); break;
+      default: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, (int)c->head_dim, 2);
+    }
+  else
+    switch (c->head_dim) {
+      case 64: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, 64, 1); break;
+      case 128: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, 128, 1); break;
+      default: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, (int)c->head_dim, 1);
+    }
 }
 
 /* A lane task: tokens [token_first, token_first + num_tokens) of the flat batch (at most
- * 16 / group) at positions from position_first, key-value head h, every key up to the last. */
+ * TILE_ROWS / group) at positions from position_first, key-value head h, every key up to the
+ * last; its rows in one vector, or two where they are more than 16. */
 static void run_lane_task(const Cache* c, const float* q, const int64_t* table,
                           int64_t token_first, int64_t num_tokens, int64_t position_first,
                           int64_t h, float* out) {
   const int64_t group = c->num_heads / c->num_kv_heads, dims = c->head_dim;
-  const int rows = (int)(num_tokens * group);
-  float qt[MAX_HEAD_DIM * LANES], ot[MAX_HEAD_DIM * LANES];
-  int32_t positions[LANES];
+  const int rows = (int)(num_tokens * group), vectors = rows > LANES ? 2 : 1;
+  const int width = vectors * LANES; /* of a transposed row of qt and ot */
+  float qt[MAX_HEAD_DIM * TILE_ROWS], ot[MAX_HEAD_DIM * TILE_ROWS];
+  int32_t positions[TILE_ROWS];
   memset(qt, 0, sizeof qt);
-  for (int row = 0; row < LANES; row++) positions[row] = -1;
+  for (int row = 0; row < TILE_ROWS; row++) positions[row] = -1;
   for (int row = 0; row < rows; row++) {
     const int64_t token = token_first + row / group, head = h * group + row % group;
     const float* query = q + (token * c->num_heads + head) * dims;
-    for (int64_t d = 0; d < dims; d++) qt[d * LANES + row] = query[d] * c->scale;
+    for (int64_t d = 0; d < dims; d++) qt[d * width + row] = query[d] * c->scale;
     positions[row] = (int32_t)(position_first + row / group);
   }
-  ivec16 pos;
-  memcpy(&pos, positions, sizeof pos);
-  vec16 m, l;
-  attend_lanes_any(c, table, h, qt, pos, 0, position_first + num_tokens, ot, &m, &l);
-  float sums[LANES];
-  store(sums, l);
+  ivec16 pos[2];
+  memcpy(pos, positions, sizeof pos);
+  vec16 m[2], l[2];
+  attend_lanes_any(c, table, h, qt, pos, position_first, 0, position_first + num_tokens, ot, m,
+                   l, vectors);
+  float sums[TILE_ROWS];
+  for (int x = 0; x < vectors; x++) store(sums + x * LANES, l[x]);
   for (int row = 0; row < rows; row++) {
     const int64_t token = token_first + row / group, head = h * group + row % group;
     float* o = out + (token * c->num_heads + head) * dims;
-    for (int64_t d = 0; d < dims; d++) o[d] = ot[d * LANES + row] / sums[row];
+    for (int64_t d = 0; d < dims; d++) o[d] = ot[d * width + row] / sums[row];
   }
 }
 
@@ -464,12 +522,12 @@ static int split_decode(const Cache* c, const float* q, const int64_t* table, in
 
 /* Shared prefixes. Decodes whose block tables begin with the same blocks (prefix-cache hits:
  * the same system prompt, say) form a group, whose rows read those keys once for all of them.
- * A SHARED task takes 16 of the group's rows (its members' query heads of one key-value head)
- * as the lanes of a vector, as a prefill tile does, over one part of the shared keys; an OWN
- * task folds one member's keys after the prefix into all its heads, as a decode does. Their
- * softmax states are kept (STATE floats each) and merged row by row at the end. For 16 decodes
- * after a 512-token prompt the prompt's keys are read 3 times a layer (once a tile) instead of
- * 16, and their arithmetic runs at the prefill tiles' rate, over twice the decode's. */
+ * A SHARED task takes up to 32 of the group's rows (its members' query heads of one key-value
+ * head) as the lanes of two vectors, as a prefill tile does, over one part of the shared keys;
+ * an OWN task folds one member's keys after the prefix into all its heads, as a decode does.
+ * Their softmax states are kept (STATE floats each) and merged row by row at the end. For 16
+ * decodes after a 512-token prompt the prompt's keys are read twice a layer (once a tile)
+ * instead of 16, and their arithmetic runs at the prefill tiles' rate, over twice the decode's. */
 #define MIN_SHARED_KEYS 64       /* a prefix shorter than this is read by each decode alone */
 #define MIN_SHARED_ROWS 8        /* nor by fewer rows a key-value head: a tile's lanes, mostly idle,
                                     would cost more than the reads they save */
@@ -485,7 +543,7 @@ typedef struct {
   int64_t r;     /* DECODE, TILE: the request; OWN: the member; SHARED: the group */
   int64_t h;     /* TILE, SHARED: the key-value head */
   int64_t first; /* TILE: the tile's first token in its request; SHARED: its first row */
-  int64_t count; /* SHARED: rows (at most LANES) */
+  int64_t count; /* SHARED: rows (at most TILE_ROWS) */
   int64_t part;  /* SHARED: which part of the prefix */
 } Task;
 
@@ -585,12 +643,12 @@ static void free_plan(Plan* p) { /* and leave it empty: freeing it again does no
 }
 
 /* The step's tasks: decodes one task each (or grouped by their shared prefix), prefills a
- * task per key-value head and tile of 16 / group tokens. Returns -1 when out of memory. */
+ * task per key-value head and tile of 32 / group tokens. Returns -1 when out of memory. */
 static int plan_step(const Cache* c, const int64_t* block_tables, int64_t max_blocks,
                      const int64_t* query_starts, const int64_t* context_starts,
                      int64_t num_requests, int64_t num_threads, Plan* p) {
   memset(p, 0, sizeof *p);
-  const int64_t group = c->num_heads / c->num_kv_heads, tile = LANES / group;
+  const int64_t group = c->num_heads / c->num_kv_heads, tile = TILE_ROWS / group;
   const int whole_decodes = c->num_heads <= MAX_ROW_TASK_ROWS;
   const size_t n = (size_t)(num_requests > 0 ? num_requests : 1);
   int64_t* full = malloc(n * sizeof(int64_t));
@@ -634,7 +692,7 @@ static int plan_step(const Cache* c, const int64_t* block_tables, int64_t max_bl
     p->num_members += x->count;
     const int64_t blocks = x->shared_keys; /* split_groups left the shared blocks here */
     x->shared_keys = blocks * c->block_size;
-    const int64_t tiles = (x->count * group + LANES - 1) / LANES; /* of a key-value head */
+    const int64_t tiles = (x->count * group + TILE_ROWS - 1) / TILE_ROWS; /* a key-value head */
     x->num_parts = 1;
     while (x->num_parts < MAX_SHARED_PARTS && x->num_parts * 2 <= blocks &&
            c->num_kv_heads * tiles * x->num_parts < 4 * num_threads &&
@@ -669,8 +727,9 @@ static int plan_step(const Cache* c, const int64_t* block_tables, int64_t max_bl
     const Group* x = &p->groups[g];
     for (int64_t part = 0; part < x->num_parts; part++)
       for (int64_t h = 0; h < c->num_kv_heads; h++)
-        for (int64_t row = 0; row < x->count * group; row += LANES) {
-          const int64_t rows = x->count * group - row < LANES ? x->count * group - row : LANES;
+        for (int64_t row = 0; row < x->count * group; row += TILE_ROWS) {
+          const int64_t rows =
+              x->count * group - row < TILE_ROWS ? x->count * group - row : TILE_ROWS;
           p->tasks[p->num_tasks++] = (Task){SHARED, g, h, row, rows, part};
         }
   }
@@ -706,50 +765,50 @@ static void keep_states(const Softmax* s, int64_t row_first, int64_t count, int6
 }
 
 /* A SHARED task: rows [first, first + count) (row i: member i / group's query head
- * h * group + i % group) of a group, as the lanes of a vector, over one part of the keys the
- * group shares, all of which every row sees; their softmax states kept. */
+ * h * group + i % group) of a group, as the lanes of one vector or two, over one part of the
+ * keys the group shares, all of which every row sees; their softmax states kept. */
 static void run_shared_task(const Cache* c, const Plan* p, const Task* t, const float* q,
                             const int64_t* block_tables, int64_t max_blocks,
                             const int64_t* query_starts) {
   const Group* x = &p->groups[t->r];
   const int64_t group = c->num_heads / c->num_kv_heads, dims = c->head_dim;
-  float qt[MAX_HEAD_DIM * LANES], ot[MAX_HEAD_DIM * LANES];
-  int32_t positions[LANES];
+  const int vectors = t->count > LANES ? 2 : 1, width = vectors * LANES;
+  float qt[MAX_HEAD_DIM * TILE_ROWS], ot[MAX_HEAD_DIM * TILE_ROWS];
+  int32_t positions[TILE_ROWS];
   memset(qt, 0, sizeof qt);
-  for (int lane = 0; lane < LANES; lane++) positions[lane] = -1;
+  for (int lane = 0; lane < TILE_ROWS; lane++) positions[lane] = -1;
   for (int64_t lane = 0; lane < t->count; lane++) {
     const int64_t row = t->first + lane;
     const int64_t r = p->members[x->first + row / group], head = t->h * group + row % group;
     const float* query = q + (query_starts[r] * c->num_heads + head) * dims;
-    for (int64_t d = 0; d < dims; d++) qt[d * LANES + lane] = query[d] * c->scale;
+    for (int64_t d = 0; d < dims; d++) qt[d * width + lane] = query[d] * c->scale;
     positions[lane] = (int32_t)x->shared_keys; /* past every shared key */
   }
-  ivec16 pos;
-  memcpy(&pos, positions, sizeof pos);
+  ivec16 pos[2];
+  memcpy(pos, positions, sizeof pos);
   const int64_t key_first = t->part * x->keys_per_part;
   const int64_t key_end = key_first + x->keys_per_part < x->shared_keys
                               ? key_first + x->keys_per_part
                               : x->shared_keys;
-  vec16 m, l;
+  vec16 m[2], l[2];
   attend_lanes_any(c, block_tables + p->members[x->first] * max_blocks, t->h, qt, pos,
-                   key_first, key_end, ot, &m, &l);
-  float ms[LANES], ls[LANES];
-  store(ms, m);
-  store(ls, l);
+                   x->shared_keys, key_first, key_end, ot, m, l, vectors);
+  float ms[TILE_ROWS], ls[TILE_ROWS];
+  for (int v = 0; v < vectors; v++) store(ms + v * LANES, m[v]), store(ls + v * LANES, l[v]);
   for (int64_t lane = 0; lane < t->count; lane++) {
     const int64_t row = t->first + lane, i = row / group, head = t->h * group + row % group;
     float* state =
         p->states + (x->states + (t->part * x->count + i) * c->num_heads + head) * STATE(dims);
     state[0] = ls[lane] > 0.0f ? ms[lane] : -INFINITY;
     state[1] = ls[lane];
-    for (int64_t d = 0; d < dims; d++) state[2 + d] = ot[d * LANES + lane];
+    for (int64_t d = 0; d < dims; d++) state[2 + d] = ot[d * width + lane];
   }
 }
 
 static void run_task(const Cache* c, const Plan* p, const Task* t, const float* q,
                      const int64_t* block_tables, int64_t max_blocks,
                      const int64_t* query_starts, const int64_t* context_starts, float* out) {
-  const int64_t group = c->num_heads / c->num_kv_heads, tile = LANES / group;
+  const int64_t group = c->num_heads / c->num_kv_heads, tile = TILE_ROWS / group;
   const int64_t dims = c->head_dim;
   Softmax s; /* with run_row_task's Rows, ~210 KB of this thread's stack at most (of 8 MB) */
   if (t->kind == SHARED) {
@@ -858,7 +917,7 @@ int64_t sy_shared_prefix_groups(const int64_t* block_tables, int64_t max_blocks,
  *
  * Tasks: a decode is one task over all its heads (its keys are read once, as they lie), or,
  * where decodes share a prefix, a SHARED task per part of it and key-value head and an OWN
- * task each (above); a prefill is a task per key-value head and tile of 16 / group tokens, a
+ * task each (above); a prefill is a task per key-value head and tile of 32 / group tokens, a
  * lane task unless the tile has FEW_ROWS rows or fewer. */
 int sy_paged_attention(const float* q, const float* key_cache, const float* value_cache,
                        const int64_t* block_tables, int64_t max_blocks,

@@ -1,5 +1,6 @@
 """The CPU paged-attention kernel alone: decode steps over a shuffled pool, in GB/s of keys and
-values read, optionally beside another build of ``worker/models/cpu_ops.c``.
+values read, and prefills, in GFLOP/s, optionally beside another build of
+``worker/models/cpu_ops.c``.
 
 For each ``--cases`` entry BATCHxCONTEXT, attention with the default model's head shape (9
 query heads, 3 key-value heads of 64 by default) is timed as a decode step runs it: ``BATCH``
@@ -8,15 +9,17 @@ of ``--layers`` pools (one per layer, 30 by default as in SmolLM2), one call per
 layers' pools together must be far larger than the last-level cache, or the keys come from it
 instead of memory: one pool of 16 x 4,096 tokens (100 MB) fits in this machine's 300 MB L3 and
 read 30 GB/s where the same calls over 30 pools read 18-21 GB/s. Times are per call (per
-layer). ``--compare SOURCE`` builds another version of cpu_ops.c (e.g. from
-``git show COMMIT:worker/models/cpu_ops.c``; it must keep ``sy_paged_attention``'s signature)
-and times it in the same process, the two taking
-turns for ``--rounds`` rounds, so the machine's drift falls on both alike; the largest
-difference between their outputs is printed too.
+layer). Each ``--prefill`` entry TOKENSxCACHED times one request's prompt chunk of ``TOKENS``
+tokens after ``CACHED`` cached ones the same way, in GFLOP/s of the causal attention it computes
+(4 x head_dim flops a query head and key it sees: scores and weighted values). ``--compare
+SOURCE`` builds another version of cpu_ops.c (e.g. from ``git show
+COMMIT:worker/models/cpu_ops.c``; it must keep ``sy_paged_attention``'s signature) and times it
+in the same process, the two taking turns for ``--rounds`` rounds, so the machine's drift falls
+on both alike; the largest difference between their outputs is printed too.
 
 Run alone (nothing else on the cores):
   python benchmarks/attention_bench.py [--cases 1x4096,16x1024,16x4096] [--layers 30] \
-      [--compare OLD.c]
+      [--prefill 512x0,512x1024] [--compare OLD.c]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from worker.models import cpu_ops, native
 
 DEFAULT_CASES = "1x128,1x4096,16x128,16x1024,16x4096,64x160"
+DEFAULT_PREFILLS = "512x0,512x1024"
 
 
 def load_kernel(source: Path | None):
@@ -53,9 +57,11 @@ def time_case(
     heads: tuple[int, int, int],
     rounds: int,
     layers: int,
+    new_tokens: int = 1,
 ):
     """Median seconds of one call (one layer) of each kernel over ``rounds`` turns of a call per
-    layer, and their outputs' largest gap."""
+    layer, and their outputs' largest gap: ``batch`` requests of ``context`` tokens, the last
+    ``new_tokens`` of each the step's queries."""
     num_heads, num_kv_heads, head_dim = heads
     block_size = 16
     num_blocks = batch * -(-context // block_size)
@@ -64,9 +70,9 @@ def time_case(
         key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
         pools.append((key_cache, torch.randn_like(key_cache)))
     tables = torch.randperm(num_blocks).view(batch, -1)
-    query = torch.randn(batch, num_heads, head_dim)
-    query_starts = torch.arange(batch + 1)
-    context_starts = torch.full((batch,), context - 1)
+    query = torch.randn(batch * new_tokens, num_heads, head_dim)
+    query_starts = torch.arange(batch + 1) * new_tokens
+    context_starts = torch.full((batch,), context - new_tokens)
     samples: dict[str, list[float]] = {name: [] for name in kernels}
     outputs = {}
     for _ in range(rounds):
@@ -90,6 +96,9 @@ def time_case(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=DEFAULT_CASES, help="BATCHxCONTEXT, comma-separated")
+    parser.add_argument(
+        "--prefill", default=DEFAULT_PREFILLS, help="TOKENSxCACHED, comma-separated ('': none)"
+    )
     parser.add_argument("--heads", default="9,3,64", help="query heads, key-value heads, head dim")
     parser.add_argument("--compare", type=Path, help="another cpu_ops.c to time beside this one")
     parser.add_argument("--rounds", type=int, default=15)
@@ -98,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     cases = [tuple(int(part) for part in case.split("x")) for case in args.cases.split(",")]
+    prefills = [tuple(int(part) for part in case.split("x")) for case in args.prefill.split(",")]
+    prefills = [] if args.prefill == "" else prefills
     heads = tuple(int(part) for part in args.heads.split(","))
     if cpu_ops.library() is None:
         parser.error("the CPU kernels could not be built here")
@@ -105,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no paged kernel for heads {args.heads}")
     if args.rounds < 1 or args.layers < 1 or any(len(case) != 2 or min(case) < 1 for case in cases):
         parser.error("cases are BATCHxCONTEXT of positive numbers; rounds and layers at least 1")
+    if any(len(case) != 2 or case[0] < 1 or case[1] < 0 for case in prefills):
+        parser.error("prefills are TOKENSxCACHED: at least one token, no negative cache")
     kernels = {"this": load_kernel(None)}
     if args.compare is not None:
         kernels["compared"] = load_kernel(args.compare)
@@ -117,6 +130,17 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes = batch * context * heads[1] * heads[2] * 2 * 4
         cells = [f"{s * 1e3:.2f} ms, {kv_bytes / s / 1e9:.1f} GB/s" for s in seconds.values()]
         print(f"| {batch} x {context} | " + " | ".join(cells) + f" | {gap:.1e} |", flush=True)
+    if prefills:
+        print("\n| prefill tokens x cached | " + " | ".join(kernels) + " | largest gap |")
+        print("|---" * (len(kernels) + 2) + "|")
+    for tokens, cached in prefills:
+        seconds, gap = time_case(
+            kernels, 1, cached + tokens, heads, args.rounds, args.layers, new_tokens=tokens
+        )
+        pairs = sum(cached + 1 + i for i in range(tokens))  # (query token, key) pairs it sees
+        flops = pairs * heads[0] * heads[2] * 4
+        cells = [f"{s * 1e3:.2f} ms, {flops / s / 1e9:.0f} GFLOP/s" for s in seconds.values()]
+        print(f"| {tokens} x {cached} | " + " | ".join(cells) + f" | {gap:.1e} |", flush=True)
     return 0
 
 

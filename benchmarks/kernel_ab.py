@@ -1,0 +1,156 @@
+"""Whole model steps with this checkout's CPU kernels against another build of them, in turns.
+
+Loads the model once, as a worker does (float32, the fused layer stack where it applies), and
+times each step shape with this checkout's ``worker/models/cpu_ops.c`` and with ``--compare
+OLD.c`` (e.g. ``git show COMMIT:worker/models/cpu_ops.c > OLD.c``; it must keep the functions
+and signatures ``cpu_ops.py`` declares), the two libraries swapped in between calls, so both
+see the same weights, the same cache and the same minute of this shared machine. A step is
+``REQUESTSxNEWxCACHED`` (each request's new tokens after its cached ones) or
+``REQUESTSxNEWxCACHEDxSHARED`` (the first SHARED cached tokens in the same blocks for every
+request, as prefix caching leaves requests with one system prompt). Blocks are shuffled over a
+pool of random keys and values. Per step it prints both medians, their ratio, whether both
+picked the same next token for every request, and their logits' largest difference.
+
+Run alone (nothing else on the cores):
+  python benchmarks/kernel_ab.py --compare OLD.c [--steps 1x512x0,16x1x639x512] \
+      [--rounds 8] [--model-path DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from workload import num_cores, resolve_model_dir
+
+from worker.attention import build_batch_layout
+from worker.kv_cache import KVCache
+from worker.models import cpu_ops, native
+from worker.models.loader import load_model
+
+DEFAULT_STEPS = "1x512x0,1x512x1024,16x128x512x512,16x1x639x512,64x1x639x512,16x1x191"
+BLOCK_SIZE = 16
+
+
+def build(source: Path):
+    """The library built from ``source``, its functions typed as ``cpu_ops`` types its own."""
+    library = native.load(source.resolve())
+    if library is None:
+        return None
+    for name, (restype, argtypes) in cpu_ops._SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = restype, argtypes
+    return library
+
+
+def parse_step(text: str) -> tuple[int, int, int, int]:
+    """(requests, new tokens, cached tokens, shared tokens) of REQUESTSxNEWxCACHED[xSHARED]."""
+    parts = [int(part) for part in text.split("x")]
+    if len(parts) == 3:
+        parts.append(0)
+    if len(parts) != 4 or min(parts[:2]) < 1 or min(parts[2:]) < 0 or parts[3] > parts[2]:
+        raise ValueError(text)
+    if parts[3] % BLOCK_SIZE:
+        raise ValueError(f"{text}: shared tokens fill whole blocks of {BLOCK_SIZE}")
+    return tuple(parts)
+
+
+def time_step(model, libraries: dict, step: tuple[int, int, int, int], rounds: int) -> dict:
+    """Each library's median seconds for the step, and how their logits compare."""
+    requests, new, cached, shared = step
+    config = model.config
+    per_request = -(-(cached + new) // BLOCK_SIZE)
+    shared_blocks = shared // BLOCK_SIZE
+    num_blocks = shared_blocks + (per_request - shared_blocks) * requests
+    cache = KVCache(
+        config.num_hidden_layers,
+        num_blocks,
+        BLOCK_SIZE,
+        model.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
+    for tensor in (*cache.key_caches, *cache.value_caches):
+        tensor.normal_()
+    order = torch.randperm(num_blocks).tolist()
+    own = per_request - shared_blocks
+    tables = [
+        order[:shared_blocks] + order[shared_blocks + i * own : shared_blocks + (i + 1) * own]
+        for i in range(requests)
+    ]
+    layout = build_batch_layout(
+        [cached] * requests,
+        [new] * requests,
+        tables,
+        BLOCK_SIZE,
+        torch.device("cpu"),
+        kind=model.attention_kind,
+        num_cache_blocks=num_blocks,
+    )
+    input_ids = torch.randint(100, config.vocab_size, (requests * new,))
+    last_rows = torch.arange(requests) * new + new - 1
+    samples: dict[str, list[float]] = {name: [] for name in libraries}
+    logits: dict[str, torch.Tensor] = {}
+    this_checkout = cpu_ops.library
+    try:
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for name, library in libraries.items():
+                    cpu_ops.library = lambda library=library: library
+                    start = time.perf_counter()
+                    logits[name] = model(
+                        input_ids, layout.positions, cache, layout.metadata, last_rows
+                    )
+                    samples[name].append(time.perf_counter() - start)
+    finally:
+        cpu_ops.library = this_checkout
+    this, compared = logits["this"], logits["compared"]
+    return {
+        **{name: statistics.median(times[1:] or times) for name, times in samples.items()},
+        "same_next_tokens": bool(torch.equal(this.argmax(-1), compared.argmax(-1))),
+        "max_logit_difference": (this - compared).abs().max().item(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compare", type=Path, required=True, help="another cpu_ops.c")
+    parser.add_argument("--steps", default=DEFAULT_STEPS, help="comma-separated (see above)")
+    parser.add_argument("--rounds", type=int, default=8, help="turns of each build a step")
+    parser.add_argument("--model-path", help="directory or .gguf (default: the default model)")
+    args = parser.parse_args(argv)
+    try:
+        steps = [parse_step(text) for text in args.steps.split(",")]
+    except ValueError as error:
+        parser.error(f"steps are REQUESTSxNEWxCACHED[xSHARED] of whole numbers: {error}")
+    if args.rounds < 1:
+        parser.error("--rounds is at least 1")
+    if cpu_ops.library() is None:
+        parser.error("the CPU kernels could not be built here")
+    compared = build(args.compare)
+    if compared is None:
+        parser.error(f"{args.compare} could not be built")
+    torch.set_num_threads(num_cores())
+    model = load_model(resolve_model_dir(args.model_path), torch.device("cpu"), torch.float32)
+    libraries = {"this": cpu_ops.library(), "compared": compared}
+    print("| step | this | compared | compared / this | same next tokens | largest logit gap |")
+    print("|---|---|---|---|---|---|")
+    for step in steps:
+        result = time_step(model, libraries, step, args.rounds)
+        requests, new, cached, shared = step
+        name = f"{requests} x {new} new after {cached}" + (f" ({shared} shared)" if shared else "")
+        print(
+            f"| {name} | {result['this'] * 1e3:.1f} ms | {result['compared'] * 1e3:.1f} ms | "
+            f"{result['compared'] / result['this']:.3f} | {result['same_next_tokens']} | "
+            f"{result['max_logit_difference']:.1e} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

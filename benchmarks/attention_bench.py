@@ -106,9 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         "--layers", type=int, default=30, help="KV pools, one call each per round (1: L3-hot)"
     )
     args = parser.parse_args(argv)
-    cases = [tuple(int(part) for part in case.split("x")) for case in args.cases.split(",")]
-    prefills = [tuple(int(part) for part in case.split("x")) for case in args.prefill.split(",")]
-    prefills = [] if args.prefill == "" else prefills
+    try:
+        cases = [tuple(int(part) for part in case.split("x")) for case in args.cases.split(",")]
+        prefills = [
+            tuple(int(part) for part in case.split("x")) for case in args.prefill.split(",") if case
+        ]
+    except ValueError:
+        parser.error("cases are BATCHxCONTEXT and prefills TOKENSxCACHED, of whole numbers")
     heads = tuple(int(part) for part in args.heads.split(","))
     if cpu_ops.library() is None:
         parser.error("the CPU kernels could not be built here")

@@ -38,5 +38,8 @@ def test_cases_and_heads_the_kernel_cannot_take_are_refused():
         attention_bench.main(["--heads", "9,3,60"])
     with pytest.raises(SystemExit):
         attention_bench.main(["--layers", "0"])
+    for prefill in ("0x10", "ax10", "512"):
+        with pytest.raises(SystemExit):
+            attention_bench.main(["--prefill", prefill])
     with pytest.raises(SystemExit):
-        attention_bench.main(["--prefill", "0x10"])
+        attention_bench.main(["--cases", "16xb"])

@@ -387,6 +387,11 @@ static inline __attribute__((always_inline)) void attend_lanes(
     const float* v = chunk.v + h * c->head_dim;
     const int n = (int)chunk.n;
     vec16 scores[2][LANES], correction[2];
+    /* the next chunk's keys and values of this head, a cache line a step of the scores */
+    const Chunk next = chunk_after(c, table, chunk, key_end);
+    const float* next_k = next.k + h * c->head_dim;
+    const float* next_v = next.v + h * c->head_dim;
+    const int key_lines = dims / LANES, next_lines = (int)next.n * key_lines;
     for (int group = 0; group < n; group += 8) { /* eight independent sums a vector */
       const float* keys[8];
       for (int j = 0; j < 8; j++) keys[j] = k + (group + j < n ? group + j : n - 1) * stride;
@@ -394,6 +399,12 @@ static inline __attribute__((always_inline)) void attend_lanes(
       for (int x = 0; x < V; x++)
         for (int j = 0; j < 8; j++) sums[x][j] = (vec16){0};
       for (int d = 0; d < dims; d++) {
+        const int line = group / 8 * dims + d;
+        if (line < next_lines)
+          __builtin_prefetch(next_k + line / key_lines * stride + line % key_lines * LANES);
+        else if (line < 2 * next_lines)
+          __builtin_prefetch(next_v + (line - next_lines) / key_lines * stride +
+                             (line - next_lines) % key_lines * LANES);
         vec16 column[2];
         for (int x = 0; x < V; x++) column[x] = load(qt + (d * V + x) * LANES);
         for (int j = 0; j < 8; j++) {

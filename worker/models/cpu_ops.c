@@ -10,10 +10,12 @@
  * to 16 with an online softmax (a running max and sum per query row, Milakov & Gimelshein
  * 2018), so nothing is gathered or padded:
  *   - a decode is one task over all its heads: each chunk's keys and values for every head
- *     are one contiguous stretch of the cache, read once (and the next one prefetched);
+ *     are one contiguous stretch of the cache, read once (the next chunk prefetched into L1,
+ *     the one three ahead into L2);
  *   - a prefill is a task per key-value head and tile of 32 / group tokens, whose rows are
  *     the lanes of two vectors, so scores and weighted values are broadcast multiply-adds, as
- *     in a matrix product, each key and value element loaded once for both;
+ *     in a matrix product, each key and value element loaded once for both (the next chunk
+ *     prefetched);
  *   - a lone decode over a long context (threads to spare) is split into parts of the context
  *     whose results are merged at the end (split-K, as flash-decoding does);
  *   - decodes whose block tables begin with the same blocks (a prefix-cache hit) read those

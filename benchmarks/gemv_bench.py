@@ -11,23 +11,29 @@ LM head: 538 MB of fp32), one pass of ``x W^T`` for each ``--rows`` count with
   three bfloat16 products on AMX; skipped without AMX-BF16), every matrix in tile form here
   (the worker keeps the LM head in panels);
 
-and ``sum()`` of a 1 GiB tensor, the read bandwidth ``benchmarks/roofline.py`` reports. This is
-why the worker has its own kernel (docs/performance.md).
+- with ``--compare OLD.c``, the panel kernel built from another version of its source (e.g.
+  ``git show COMMIT:worker/models/panel_gemm.c``);
 
-Run: ``python benchmarks/gemv_bench.py [--threads 2] [--rows 1 4 16 64 512]``.
+and ``sum()`` of a 1 GiB tensor, the read bandwidth ``benchmarks/roofline.py`` reports. This is
+why the worker has its own kernel (docs/performance.md). The kernels take turns, one pass over
+all matrices each a round, so that the machine's drift falls on all of them alike.
+
+Run: ``python benchmarks/gemv_bench.py [--threads 2] [--rows 1 4 16 64 512] [--compare OLD.c]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from workload import num_cores
 
-from worker.models import panel_gemm, tile_gemm
+from worker.models import native, panel_gemm, tile_gemm
 
 NUM_LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -35,21 +41,45 @@ LM_HEAD_SHAPE = (49152, 576)
 
 
 def median_ms(fn: Callable[[], object], repeats: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[len(samples) // 2] * 1e3
+    return medians_in_turns({"": fn}, repeats)[""]
+
+
+def medians_in_turns(fns: dict[str, Callable[[], object]], repeats: int = 15) -> dict[str, float]:
+    """Each function's median milliseconds, the functions called in turns ``repeats`` times
+    (after three warm-up turns)."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for turn in range(3 + repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if turn >= 3:
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+
+
+def panel_kernel(source: Path):
+    """``sy_panel_linear`` built from ``source``, typed as this checkout's, or None."""
+    library = native.load(source.resolve())
+    if library is None:
+        return None
+    function = library.sy_panel_linear
+    function.argtypes, function.restype = panel_gemm.LINEAR_ARGTYPES, panel_gemm.LINEAR_RESTYPE
+    return function
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=num_cores())
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--compare", type=Path, help="another panel_gemm.c to time beside this")
     args = parser.parse_args()
+    if min(args.rows) < 1 or args.threads < 1:
+        parser.error("--rows and --threads take positive numbers")
+    compared = None
+    if args.compare is not None:
+        compared = panel_kernel(args.compare)
+        if compared is None or panel_gemm.library() is None:
+            parser.error(f"{args.compare} or this checkout's panel_gemm.c could not be built")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = [torch.randn(shape) for _ in range(NUM_LAYERS) for shape in LAYER_SHAPES]
@@ -68,6 +98,15 @@ def main() -> None:
         kernels["Switchyard panels"] = lambda x, i: panel_gemm.linear(
             x, panels[i], None, weights[i].shape[0]
         )
+    if compared is not None:
+
+        def compared_linear(x: torch.Tensor, i: int) -> torch.Tensor:
+            n, k = weights[i].shape
+            y = torch.empty(x.shape[0], n)
+            compared(x.data_ptr(), x.shape[0], k, panels[i].data_ptr(), n, None, y.data_ptr())
+            return y
+
+        kernels[f"panels, {args.compare.name}"[:22]] = compared_linear
     if tile_gemm.available():
         tiles = [tile_gemm.pack(w) for w in weights]
         kernels["Switchyard tiles"] = lambda x, i: tile_gemm.linear(
@@ -77,12 +116,15 @@ def main() -> None:
     print(f"{len(weights)} matrices, {parameters * 4 / 1e6:.0f} MB of fp32, {args.threads} threads")
     for rows in args.rows:
         xs = [torch.randn(rows, w.shape[1]) for w in weights]
-        for name, kernel in kernels.items():
-            ms = median_ms(lambda kernel=kernel, xs=xs: [kernel(x, i) for i, x in enumerate(xs)])
+        passes = {
+            name: lambda kernel=kernel, xs=xs: [kernel(x, i) for i, x in enumerate(xs)]
+            for name, kernel in kernels.items()
+        }
+        for name, ms in medians_in_turns(passes).items():
             gb_per_s = parameters * 4 / 1e6 / ms
             gflop_per_s = 2 * parameters * rows / 1e6 / ms
             rates = f"{gb_per_s:5.1f} GB/s {gflop_per_s:4.0f} GFLOP/s"
-            print(f"{rows:4d} rows  {name:18s} {ms:7.1f} ms {rates}")
+            print(f"{rows:4d} rows  {name:22s} {ms:7.1f} ms {rates}")
     big = torch.ones(1 << 28)  # 1 GiB
     sum_ms = median_ms(big.sum, repeats=10)
     print(f"sum() of 1 GiB: {sum_ms:.1f} ms, {big.numel() * 4 / 1e6 / sum_ms:.1f} GB/s")

@@ -9,7 +9,9 @@
  *
  * Each pass fetches the panel rows it will need next with software prefetches, and with 9 to
  * 48 rows the panel goes in chunks of 64 input features that every row block multiplies while
- * the chunk is in L1, so reading the weights overlaps the arithmetic (chunked_rows). With more
+ * the chunk is in L1, so reading the weights overlaps the arithmetic (chunked_rows); with 49
+ * to 64 rows the passes after a panel's first fetch the next panel into L2 in shares, so that
+ * its first pass finds it there (rows_of_panel). With more
  * than 64 rows (prefill chunks, mixed steps) the arithmetic is the bound, and two panels go
  * together under blocks of 6 rows x 64 outputs (24 accumulators, pair_block): each broadcast
  * input feeds four multiply-adds instead of two, 2-5 % faster than 8-row passes over one
@@ -46,12 +48,14 @@ static inline vec16 load(const float* p) {
 
 static inline void store(float* p, vec16 v) { memcpy(p, &v, sizeof v); }
 
-/* y[r][0..cols) = x[r] . panel + bias for rows r < ROWS (a constant after inlining),
- * fetching the panel AHEAD rows ahead of its use, within the `lines` cache lines that follow
- * the panel's start. */
+/* y[r][0..cols) = x[r] . panel + bias for rows r < ROWS (a constant after inlining). With
+ * fetch NULL, fetching the panel AHEAD rows ahead of its use into L1, within the `lines` cache
+ * lines that follow the panel's start (a pass that reads the panel from memory); else the
+ * fetch_lines cache lines from fetch on into L2, one a step (a later pass, reading the panel
+ * from cache, fetching its share of the next panel). */
 static inline __attribute__((always_inline)) void block(
     const float* x, int64_t k, const float* panel, const float* bias, float* y, int64_t n,
-    int64_t cols, int64_t lines, const int rows) {
+    int64_t cols, int64_t lines, const float* fetch, int64_t fetch_lines, const int rows) {
   vec16 acc[BLOCK][2];
   const vec16 b0 = load(bias), b1 = load(bias + 16);
   for (int r = 0; r < rows; r++) {
@@ -59,9 +63,11 @@ static inline __attribute__((always_inline)) void block(
     acc[r][1] = b1;
   }
   for (int64_t i = 0; i < k; i++) {
-    if ((i + AHEAD) * LINES_PER_ROW < lines) {
+    if (fetch == NULL && (i + AHEAD) * LINES_PER_ROW < lines) {
       __builtin_prefetch(panel + (i + AHEAD) * PANEL, 0, 3);
       __builtin_prefetch(panel + (i + AHEAD) * PANEL + LINE, 0, 3);
+    } else if (i < fetch_lines) {
+      __builtin_prefetch(fetch + i * LINE, 0, 2);
     }
     const vec16 w0 = load(panel + i * PANEL), w1 = load(panel + i * PANEL + 16);
     for (int r = 0; r < rows; r++) {
@@ -145,7 +151,8 @@ static void chunked_rows(const float* xr, int64_t rows, int64_t k, const float* 
 /* Rows [start, end) of y against one panel. Up to BLOCK rows, and more when the product has
  * more than CHUNKED_MAX rows (where the block passes measured faster: the more passes over a
  * panel, the smaller the share of the first, memory-bound one): blocks that each make one pass
- * over the panel, fetching AHEAD panel rows ahead. Otherwise chunked_rows. */
+ * over the panel, the first fetching AHEAD panel rows ahead, the others the next panel.
+ * Otherwise chunked_rows. */
 static void rows_of_panel(const float* x, int64_t start, int64_t end, int64_t k,
                           const float* panel, const float* bias, float* y, int64_t n,
                           int64_t cols, int64_t lines, int chunked) {
@@ -156,19 +163,34 @@ static void rows_of_panel(const float* x, int64_t start, int64_t end, int64_t k,
     chunked_rows(xr, rows, k, panel, bias, yr, n, cols, lines);
     return;
   }
+  /* The first pass reads the panel from memory; the later ones, reading it from cache, fetch
+   * the next panel (as much of it as `lines` allows) into L2 in equal shares, so that the
+   * next panel's first pass finds it there: 49 to 64 rows 6-12 % faster than when every pass
+   * fetched only its own panel's rows (into L1, they were no faster) */
+  const int64_t passes = (rows + BLOCK - 1) / BLOCK, panel_lines = k * LINES_PER_ROW;
+  const int64_t next_lines =
+      lines - panel_lines < panel_lines ? lines - panel_lines : panel_lines;
   int64_t r = 0;
-  for (; r + BLOCK <= rows; r += BLOCK) {
-    block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, BLOCK);
-  }
-  switch (rows - r) { /* one specialised copy per remainder */
-    case 1: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 1); break;
-    case 2: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 2); break;
-    case 3: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 3); break;
-    case 4: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 4); break;
-    case 5: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 5); break;
-    case 6: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 6); break;
-    case 7: block(xr + r * k, k, panel, bias, yr + r * n, n, cols, lines, 7); break;
-    default: break;
+  for (int64_t pass = 0; r < rows; r += BLOCK, pass++) {
+    const float* fetch = NULL;
+    int64_t fetch_lines = 0;
+    if (pass > 0 && next_lines > 0) {
+      const int64_t share_first = (pass - 1) * next_lines / (passes - 1);
+      fetch = panel + (panel_lines + share_first) * LINE;
+      fetch_lines = pass * next_lines / (passes - 1) - share_first;
+    }
+    const float* xb = xr + r * k;
+    float* yb = yr + r * n;
+    switch (rows - r < BLOCK ? rows - r : BLOCK) { /* one specialised copy per size */
+      case 1: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 1); break;
+      case 2: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 2); break;
+      case 3: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 3); break;
+      case 4: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 4); break;
+      case 5: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 5); break;
+      case 6: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 6); break;
+      case 7: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 7); break;
+      default: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 8); break;
+    }
   }
 }
 

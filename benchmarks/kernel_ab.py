@@ -24,15 +24,13 @@ import time
 from pathlib import Path
 
 import torch
+from model_steps import BLOCK_SIZE, random_step
 from workload import num_cores, resolve_model_dir
 
-from worker.attention import build_batch_layout
-from worker.kv_cache import KVCache
 from worker.models import cpu_ops, native
 from worker.models.loader import load_model
 
 DEFAULT_STEPS = "1x512x0,1x512x1024,16x128x512x512,16x1x639x512,64x1x639x512,16x1x191"
-BLOCK_SIZE = 16
 
 
 def build(source: Path):
@@ -60,39 +58,7 @@ def parse_step(text: str) -> tuple[int, int, int, int]:
 
 def time_step(model, libraries: dict, step: tuple[int, int, int, int], rounds: int) -> dict:
     """Each library's median seconds for the step, and how their logits compare."""
-    requests, new, cached, shared = step
-    config = model.config
-    per_request = -(-(cached + new) // BLOCK_SIZE)
-    shared_blocks = shared // BLOCK_SIZE
-    num_blocks = shared_blocks + (per_request - shared_blocks) * requests
-    cache = KVCache(
-        config.num_hidden_layers,
-        num_blocks,
-        BLOCK_SIZE,
-        model.num_kv_heads,
-        config.head_dim,
-        torch.float32,
-        torch.device("cpu"),
-    )
-    for tensor in (*cache.key_caches, *cache.value_caches):
-        tensor.normal_()
-    order = torch.randperm(num_blocks).tolist()
-    own = per_request - shared_blocks
-    tables = [
-        order[:shared_blocks] + order[shared_blocks + i * own : shared_blocks + (i + 1) * own]
-        for i in range(requests)
-    ]
-    layout = build_batch_layout(
-        [cached] * requests,
-        [new] * requests,
-        tables,
-        BLOCK_SIZE,
-        torch.device("cpu"),
-        kind=model.attention_kind,
-        num_cache_blocks=num_blocks,
-    )
-    input_ids = torch.randint(100, config.vocab_size, (requests * new,))
-    last_rows = torch.arange(requests) * new + new - 1
+    inputs = random_step(model, *step, shuffle=True)
     samples: dict[str, list[float]] = {name: [] for name in libraries}
     logits: dict[str, torch.Tensor] = {}
     this_checkout = cpu_ops.library
@@ -102,9 +68,7 @@ def time_step(model, libraries: dict, step: tuple[int, int, int, int], rounds: i
                 for name, library in libraries.items():
                     cpu_ops.library = lambda library=library: library
                     start = time.perf_counter()
-                    logits[name] = model(
-                        input_ids, layout.positions, cache, layout.metadata, last_rows
-                    )
+                    logits[name] = inputs.run(model)
                     samples[name].append(time.perf_counter() - start)
     finally:
         cpu_ops.library = this_checkout

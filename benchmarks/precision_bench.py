@@ -20,10 +20,9 @@ import statistics
 import time
 
 import torch
+from model_steps import random_step
 from workload import num_cores, resolve_model_dir, write_json
 
-from worker.attention import build_batch_layout
-from worker.kv_cache import KVCache
 from worker.models import tile_gemm
 from worker.models.loader import load_model
 
@@ -36,38 +35,11 @@ STEPS = (  # (requests, new tokens each, tokens already cached each)
     (16, 1, 192),
     (64, 1, 192),
 )
-BLOCK_SIZE = 16
 
 
 def time_steps(models: dict, requests: int, new: int, cached: int) -> dict:
     """Median seconds of the step on each model, run in turn, and how their logits compare."""
-    first = next(iter(models.values()))
-    config = first.config
-    per_request = -(-(cached + new) // BLOCK_SIZE)
-    num_blocks = per_request * requests
-    cache = KVCache(
-        config.num_hidden_layers,
-        num_blocks,
-        BLOCK_SIZE,
-        first.num_kv_heads,
-        config.head_dim,
-        torch.float32,
-        torch.device("cpu"),
-    )
-    for tensor in (*cache.key_caches, *cache.value_caches):
-        tensor.normal_()
-    tables = [list(range(i * per_request, (i + 1) * per_request)) for i in range(requests)]
-    layout = build_batch_layout(
-        [cached] * requests,
-        [new] * requests,
-        tables,
-        BLOCK_SIZE,
-        torch.device("cpu"),
-        kind=first.attention_kind,
-        num_cache_blocks=num_blocks,
-    )
-    input_ids = torch.randint(100, config.vocab_size, (requests * new,))
-    last_rows = torch.arange(requests) * new + new - 1
+    step = random_step(next(iter(models.values())), requests, new, cached)
     repeats = 8 if new > 1 else 30
     samples: dict[str, list[float]] = {name: [] for name in models}
     logits: dict[str, torch.Tensor] = {}
@@ -75,7 +47,7 @@ def time_steps(models: dict, requests: int, new: int, cached: int) -> dict:
         for _ in range(repeats):
             for name, model in models.items():
                 start = time.perf_counter()
-                logits[name] = model(input_ids, layout.positions, cache, layout.metadata, last_rows)
+                logits[name] = step.run(model)
                 samples[name].append(time.perf_counter() - start)
     highest, high = logits["highest"], logits["high"]
     return {

@@ -3,7 +3,6 @@ source every step gives the same logits to the bit; steps it cannot take are ref
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import pytest
 from worker.models import cpu_ops
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-SCRIPT = BENCHMARKS / "kernel_ab.py"
 SOURCE = Path(cpu_ops.__file__).with_name("cpu_ops.c")
 sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
 try:
@@ -21,15 +19,14 @@ finally:
     sys.path.remove(str(BENCHMARKS))
 
 
-def test_steps_beside_the_same_source_agree_to_the_bit(tiny_llama_dir):
+def test_steps_beside_the_same_source_agree_to_the_bit(tiny_llama_dir, capsys):
     if cpu_ops.library() is None:
         pytest.skip("no C compiler here")
-    command = [sys.executable, str(SCRIPT), "--model-path", str(tiny_llama_dir)]
     options = ["--compare", str(SOURCE), "--steps", "1x40x0,3x1x70x32", "--rounds", "2"]
-    result = subprocess.run(
-        [*command, *options], check=True, timeout=300, capture_output=True, text=True
-    )
-    header, _, *rows = result.stdout.splitlines()
+    this_checkout = cpu_ops.library
+    assert kernel_ab.main([*options, "--model-path", str(tiny_llama_dir)]) == 0
+    assert cpu_ops.library is this_checkout  # the swap is undone
+    header, _, *rows = capsys.readouterr().out.splitlines()
     assert header.startswith("| step | this | compared |")
     cells = [row.split(" | ") for row in rows]
     assert [row[0] for row in cells] == ["| 1 x 40 new after 0", "| 3 x 1 new after 70 (32 shared)"]

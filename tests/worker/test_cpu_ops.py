@@ -38,11 +38,16 @@ def _random_batch(requests, block_size, num_kv_heads, head_dim, seed=0, shared=(
     return key_cache, value_cache, block_ids
 
 
-def _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size, shared=()):
-    """(in place, gathered) attention outputs for ``requests`` [(num_computed, num_new)]."""
+def _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size, shared=(), nan_key=None):
+    """(in place, gathered) attention outputs for ``requests`` [(num_computed, num_new)];
+    ``nan_key`` (request, position): that key NaN, every head's."""
     key_cache, value_cache, block_ids = _random_batch(
         requests, block_size, num_kv_heads, head_dim, shared=shared
     )
+    if nan_key is not None:
+        request, position = nan_key
+        block = block_ids[request][position // block_size]
+        key_cache[block, position % block_size] = float("nan")
     starts, counts = zip(*requests, strict=True)
     num_tokens = sum(counts)
     query = torch.randn(num_tokens, num_heads, head_dim, generator=torch.Generator().manual_seed(1))
@@ -71,6 +76,25 @@ def test_in_place_attention_equals_the_gathered_path(num_heads, num_kv_heads, he
     requests = [(0, 37), (17, 1), (40, 33), (3, 1), (100, 1), (0, 1), (64, 16), (300, 45)]
     in_place, gathered = _both_ways(requests, num_heads, num_kv_heads, head_dim, block_size)
     torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=2e-6)
+
+
+def test_a_nan_key_makes_the_rows_that_see_it_nan_and_no_others():
+    """Rows that see the key are NaN; rows before it and other requests get what they get
+    without it, to the bit: in a prefill tile, a decode, and a decode whose context is split
+    over threads. (The gathered path is no reference here: its masked scores are the NaN plus
+    -inf, so rows that never see the key come out NaN too.)"""
+    batch = [(0, 40), (30, 1), (0, 1), (64, 16)]
+    cases = [(batch, (0, 20)), (batch, (1, 5)), (batch, (3, 70)), ([(2000, 1)], (0, 1500))]
+    for requests, nan_key in cases:
+        clean, _ = _both_ways(requests, 9, 3, 64, 16)
+        poisoned, _ = _both_ways(requests, 9, 3, 64, 16, nan_key=nan_key)
+        request, position = nan_key
+        first = sum(count for _, count in requests[:request])
+        start, count = requests[request]
+        seeing = list(range(first + max(position - start, 0), first + count))
+        others = [row for row in range(len(clean)) if row not in seeing]
+        assert poisoned[seeing].isnan().all()
+        assert torch.equal(poisoned[others], clean[others])
 
 
 SHARING_REQUESTS = [

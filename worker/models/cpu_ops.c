@@ -67,6 +67,7 @@ static inline vec16 round_even(vec16 x) {
 static inline vec16 times_pow2(vec16 p, vec16 n) {
   return (vec16)_mm512_scalef_ps((__m512)p, (__m512)n);
 }
+/* The larger of a and b, lane by lane; b where either is NaN (as vmaxps does). */
 static inline vec16 vmax(vec16 a, vec16 b) { return (vec16)_mm512_max_ps((__m512)a, (__m512)b); }
 #else
 static inline vec16 round_even(vec16 x) { /* |x| <= 2^22: adding 1.5 * 2^23 rounds */
@@ -78,16 +79,17 @@ static inline vec16 times_pow2(vec16 p, vec16 n) { /* n an integer of at least -
   const ivec16 exponent = (__builtin_convertvector(n, ivec16) + 127) << 23;
   return p * (vec16)exponent;
 }
-static inline vec16 vmax(vec16 a, vec16 b) { return blend(a > b, a, b); }
+static inline vec16 vmax(vec16 a, vec16 b) { return blend(a > b, a, b); } /* b where NaN */
 #endif
 
 #define LOG2E 1.44269504088896341f
 
 /* 2^t for every lane: 2^n 2^f, n = round(t), |f| <= 1/2, 2^f by Cephes' exp2f polynomial (a
  * relative error of ~2e-7). t is held at -127 or more: 2^t is 0 below it (a subnormal nobody
- * needs), and -inf gives 0, not NaN. Ten vector instructions with AVX-512. */
+ * needs), and -inf gives 0, not NaN; NaN stays NaN (vmax returns its second operand where
+ * either is NaN). Ten vector instructions with AVX-512. */
 static inline vec16 vexp2(vec16 t) {
-  t = vmax(t, splat(-127.0f));
+  t = vmax(splat(-127.0f), t);
   const vec16 n = round_even(t), f = t - n;
   vec16 p = splat(1.535336188319500e-4f);
   p = p * f + splat(1.339887440266574e-3f);

@@ -50,12 +50,11 @@ static inline vec16 load(const float* p) {
 static inline void store(float* p, vec16 v) { memcpy(p, &v, sizeof v); }
 
 /* y[r][0..cols) = x[r] . panel + bias for rows r < ROWS (a constant after inlining). With
- * fetch NULL, fetching the panel AHEAD rows ahead of its use into L1 and FAR rows ahead into L2
- * (an L1 fetch then waits for L2, not memory: 2 to 8 rows 9-15 % faster than with the L1
- * fetches alone), within the `lines` cache lines that follow the panel's start (a pass that
- * reads the panel from memory); else the
- * fetch_lines cache lines from fetch on into L2, one a step (a later pass, reading the panel
- * from cache, fetching its share of the next panel). */
+ * fetch NULL (a pass that reads the panel from memory), fetching the panel AHEAD rows ahead of
+ * its use into L1 and FAR rows ahead into L2, within the `lines` cache lines that follow the
+ * panel's start (an L1 fetch then waits for L2, not memory: 2 to 8 rows 6-15 % faster than
+ * with the L1 fetches alone); else (a later pass, reading the panel from cache) fetching its
+ * share of the next panel into L2: the fetch_lines cache lines from fetch on, one a step. */
 static inline __attribute__((always_inline)) void block(
     const float* x, int64_t k, const float* panel, const float* bias, float* y, int64_t n,
     int64_t cols, int64_t lines, const float* fetch, int64_t fetch_lines, const int rows) {

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from worker.models import cpu_ops, native
+from worker.models import cpu_ops
 
 DEFAULT_CASES = "1x128,1x4096,16x128,16x1024,16x4096,64x160"
 DEFAULT_PREFILLS = "512x0,512x1024"
@@ -40,14 +40,8 @@ DEFAULT_PREFILLS = "512x0,512x1024"
 
 def load_kernel(source: Path | None):
     """``sy_paged_attention`` built from ``source`` (None: this checkout's), or None."""
-    if source is None:
-        return cpu_ops.library().sy_paged_attention
-    library = native.load(source.resolve())  # built and cached as the worker builds its own
-    if library is None:
-        return None
-    function = library.sy_paged_attention
-    function.restype, function.argtypes = cpu_ops._SIGNATURES["sy_paged_attention"]
-    return function
+    library = cpu_ops.library() if source is None else cpu_ops.build(source)
+    return None if library is None else library.sy_paged_attention
 
 
 def time_case(

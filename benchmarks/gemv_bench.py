@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from workload import num_cores
 
-from worker.models import native, panel_gemm, tile_gemm
+from worker.models import panel_gemm, tile_gemm
 
 NUM_LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -57,16 +57,6 @@ def medians_in_turns(fns: dict[str, Callable[[], object]], repeats: int = 15) ->
     return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
 
 
-def panel_kernel(source: Path):
-    """``sy_panel_linear`` built from ``source``, typed as this checkout's, or None."""
-    library = native.load(source.resolve())
-    if library is None:
-        return None
-    function = library.sy_panel_linear
-    function.argtypes, function.restype = panel_gemm.LINEAR_ARGTYPES, panel_gemm.LINEAR_RESTYPE
-    return function
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=num_cores())
@@ -77,7 +67,7 @@ def main() -> None:
         parser.error("--rows and --threads take positive numbers")
     compared = None
     if args.compare is not None:
-        compared = panel_kernel(args.compare)
+        compared = panel_gemm.build(args.compare)
         if compared is None or panel_gemm.library() is None:
             parser.error(f"{args.compare} or this checkout's panel_gemm.c could not be built")
     torch.set_num_threads(args.threads)
@@ -103,7 +93,9 @@ def main() -> None:
         def compared_linear(x: torch.Tensor, i: int) -> torch.Tensor:
             n, k = weights[i].shape
             y = torch.empty(x.shape[0], n)
-            compared(x.data_ptr(), x.shape[0], k, panels[i].data_ptr(), n, None, y.data_ptr())
+            compared.sy_panel_linear(
+                x.data_ptr(), x.shape[0], k, panels[i].data_ptr(), n, None, y.data_ptr()
+            )
             return y
 
         kernels[f"panels, {args.compare.name}"[:22]] = compared_linear

@@ -27,21 +27,10 @@ import torch
 from model_steps import BLOCK_SIZE, random_step
 from workload import num_cores, resolve_model_dir
 
-from worker.models import cpu_ops, native
+from worker.models import cpu_ops
 from worker.models.loader import load_model
 
 DEFAULT_STEPS = "1x512x0,1x512x1024,16x128x512x512,16x1x639x512,64x1x639x512,16x1x191"
-
-
-def build(source: Path):
-    """The library built from ``source``, its functions typed as ``cpu_ops`` types its own."""
-    library = native.load(source.resolve())
-    if library is None:
-        return None
-    for name, (restype, argtypes) in cpu_ops._SIGNATURES.items():
-        function = getattr(library, name)
-        function.restype, function.argtypes = restype, argtypes
-    return library
 
 
 def parse_step(text: str) -> tuple[int, int, int, int]:
@@ -95,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds is at least 1")
     if cpu_ops.library() is None:
         parser.error("the CPU kernels could not be built here")
-    compared = build(args.compare)
+    compared = cpu_ops.build(args.compare)
     if compared is None:
         parser.error(f"{args.compare} could not be built")
     torch.set_num_threads(num_cores())

@@ -1,5 +1,6 @@
 """benchmarks/gemv_bench.py's pieces: kernels timed in turns, and another build of the panel
-kernel that computes what this checkout's does."""
+kernel (``panel_gemm.build``, which ``--compare`` uses) that computes what this checkout's
+does."""
 
 from __future__ import annotations
 
@@ -31,10 +32,9 @@ def test_kernels_take_turns_after_three_warm_up_turns():
 def test_a_compared_build_of_the_same_source_gives_the_same_products():
     if panel_gemm.library() is None:
         pytest.skip("no C compiler for the panel kernel")
-    source = Path(panel_gemm.__file__).with_name("panel_gemm.c")
-    kernel = gemv_bench.panel_kernel(source)
+    compared = panel_gemm.build(panel_gemm.SOURCE)
     weight, x = torch.randn(96, 40), torch.randn(64, 40)
     panels = panel_gemm.pack(weight)
     y = torch.empty(64, 96)
-    kernel(x.data_ptr(), 64, 40, panels.data_ptr(), 96, None, y.data_ptr())
+    compared.sy_panel_linear(x.data_ptr(), 64, 40, panels.data_ptr(), 96, None, y.data_ptr())
     assert torch.equal(y, panel_gemm.linear(x, panels, None, 96))

@@ -82,7 +82,13 @@ class LayerWeights(ctypes.Structure):
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel library, or None (logged once) where it cannot be built here."""
-    lib = native.load(SOURCE)
+    return build(SOURCE)
+
+
+def build(source: Path) -> ctypes.CDLL | None:
+    """The library built from ``source`` (this checkout's cpu_ops.c, or another version of it
+    for a benchmark to compare), its functions typed; None where it cannot be built."""
+    lib = native.load(source.resolve())
     if lib is None:
         return None
     for name, (restype, argtypes) in _SIGNATURES.items():

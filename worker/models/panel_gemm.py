@@ -84,7 +84,13 @@ def checked_operands(
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel library, or None (logged once) where it cannot be built here."""
-    lib = native.load(SOURCE)
+    return build(SOURCE)
+
+
+def build(source: Path) -> ctypes.CDLL | None:
+    """The library built from ``source`` (this checkout's panel_gemm.c, or another version of
+    it for a benchmark to compare), its function typed; None where it cannot be built."""
+    lib = native.load(source.resolve())
     if lib is None:
         return None
     lib.sy_panel_linear.argtypes = LINEAR_ARGTYPES

@@ -7,6 +7,7 @@ import base64
 import io
 import secrets
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,6 +52,13 @@ def transformers_greedy(model_dir, image: Image.Image, text: str, num_tokens: in
     return output[0, inputs["input_ids"].shape[1] :].tolist()
 
 
+def shown(path: Path) -> str:
+    """``path`` as an error names it: whole up to 80 characters, else its first 77 and "..."
+    (tmp_path's length varies with the user, the run's number and pytest-xdist's worker)."""
+    text = str(path)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def test_images_as_pil_images_and_paths_beside_bad_ones(llava, tiny_llava_dir, tmp_path):
     image = random_image(0)
     image.save(tmp_path / "picture.png")
@@ -66,6 +74,7 @@ def test_images_as_pil_images_and_paths_beside_bad_ones(llava, tiny_llava_dir, t
         (text, tmp_path / "notes.png"),
         (text, [image] * 9),
         (text, Image.new("RGB", (0, 0))),
+        (text, str(tmp_path / ("long-" * 20 + ".png"))),  # named by its first 77 characters
     ]
     responses = llava.infer(prompts, GREEDY)
     expected = transformers_greedy(tiny_llava_dir, image, text, 8)
@@ -73,11 +82,17 @@ def test_images_as_pil_images_and_paths_beside_bad_ones(llava, tiny_llava_dir, t
     for response in responses[1:3]:  # the same image from a path and a data URL
         assert (response.text, response.token_ids) == (responses[0].text, expected)
     failed = [(r.finish_reason, r.generate_token_len, r.index) for r in responses[3:]]
-    assert failed == [("error", 0, 3), ("error", 0, 4), ("error", 0, 5), ("error", 0, 6)]
-    assert responses[3].text == f"image 0 ({tmp_path / 'missing.png'}): the file does not exist"
-    assert responses[4].text.startswith(f"image 0 ({tmp_path / 'notes.png'}): the image cannot")
+    assert failed == [("error", 0, index) for index in range(3, 8)]
+    assert (
+        responses[3].text == f"image 0 ({shown(tmp_path / 'missing.png')}): the file does not exist"
+    )
+    assert responses[4].text.startswith(
+        f"image 0 ({shown(tmp_path / 'notes.png')}): the image cannot"
+    )
     assert responses[5].text == "9 images in one prompt; at most 8 are taken"
     assert responses[6].text == "image 0 (a 0 x 0 PIL image): the image has no pixels"
+    long_path = str(tmp_path / ("long-" * 20 + ".png"))
+    assert responses[7].text == f"image 0 ({long_path[:77]}...): the file does not exist"
     pieces = list(llava.stream_infer([(text, image)], GREEDY))
     assert [token for piece in pieces for token in piece.token_ids] == expected
     # do_preprocess=False sends the text as it is: its image placeholders are the caller's.

@@ -50,19 +50,29 @@ def measure_read_bandwidth(
 ) -> list[float]:
     """Bytes/s of ``tensor.sum()`` over a ``num_bytes`` fp32 tensor (every byte read once), on
     the CPU or on ``device`` (CUDA: 4x the bytes, so the launch is lost in the read)."""
+    read = read_bandwidth_probe(num_bytes, device)
+    read()  # the first touch of the tensor's pages
+    read()
+    return [read() for _ in range(repeats)]
+
+
+def read_bandwidth_probe(num_bytes: int = BANDWIDTH_BYTES, device=None) -> Callable[[], float]:
+    """A function that measures one ``sum()`` of the same tensor, as ``measure_read_bandwidth``
+    does, and returns its bytes/s: for samples taken in turns with other work."""
     import torch
 
-    if device is None or device.type == "cpu":
-        data = torch.ones(num_bytes // 4)
-        return [num_bytes / seconds for seconds in _timed(data.sum, repeats)]
-    num_bytes *= 4
+    on_cuda = device is not None and device.type != "cpu"
+    num_bytes *= 4 if on_cuda else 1
     data = torch.ones(num_bytes // 4, device=device)
 
-    def read() -> None:
+    def read() -> float:
+        start = time.perf_counter()
         data.sum()
-        torch.cuda.synchronize(device)
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        return num_bytes / (time.perf_counter() - start)
 
-    return [num_bytes / seconds for seconds in _timed(read, repeats)]
+    return read
 
 
 def measure_copy_bandwidth(num_bytes: int = BANDWIDTH_BYTES // 2, repeats: int = 10) -> list[float]:

@@ -154,25 +154,14 @@ def prepare_decode_step(
     return step, statistics.median(layout_samples)
 
 
-def time_decode_step(
-    model,
-    batch_size: int,
-    context: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    cuda_graph: bool = False,
-    shared_prefix: int = 0,
-) -> tuple[list[float], float]:
-    """(seconds of ``REPEATS`` runs, after two uncounted, of ``prepare_decode_step``'s step; the
-    median seconds of building its layout)."""
+def repeated(step: Callable[[], None]) -> list[float]:
+    """Seconds of ``REPEATS`` runs of ``step``, after two uncounted, as the worker runs one."""
     import torch
 
-    step, layout_seconds = prepare_decode_step(
-        model, batch_size, context, block_size, cuda_graph, shared_prefix
-    )
-    with torch.inference_mode():  # as the worker runs a step
+    with torch.inference_mode():
         for _ in range(2):
             step()
-        return [timed(step) for _ in range(REPEATS)], layout_seconds
+        return [timed(step) for _ in range(REPEATS)]
 
 
 def timed(step: Callable[[], None]) -> float:
@@ -237,7 +226,8 @@ def measure(
     rows = []
     for batch, context in configurations:
         with gathered(model):
-            gathered_samples, _ = time_decode_step(model, batch, context, **timing(context))
+            gathered_step, _ = prepare_decode_step(model, batch, context, **timing(context))
+            gathered_samples = repeated(gathered_step)
         rows.append(
             {
                 "batch_size": batch,
@@ -250,10 +240,10 @@ def measure(
             }
         )
         if device.type == "cuda":
-            graph_samples, _ = time_decode_step(
+            graph_step, _ = prepare_decode_step(
                 model, batch, context, cuda_graph=True, **timing(context)
             )
-            rows[-1]["cuda_graph_ms"] = statistics.median(graph_samples) * 1e3
+            rows[-1]["cuda_graph_ms"] = statistics.median(repeated(graph_step)) * 1e3
         print(format_row(rows[-1]), flush=True)
 
     growth = []

@@ -66,6 +66,8 @@ def read_bandwidth_probe(num_bytes: int = BANDWIDTH_BYTES, device=None) -> Calla
     data = torch.ones(num_bytes // 4, device=device)
 
     def read() -> float:
+        if on_cuda:  # work queued before is not this read's
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         data.sum()
         if on_cuda:

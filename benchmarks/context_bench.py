@@ -220,7 +220,7 @@ def measure(
             bandwidths.append(read())
             for key, step in steps.items():
                 samples[key].append(timed(step))
-    del steps  # every cache at once; the gathered steps below make their own
+    del steps, step, read  # every cache and the 1 GiB at once; the gathered steps make their own
     bandwidth = statistics.median(bandwidths)
 
     rows = []

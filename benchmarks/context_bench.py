@@ -100,15 +100,7 @@ def prepare_decode_step(
 
     blocks_per_request = -(-context // block_size)
     num_blocks = batch_size * blocks_per_request
-    cache = KVCache(
-        config.num_hidden_layers,
-        num_blocks + 1,  # the last one spare, for a graph's padding rows
-        block_size,
-        model.num_kv_heads,
-        config.head_dim,
-        model.model.norm.weight.dtype,
-        device,
-    )
+    cache = KVCache.for_model(model, num_blocks + 1, block_size)  # +1: a graph's padding rows
     for tensor in (*cache.key_caches, *cache.value_caches):
         tensor.normal_()
     pool = np.random.default_rng(0).permutation(num_blocks).reshape(batch_size, -1).tolist()

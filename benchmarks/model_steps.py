@@ -41,15 +41,7 @@ def random_step(
     shared_blocks = shared // BLOCK_SIZE
     own = per_request - shared_blocks
     num_blocks = shared_blocks + own * requests
-    cache = KVCache(
-        config.num_hidden_layers,
-        num_blocks,
-        BLOCK_SIZE,
-        model.num_kv_heads,
-        config.head_dim,
-        torch.float32,
-        torch.device("cpu"),
-    )
+    cache = KVCache.for_model(model, num_blocks, BLOCK_SIZE)
     for tensor in (*cache.key_caches, *cache.value_caches):
         tensor.normal_()
     order = torch.randperm(num_blocks).tolist() if shuffle else list(range(num_blocks))

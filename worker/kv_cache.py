@@ -47,6 +47,21 @@ class KVCache:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
         ]
 
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int) -> KVCache:
+        """A pool of ``num_blocks`` blocks for a loaded model (``worker.models``): its layers,
+        this rank's key-value heads and its head size, in its weights' dtype on their device."""
+        config, weight = model.config, model.model.norm.weight
+        return cls(
+            config.num_hidden_layers,
+            num_blocks,
+            block_size,
+            model.num_kv_heads,
+            config.head_dim,
+            weight.dtype,
+            weight.device,
+        )
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) of layer ``index``."""
         return self.key_caches[index], self.value_caches[index]

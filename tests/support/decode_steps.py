@@ -25,16 +25,7 @@ STEPS = [
 
 def random_cache(model, num_blocks: int, seed: int = 0) -> KVCache:
     """A cache of ``num_blocks`` random blocks for ``model``, on its device and dtype."""
-    config, weight = model.config, model.model.norm.weight
-    cache = KVCache(
-        config.num_hidden_layers,
-        num_blocks,
-        BLOCK_SIZE,
-        model.num_kv_heads,
-        config.head_dim,
-        weight.dtype,
-        weight.device,
-    )
+    cache = KVCache.for_model(model, num_blocks, BLOCK_SIZE)
     generator = torch.Generator().manual_seed(seed)
     for tensor in cache.key_caches + cache.value_caches:
         tensor.copy_(torch.randn(tensor.shape, generator=generator))

@@ -26,7 +26,7 @@ import setproctitle
 import uvicorn
 
 from api_server.app import create_app
-from api_server.bind_address import listening_host, warn_if_exposed
+from api_server.bind_address import inherited_listener, listening_host, warn_if_exposed
 from api_server.config import (
     ApiServerConfig,
     ApiServerSettings,
@@ -171,8 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     if stop_signals:
         logger.info("received %s while starting; not serving", signal.Signals(stop_signals[0]).name)
         return 0
-    server.run()
+    serve(server, args.fd)
     return 1 if server.refused else 0
+
+
+def serve(server: uvicorn.Server, fd: int | None) -> None:
+    """Run ``server``, on the listening socket inherited as ``fd`` when there is one: as a
+    socket object (``inherited_listener``: TCP_NODELAY on its connections), the ``fd`` of the
+    server's config only naming it in uvicorn's start-up line."""
+    server.run(sockets=None if fd is None else [inherited_listener(fd)])
 
 
 def _route_stop_signals(handler: Callable[[int, FrameType | None], object]) -> None:

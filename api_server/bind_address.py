@@ -26,6 +26,20 @@ def listening_host(host: str, fd: int | None) -> str:
     return address[0] if isinstance(address, tuple) else ""
 
 
+def inherited_listener(fd: int) -> socket.socket:
+    """The listening socket inherited as file descriptor ``fd``, its family, type and protocol
+    read from the descriptor, for ``uvicorn.Server.run(sockets=...)``.
+
+    uvicorn's own ``fd`` option wraps the descriptor as a Unix socket whatever it is, so asyncio
+    takes the connections it accepts for Unix ones and never sets TCP_NODELAY on them. Nagle's
+    algorithm then holds each small write (a streamed event, a body after its headers) until
+    the client acknowledges the one before: up to its delayed-ACK timeout (40 ms on Linux), or
+    until the next token's event, which made every stream's first token arrive with its second.
+    Accepted through this socket object, TCP connections get TCP_NODELAY, as on a port that
+    uvicorn binds itself."""
+    return socket.socket(fileno=fd)
+
+
 def warn_if_exposed(host: str, api_key: str | None) -> None:
     """Log a warning when a server about to listen on ``host`` (not a loopback address) has no
     API key: anyone who can reach the address can use it. Call it once per server started."""

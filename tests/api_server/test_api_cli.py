@@ -5,13 +5,15 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
-from api_server.__main__ import build_config, parse_args
+from api_server.__main__ import build_config, parse_args, serve
 from tests.support.clients import wait_until
 from tests.support.fake_scheduler import FakeScheduler
 from tests.support.serve_process import wait_until_ready
@@ -145,3 +147,34 @@ def test_a_sigterm_while_starting_exits_cleanly_before_serving(
     assert process.returncode == 0, stderr
     assert "received SIGTERM while starting" in stderr
     assert "Uvicorn running" not in stderr and "Application startup complete" not in stderr
+
+
+def test_connections_on_an_inherited_socket_send_without_delay() -> None:
+    """A listener bound as the launcher binds it, served as ``python -m api_server --fd N``
+    serves it: the connections it accepts have TCP_NODELAY, so no small write (a streamed
+    token, a body after its headers) waits for the client's delayed acknowledgement."""
+
+    async def ok(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    listener = socket.socket(socket.AF_INET)  # as the launcher's: the protocol left unnamed
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    config = uvicorn.Config(ok, fd=listener.fileno(), lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=serve, args=(server, listener.fileno()), daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started, 10, interval_s=0.01)
+        with httpx.Client(base_url=f"http://127.0.0.1:{listener.getsockname()[1]}") as client:
+            for _ in range(3):  # one kept-alive connection
+                assert client.get("/").text == "ok"
+            connections = list(server.server_state.connections)
+            assert len(connections) == 1
+            accepted = connections[0].transport.get_extra_info("socket")
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert not thread.is_alive()

@@ -293,7 +293,9 @@ class UvicornThread:
 
         import uvicorn
 
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # The protocol named, so that asyncio sets TCP_NODELAY on the accepted connections
+        # (api_server.bind_address.inherited_listener says why that matters).
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._listener.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))

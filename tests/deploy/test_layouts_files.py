@@ -175,6 +175,10 @@ def test_the_load_balancer_fronts_every_api_server_replica():
     assert template[2] == "api-server" and template[3] == flag(api_server["command"], "--port")
     assert int(template[1]) >= api_server["deploy"]["replicas"]
     assert re.search(r"^\s+option httpchk GET /ready$", text, re.MULTILINE)
+    # Streamed tokens pass at once, not merged by the kernel (README says so too).
+    defaults = re.search(r"^defaults\n((?:[ \t].*\n)+)", text, re.MULTILINE)[1]
+    assert re.search(r"^\s+option http-no-delay$", defaults, re.MULTILINE)
+    assert "`option http-no-delay`" in README.read_text()
     assert re.search(r"^\s+nameserver \w+ 127\.0\.0\.11:53$", text, re.MULTILINE)  # Docker's
     # A response not streamed may take this long to start: documented beside the README's
     # description of the load balancer.

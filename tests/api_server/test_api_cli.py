@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -161,9 +162,10 @@ def test_connections_on_an_inherited_socket_send_without_delay() -> None:
     listener = socket.socket(socket.AF_INET)  # as the launcher's: the protocol left unnamed
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    config = uvicorn.Config(ok, fd=listener.fileno(), lifespan="off", log_config=None)
+    inherited = os.dup(listener.fileno())  # the server's own descriptor, which it closes
+    config = uvicorn.Config(ok, fd=inherited, lifespan="off", log_config=None)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=serve, args=(server, listener.fileno()), daemon=True)
+    thread = threading.Thread(target=serve, args=(server, inherited), daemon=True)
     thread.start()
     try:
         assert wait_until(lambda: server.started, 10, interval_s=0.01)
@@ -177,4 +179,5 @@ def test_connections_on_an_inherited_socket_send_without_delay() -> None:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        listener.close()
     assert not thread.is_alive()

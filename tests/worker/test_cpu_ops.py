@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from tests.support.paged_batches import shuffled_blocks
 from worker.attention import AttentionKind, build_batch_layout, paged_attention, write_kv
+from worker.kv_cache import KVCache
 from worker.models import cpu_ops, tile_gemm
 from worker.models.loader import load_model
 from worker.models.rotary import RotaryEmbedding
@@ -309,7 +310,7 @@ def test_the_model_gives_the_same_logits_in_place_flex_and_gathered(tiny_llama_d
     input_ids = torch.randint(0, config.vocab_size, (15,), generator=generator)
     logits = []
     for kind in AttentionKind:
-        cache = _zero_cache(model, num_blocks, block_size)
+        cache = KVCache.for_model(model, num_blocks, block_size)
         kernels = kind is AttentionKind.IN_PLACE_CPU
         with torch.no_grad(), _kernels_enabled(kernels):
             # the prefixes the chunk and the decode extend, computed the same way first
@@ -358,7 +359,7 @@ def test_the_fused_layer_stack_gives_the_layer_modules_results_to_the_bit(
     results = []
     for stack in (fused, None):
         model.fused_layers = stack
-        cache = _zero_cache(model, num_blocks, block_size)
+        cache = KVCache.for_model(model, num_blocks, block_size)
         kind = AttentionKind.IN_PLACE_CPU
         with torch.no_grad():
             prefix = build_batch_layout(
@@ -402,7 +403,7 @@ def test_decodes_sharing_a_prefix_through_the_fused_stack_equal_the_modules_and_
         (None, AttentionKind.GATHERED),
     ]:
         model.fused_layers = stack
-        cache = _zero_cache(model, num_blocks, block_size)
+        cache = KVCache.for_model(model, num_blocks, block_size)
         generator = torch.Generator().manual_seed(3)
         for part in (*cache.key_caches, *cache.value_caches):
             part.copy_(torch.randn(part.shape, generator=generator))
@@ -456,8 +457,6 @@ def test_the_fused_layer_stack_leaves_lora_rows_and_torch_paths_to_the_modules(t
     with _kernels_enabled(False):
         assert load_model(tiny_llama_dir, CPU, torch.float32).fused_layers is None
     assert load_model(tiny_llama_dir, CPU, torch.bfloat16).fused_layers is None
-    from worker.kv_cache import KVCache
-
     config = model.config
     wrong_heads = KVCache(
         config.num_hidden_layers, num_blocks, 4, 1, config.head_dim, torch.float32, CPU
@@ -492,21 +491,6 @@ def _with_biases(model_dir, tmp_path):
             weights[name.removesuffix("weight") + "bias"] = bias
     save_file(weights, weights_file)
     return copy
-
-
-def _zero_cache(model, num_blocks, block_size):
-    from worker.kv_cache import KVCache
-
-    config = model.config
-    return KVCache(
-        config.num_hidden_layers,
-        num_blocks,
-        block_size,
-        model.num_kv_heads,
-        config.head_dim,
-        torch.float32,
-        CPU,
-    )
 
 
 class _kernels_enabled:

@@ -18,7 +18,7 @@ def listening_host(host: str, fd: int | None) -> str:
     (file descriptor ``fd``, left open) when there is one; "" for a Unix socket."""
     if fd is None:
         return host
-    listener = socket.socket(fileno=fd)
+    listener = inherited_listener(fd)
     try:
         address = listener.getsockname()
     finally:

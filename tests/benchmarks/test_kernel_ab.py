@@ -1,5 +1,6 @@
 """benchmarks/kernel_ab.py runs as documented, on the tiny model: beside a build of the same
-source every step gives the same logits to the bit; steps it cannot take are refused."""
+source (the attention kernels' or the matrix product's) every step gives the same logits to the
+bit, and the swapped-in builds are undone after; steps it cannot take are refused."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.models import cpu_ops
+from worker.models import cpu_ops, panel_gemm
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SOURCE = Path(cpu_ops.__file__).with_name("cpu_ops.c")
@@ -19,13 +20,16 @@ finally:
     sys.path.remove(str(BENCHMARKS))
 
 
-def test_steps_beside_the_same_source_agree_to_the_bit(tiny_llama_dir, capsys):
-    if cpu_ops.library() is None:
+@pytest.mark.parametrize("kernel", [cpu_ops, panel_gemm], ids=["cpu_ops", "panel_gemm"])
+def test_steps_beside_the_same_source_agree_to_the_bit(kernel, tiny_llama_dir, capsys):
+    if cpu_ops.library() is None or panel_gemm.library() is None:
         pytest.skip("no C compiler here")
-    options = ["--compare", str(SOURCE), "--steps", "1x40x0,3x1x70x32", "--rounds", "2"]
-    this_checkout = cpu_ops.library
+    source = Path(kernel.__file__).with_suffix(".c")
+    options = ["--compare", str(source), "--kernel", kernel.__name__.rsplit(".", 1)[1]]
+    options += ["--steps", "1x40x0,3x1x70x32", "--rounds", "2"]
+    this_checkout = kernel.library
     assert kernel_ab.main([*options, "--model-path", str(tiny_llama_dir)]) == 0
-    assert cpu_ops.library is this_checkout  # the swap is undone
+    assert kernel.library is this_checkout  # the swap is undone
     header, _, *rows = capsys.readouterr().out.splitlines()
     assert header.startswith("| step | this | compared |")
     cells = [row.split(" | ") for row in rows]

@@ -397,10 +397,10 @@ def test_packed_linear_matches_the_plain_one(packing, monkeypatch):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_kernel_matches_f_linear_for_awkward_shapes(bias):
-    """Row counts around the 8-row register block, the 9 to 48 rows that go through 64-feature
-    chunks, the 64-row task, and more than 64 rows, where two panels go together under 6-row
-    blocks (an odd last panel alone); output counts that are not multiples of the 32-wide panel;
-    input sizes around the chunks; a strided input."""
+    """Row counts around the 8-row register block, the 9 to 32 rows that go through 64-feature
+    chunks, and more than 32, where two panels go together under 6-row blocks (an odd last
+    panel alone) in tasks of 64 rows; output counts that are not multiples of the 32-wide
+    panel; input sizes around the chunks; a strided input."""
     if panel_gemm.library() is None:
         pytest.skip("no C compiler for the panel kernel")
     generator = torch.Generator().manual_seed(0)
@@ -410,13 +410,31 @@ def test_panel_kernel_matches_f_linear_for_awkward_shapes(bias):
         b = torch.randn(out_features, generator=generator) if bias else None
         panels = panel_gemm.pack(weight)
         assert panels.shape == (-(-out_features // panel_gemm.PANEL), in_features, 32)
-        for rows in [0, 1, 7, 8, 9, 16, 17, 48, 49, 63, 64, 65, 200]:
+        for rows in [0, 1, 7, 8, 9, 16, 17, 32, 33, 48, 49, 63, 64, 65, 200]:
             x = torch.randn(in_features, rows, generator=generator).t()  # not contiguous
             torch.testing.assert_close(
                 panel_gemm.linear(x, panels, b, out_features),
                 F.linear(x, weight, b),
                 rtol=1e-4,
                 atol=1e-4,
+            )
+
+
+def test_a_rows_panel_product_does_not_depend_on_how_many_rows_it_goes_with():
+    """Every path (one block, 64-feature chunks, pairs of panels) sums each output in the same
+    order, so a request's logits are the same alone or in any batch."""
+    if panel_gemm.library() is None:
+        pytest.skip("no C compiler for the panel kernel")
+    generator = torch.Generator().manual_seed(1)
+    for out_features, in_features in [(96, 129), (160, 200), (50, 64)]:
+        weight = torch.randn(out_features, in_features, generator=generator)
+        bias = torch.randn(out_features, generator=generator)
+        panels = panel_gemm.pack(weight)
+        x = torch.randn(200, in_features, generator=generator)
+        everything = panel_gemm.linear(x, panels, bias, out_features)
+        for rows in [1, 5, 8, 9, 31, 32, 33, 40, 64, 65, 128, 130]:
+            assert torch.equal(
+                panel_gemm.linear(x[:rows], panels, bias, out_features), everything[:rows]
             )
 
 

@@ -8,17 +8,17 @@
  *     for i in 0..k:  acc[r][0..32] += x[r][i] * panel[i][0..32]    for the block's rows r
  *
  * Each pass fetches the panel rows it will need next with software prefetches, and with 9 to
- * 48 rows the panel goes in chunks of 64 input features that every row block multiplies while
- * the chunk is in L1, so reading the weights overlaps the arithmetic (chunked_rows); with 49
- * to 64 rows the passes after a panel's first fetch the next panel into L2 in shares, so that
- * its first pass finds it there (rows_of_panel). With more
- * than 64 rows (prefill chunks, mixed steps) the arithmetic is the bound, and two panels go
- * together under blocks of 6 rows x 64 outputs (24 accumulators, pair_block): each broadcast
- * input feeds four multiply-adds instead of two, 2-5 % faster than 8-row passes over one
- * panel, and every output's sum is taken in the same order, so the result is the same. On the
- * 2-core AVX-512 machine this project is benchmarked on, this streams weights at ~29 GB/s for
- * one row, sum()'s rate (oneDNN's kernels: 23, MKL's: 8-12), and reaches ~165 GFLOP/s for
- * 16 rows and 225-260 for 64 to 512 (oneDNN: 115, 208-255). See benchmarks/gemv_bench.py and
+ * 32 rows the panel goes in chunks of 64 input features that every row block multiplies while
+ * the chunk is in L1, so reading the weights overlaps the arithmetic (chunked_rows). With more
+ * than 32 rows (large decode batches, prefill chunks, mixed steps) two panels go together
+ * under blocks of 6 rows x 64 outputs (24 accumulators, pair_block): each broadcast input
+ * feeds four multiply-adds instead of two. A pair's first pass would wait on memory, so the
+ * passes after it fetch the next pair into L2, a share each, spread evenly over their steps
+ * (rows_of_pair). Every output's sum is taken in the same order on every path, so a row's
+ * result does not depend on how many rows its product has. On the 2-core AVX-512 machine this
+ * project is benchmarked on, this streams weights at ~29 GB/s for one row, sum()'s rate
+ * (oneDNN's kernels: 23, MKL's: 8-12), and reaches ~165 GFLOP/s for 16 rows, ~240 for 64 and
+ * ~260 for 128 to 512 (oneDNN: 115, 177, 227). See benchmarks/gemv_bench.py and
  * docs/performance.md.
  *
  * Plain C with GCC/Clang vector extensions (16 x float, lowered to whatever -march=native
@@ -30,14 +30,14 @@
 
 #define PANEL 32     /* output features per panel: two 16-float vectors */
 #define BLOCK 8      /* input rows per register block */
-#define CHUNK 64     /* input rows per parallel task, a multiple of BLOCK */
+#define CHUNK 64     /* input rows per parallel task of pairs, a multiple of PAIR_BLOCK's */
 #define LINE 16      /* floats per 64-byte cache line */
 #define LINES_PER_ROW (PANEL / LINE)
 #define AHEAD 32     /* panel rows (128 B each) a one-block pass fetches ahead into L1 */
 #define FAR 256      /* and into L2 (32 KB ahead) */
-#define CHUNKED_MAX 48 /* most rows of a product that chunked_rows computes */
 #define KC 64        /* input features per chunk of a panel (8 KB) when rows > BLOCK */
-#define PAIR_BLOCK 6 /* input rows per register block over two panels (rows > CHUNK) */
+#define PAIR_MIN 32  /* products of more rows than this go in pairs of panels */
+#define PAIR_BLOCK 6 /* input rows per register block over two panels */
 
 typedef float vec16 __attribute__((vector_size(64)));
 
@@ -49,15 +49,14 @@ static inline vec16 load(const float* p) {
 
 static inline void store(float* p, vec16 v) { memcpy(p, &v, sizeof v); }
 
-/* y[r][0..cols) = x[r] . panel + bias for rows r < ROWS (a constant after inlining). With
- * fetch NULL (a pass that reads the panel from memory), fetching the panel AHEAD rows ahead of
- * its use into L1 and FAR rows ahead into L2, within the `lines` cache lines that follow the
- * panel's start (an L1 fetch then waits for L2, not memory: 2 to 8 rows 6-15 % faster than
- * with the L1 fetches alone); else (a later pass, reading the panel from cache) fetching its
- * share of the next panel into L2: the fetch_lines cache lines from fetch on, one a step. */
-static inline __attribute__((always_inline)) void block(
-    const float* x, int64_t k, const float* panel, const float* bias, float* y, int64_t n,
-    int64_t cols, int64_t lines, const float* fetch, int64_t fetch_lines, const int rows) {
+/* y[r][0..cols) = x[r] . panel + bias for rows r < ROWS (a constant after inlining), fetching
+ * the panel AHEAD rows ahead of its use into L1 and FAR rows ahead into L2, within the `lines`
+ * cache lines that follow the panel's start (an L1 fetch then waits for L2, not memory: 2 to 8
+ * rows 6-15 % faster than with the L1 fetches alone). */
+static inline __attribute__((always_inline)) void block(const float* x, int64_t k,
+                                                        const float* panel, const float* bias,
+                                                        float* y, int64_t n, int64_t cols,
+                                                        int64_t lines, const int rows) {
   vec16 acc[BLOCK][2];
   const vec16 b0 = load(bias), b1 = load(bias + 16);
   for (int r = 0; r < rows; r++) {
@@ -65,15 +64,13 @@ static inline __attribute__((always_inline)) void block(
     acc[r][1] = b1;
   }
   for (int64_t i = 0; i < k; i++) {
-    if (fetch == NULL && (i + AHEAD) * LINES_PER_ROW < lines) {
+    if ((i + AHEAD) * LINES_PER_ROW < lines) {
       __builtin_prefetch(panel + (i + AHEAD) * PANEL, 0, 3);
       __builtin_prefetch(panel + (i + AHEAD) * PANEL + LINE, 0, 3);
       if ((i + FAR) * LINES_PER_ROW < lines) {
         __builtin_prefetch(panel + (i + FAR) * PANEL, 0, 2);
         __builtin_prefetch(panel + (i + FAR) * PANEL + LINE, 0, 2);
       }
-    } else if (i < fetch_lines) {
-      __builtin_prefetch(fetch + i * LINE, 0, 2);
     }
     const vec16 w0 = load(panel + i * PANEL), w1 = load(panel + i * PANEL + 16);
     for (int r = 0; r < rows; r++) {
@@ -121,7 +118,7 @@ static inline __attribute__((always_inline)) void chunk_block(
   }
 }
 
-/* Rows xr[0..rows) (9 to CHUNKED_MAX of them) of y against one panel, where `lines` cache lines
+/* Rows xr[0..rows) (9 to PAIR_MIN of them) of y against one panel, where `lines` cache lines
  * from the panel's start on may be fetched (the panels after it included): the panel in
  * chunks of KC input features (8 KB), each multiplied by every block of BLOCK rows while it is
  * in L1, the accumulators kept in a small table between chunks. The block passes over a chunk
@@ -130,7 +127,7 @@ static inline __attribute__((always_inline)) void chunk_block(
  * preceding it: one block's pass alone is memory-bound, every further pass compute-bound. */
 static void chunked_rows(const float* xr, int64_t rows, int64_t k, const float* panel,
                          const float* bias, float* yr, int64_t n, int64_t cols, int64_t lines) {
-  float acc[CHUNK][PANEL] __attribute__((aligned(64)));
+  float acc[PAIR_MIN][PANEL] __attribute__((aligned(64)));
   for (int64_t r = 0; r < rows; r++) memcpy(acc[r], bias, sizeof acc[r]);
   for (int64_t kc = 0; kc < k; kc += KC) {
     const int64_t len = k - kc < KC ? k - kc : KC;
@@ -154,11 +151,9 @@ static void chunked_rows(const float* xr, int64_t rows, int64_t k, const float* 
   for (int64_t r = 0; r < rows; r++) memcpy(yr + r * n, acc[r], (size_t)cols * sizeof(float));
 }
 
-/* Rows [start, end) of y against one panel. Up to BLOCK rows, and more when the product has
- * more than CHUNKED_MAX rows (where the block passes measured faster: the more passes over a
- * panel, the smaller the share of the first, memory-bound one): blocks that each make one pass
- * over the panel, the first fetching AHEAD panel rows ahead, the others the next panel.
- * Otherwise chunked_rows. */
+/* Rows [start, end) of y against one panel: chunked_rows where `chunked` and there are more
+ * than BLOCK rows; else blocks of BLOCK rows that each make one pass over the panel (a
+ * product's last, odd panel when its other panels go in pairs). */
 static void rows_of_panel(const float* x, int64_t start, int64_t end, int64_t k,
                           const float* panel, const float* bias, float* y, int64_t n,
                           int64_t cols, int64_t lines, int chunked) {
@@ -169,49 +164,40 @@ static void rows_of_panel(const float* x, int64_t start, int64_t end, int64_t k,
     chunked_rows(xr, rows, k, panel, bias, yr, n, cols, lines);
     return;
   }
-  /* The first pass reads the panel from memory; the later ones, reading it from cache, fetch
-   * the next panel (as much of it as `lines` allows) into L2 in equal shares, so that the
-   * next panel's first pass finds it there: 49 to 64 rows 6-12 % faster than when every pass
-   * fetched only its own panel's rows (into L1, they were no faster) */
-  const int64_t passes = (rows + BLOCK - 1) / BLOCK, panel_lines = k * LINES_PER_ROW;
-  const int64_t next_lines =
-      lines - panel_lines < panel_lines ? lines - panel_lines : panel_lines;
-  int64_t r = 0;
-  for (int64_t pass = 0; r < rows; r += BLOCK, pass++) {
-    const float* fetch = NULL;
-    int64_t fetch_lines = 0;
-    if (pass > 0 && next_lines > 0) {
-      const int64_t share_first = (pass - 1) * next_lines / (passes - 1);
-      fetch = panel + (panel_lines + share_first) * LINE;
-      fetch_lines = pass * next_lines / (passes - 1) - share_first;
-    }
+  for (int64_t r = 0; r < rows; r += BLOCK) {
     const float* xb = xr + r * k;
     float* yb = yr + r * n;
     switch (rows - r < BLOCK ? rows - r : BLOCK) { /* one specialised copy per size */
-      case 1: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 1); break;
-      case 2: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 2); break;
-      case 3: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 3); break;
-      case 4: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 4); break;
-      case 5: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 5); break;
-      case 6: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 6); break;
-      case 7: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 7); break;
-      default: block(xb, k, panel, bias, yb, n, cols, lines, fetch, fetch_lines, 8); break;
+      case 1: block(xb, k, panel, bias, yb, n, cols, lines, 1); break;
+      case 2: block(xb, k, panel, bias, yb, n, cols, lines, 2); break;
+      case 3: block(xb, k, panel, bias, yb, n, cols, lines, 3); break;
+      case 4: block(xb, k, panel, bias, yb, n, cols, lines, 4); break;
+      case 5: block(xb, k, panel, bias, yb, n, cols, lines, 5); break;
+      case 6: block(xb, k, panel, bias, yb, n, cols, lines, 6); break;
+      case 7: block(xb, k, panel, bias, yb, n, cols, lines, 7); break;
+      default: block(xb, k, panel, bias, yb, n, cols, lines, 8); break;
     }
   }
 }
 
 /* y[r][0..cols) = x[r] . (panels a and b side by side) + bias for rows r < ROWS (a constant
  * after inlining), cols <= 64: a register block of ROWS rows by two panels' 64 outputs. The
- * hardware prefetcher follows the two sequential panel reads. */
-static inline __attribute__((always_inline)) void pair_block(const float* x, int64_t k,
-                                                             const float* a, const float* b,
-                                                             const float* bias, float* y,
-                                                             int64_t n, int64_t cols,
-                                                             const int rows) {
+ * hardware prefetcher follows the two sequential panel reads; meanwhile the fetch_lines cache
+ * lines from fetch on are fetched into L2, one every k / fetch_lines steps. */
+static inline __attribute__((always_inline)) void pair_block(
+    const float* x, int64_t k, const float* a, const float* b, const float* bias, float* y,
+    int64_t n, int64_t cols, const float* fetch, int64_t fetch_lines, const int rows) {
   vec16 acc[PAIR_BLOCK][4];
   for (int r = 0; r < rows; r++)
     for (int j = 0; j < 4; j++) acc[r][j] = load(bias + 16 * j);
+  const int64_t spacing = fetch_lines > 0 && k / fetch_lines > 1 ? k / fetch_lines : 1;
+  int64_t fetched = 0, fetch_at = 0;
   for (int64_t i = 0; i < k; i++) {
+    if (i == fetch_at && fetched < fetch_lines) {
+      __builtin_prefetch(fetch + fetched * LINE, 0, 2);
+      fetched++;
+      fetch_at += spacing;
+    }
     const vec16 w0 = load(a + i * PANEL), w1 = load(a + i * PANEL + 16);
     const vec16 w2 = load(b + i * PANEL), w3 = load(b + i * PANEL + 16);
     for (int r = 0; r < rows; r++) {
@@ -230,25 +216,40 @@ static inline __attribute__((always_inline)) void pair_block(const float* x, int
 }
 
 /* Rows [start, end) of y against panels a and b (the 64 outputs from y's column on, cols of
- * them real). */
+ * them real). The first pass reads the pair from memory (or from L2, where the pair before
+ * fetched it); the later ones, reading it from cache, fetch the next_lines cache lines that
+ * follow it (the next pair) into L2 in equal shares, each spread over its pass: a burst of
+ * fetches at a pass's start measured slower, and so did halving a product's rows between the
+ * threads to even out an odd number of pairs. */
 static void rows_of_pair(const float* x, int64_t start, int64_t end, int64_t k, const float* a,
-                         const float* b, const float* bias, float* y, int64_t n, int64_t cols) {
+                         const float* b, const float* bias, float* y, int64_t n, int64_t cols,
+                         int64_t next_lines) {
+  const int64_t passes = (end - start + PAIR_BLOCK - 1) / PAIR_BLOCK;
+  const float* next = a + 2 * k * PANEL;
   int64_t r = start;
-  for (; r + PAIR_BLOCK <= end; r += PAIR_BLOCK)
-    pair_block(x + r * k, k, a, b, bias, y + r * n, n, cols, PAIR_BLOCK);
-  switch (end - r) { /* one specialised copy per remainder */
-    case 1: pair_block(x + r * k, k, a, b, bias, y + r * n, n, cols, 1); break;
-    case 2: pair_block(x + r * k, k, a, b, bias, y + r * n, n, cols, 2); break;
-    case 3: pair_block(x + r * k, k, a, b, bias, y + r * n, n, cols, 3); break;
-    case 4: pair_block(x + r * k, k, a, b, bias, y + r * n, n, cols, 4); break;
-    case 5: pair_block(x + r * k, k, a, b, bias, y + r * n, n, cols, 5); break;
-    default: break;
+  for (int64_t pass = 0; r < end; r += PAIR_BLOCK, pass++) {
+    const float* fetch = NULL;
+    int64_t fetch_lines = 0;
+    if (pass > 0 && next_lines > 0) {
+      const int64_t share_first = (pass - 1) * next_lines / (passes - 1);
+      fetch = next + share_first * LINE;
+      fetch_lines = pass * next_lines / (passes - 1) - share_first;
+    }
+    const float* xb = x + r * k;
+    float* yb = y + r * n;
+    switch (end - r < PAIR_BLOCK ? end - r : PAIR_BLOCK) { /* one specialised copy per size */
+      case 1: pair_block(xb, k, a, b, bias, yb, n, cols, fetch, fetch_lines, 1); break;
+      case 2: pair_block(xb, k, a, b, bias, yb, n, cols, fetch, fetch_lines, 2); break;
+      case 3: pair_block(xb, k, a, b, bias, yb, n, cols, fetch, fetch_lines, 3); break;
+      case 4: pair_block(xb, k, a, b, bias, yb, n, cols, fetch, fetch_lines, 4); break;
+      case 5: pair_block(xb, k, a, b, bias, yb, n, cols, fetch, fetch_lines, 5); break;
+      default: pair_block(xb, k, a, b, bias, yb, n, cols, fetch, fetch_lines, 6); break;
+    }
   }
 }
 
-/* y = x W^T + bias for more than CHUNK rows: tasks of (two panels, CHUNK rows), a last odd
- * panel on its own. (At 49 to 64 rows, a decode batch whose weights come from memory, the
- * one-panel passes with their prefetches measured as fast or faster.) */
+/* y = x W^T + bias for more than PAIR_MIN rows: tasks of (two panels, CHUNK rows), a last odd
+ * panel on its own. */
 static void many_rows(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
                       const float* bias, float* y) {
   const int64_t num_panels = (n + PANEL - 1) / PANEL;
@@ -263,7 +264,11 @@ static void many_rows(const float* x, int64_t m, int64_t k, const float* panels,
     if (bias) memcpy(group_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
     const float* a = panels + p * k * PANEL;
     if (p + 1 < num_panels) {
-      rows_of_pair(x, start, end, k, a, a + k * PANEL, group_bias, y + p * PANEL, n, cols);
+      /* the pair's last chunk fetches the next pair (a task's next, with static scheduling) */
+      const int64_t after = num_panels - p - 2 < 2 ? num_panels - p - 2 : 2;
+      const int64_t next_lines = chunk == num_chunks - 1 ? after * k * LINES_PER_ROW : 0;
+      rows_of_pair(x, start, end, k, a, a + k * PANEL, group_bias, y + p * PANEL, n, cols,
+                   next_lines);
     } else {
       rows_of_panel(x, start, end, k, a, group_bias, y + p * PANEL, n, cols, k * LINES_PER_ROW,
                     0);
@@ -276,22 +281,18 @@ static void many_rows(const float* x, int64_t m, int64_t k, const float* panels,
  * sy_tile_linear can fail). */
 int sy_panel_linear(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
                     const float* bias, float* y) {
-  if (m > CHUNK) {
+  if (m > PAIR_MIN) {
     many_rows(x, m, k, panels, n, bias, y);
     return 0;
   }
   const int64_t num_panels = (n + PANEL - 1) / PANEL;
-  const int64_t num_chunks = (m + CHUNK - 1) / CHUNK;
-  /* Tasks run panel-major, so consecutive tasks of a thread reuse a panel from its cache. */
 #pragma omp parallel for schedule(static)
-  for (int64_t task = 0; task < num_panels * num_chunks; task++) {
-    const int64_t p = task / num_chunks, chunk = task % num_chunks;
-    const int64_t start = chunk * CHUNK, end = start + CHUNK < m ? start + CHUNK : m;
+  for (int64_t p = 0; p < num_panels; p++) {
     const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
     float panel_bias[PANEL] = {0};
     if (bias) memcpy(panel_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
-    rows_of_panel(x, start, end, k, panels + p * k * PANEL, panel_bias, y + p * PANEL, n, cols,
-                  (num_panels - p) * k * LINES_PER_ROW, m <= CHUNKED_MAX);
+    rows_of_panel(x, 0, m, k, panels + p * k * PANEL, panel_bias, y + p * PANEL, n, cols,
+                  (num_panels - p) * k * LINES_PER_ROW, 1);
   }
   return 0;
 }

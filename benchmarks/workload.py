@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -26,6 +27,16 @@ DEFAULT_VOCAB_SIZE = 49152
 
 class BenchmarkError(Exception):
     """A problem the user can fix (bad flag, server unreachable); printed without a traceback."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the benchmark is so that, as for Ctrl-C, every ``with`` on the way
+    out stops the servers and clients it started (Python's default for SIGTERM exits at once
+    and leaves them running)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def num_cores() -> int:
@@ -142,10 +153,11 @@ def run_benchmark(
 ) -> int:
     """The benchmarks' shared ``main``: parse and check arguments, run, print the report, write
     ``--output-json``. ``report`` returns the text and whether the run succeeded. Exit codes: 0,
-    1 (an error, or a run that did not succeed), 130 (interrupted)."""
+    1 (an error, or a run that did not succeed), 130 (interrupted), 143 (terminated)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         result = run(args)
     except BenchmarkError as error:
@@ -154,6 +166,11 @@ def run_benchmark(
     except KeyboardInterrupt:  # child processes are stopped on the way out
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:  # the same
+        print(f"{name}: terminated", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     text, succeeded = report(result)
     print(text)
     if args.output_json:

@@ -37,6 +37,33 @@ def test_steps_beside_the_same_source_agree_to_the_bit(kernel, tiny_llama_dir, c
     assert all(row[4] == "True" and row[5] == "0.0e+00 |" for row in cells)
 
 
+SHIFTED = """
+int sy_panel_linear(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
+                    const float* bias, float* y) {
+  unshifted_linear(x, m, k, panels, n, bias, y);
+  for (int64_t i = 0; i < m * n; i++) y[i] += 1.0f;
+  return 0;
+}
+"""
+
+
+def test_a_different_matrix_product_is_the_one_each_step_uses(tiny_llama_dir, tmp_path, capsys):
+    """Beside a build whose every product output is 1 higher, the logits differ, and not by
+    the LM head's 1 alone: the layer stack (which keeps its product's address) used it too."""
+    if cpu_ops.library() is None or panel_gemm.library() is None:
+        pytest.skip("no C compiler here")
+    source = Path(panel_gemm.__file__).with_suffix(".c").read_text()
+    shifted = tmp_path / "shifted_panel_gemm.c"
+    shifted.write_text(
+        source.replace("int sy_panel_linear(", "static int unshifted_linear(") + SHIFTED
+    )
+    options = ["--compare", str(shifted), "--kernel", "panel_gemm", "--steps", "1x40x0"]
+    assert kernel_ab.main([*options, "--rounds", "1", "--model-path", str(tiny_llama_dir)]) == 0
+    (row,) = capsys.readouterr().out.splitlines()[2:]
+    gap = float(row.split(" | ")[5].rstrip(" |"))
+    assert gap > 0 and abs(gap - 1.0) > 1e-3
+
+
 @pytest.mark.parametrize("steps", ["1x0x5", "2x1x40x20", "2x1x16x32", "1x2", "ax1x1"])
 def test_steps_it_cannot_take_are_refused(steps, capsys):
     with pytest.raises(SystemExit) as exit_info:

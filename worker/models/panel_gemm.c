@@ -7,19 +7,20 @@
  *
  *     for i in 0..k:  acc[r][0..32] += x[r][i] * panel[i][0..32]    for the block's rows r
  *
- * Each pass fetches the panel rows it will need next with software prefetches, and with 9 to
- * 32 rows the panel goes in chunks of 64 input features that every row block multiplies while
- * the chunk is in L1, so reading the weights overlaps the arithmetic (chunked_rows). With more
- * than 32 rows (large decode batches, prefill chunks, mixed steps) two panels go together
- * under blocks of 6 rows x 64 outputs (24 accumulators, pair_block): each broadcast input
- * feeds four multiply-adds instead of two. A pair's first pass would wait on memory, so the
+ * Up to 32 rows, each pass fetches the panel rows it will need next with software prefetches,
+ * and with 9 to 32 the panel goes in chunks of 64 input features that every row block
+ * multiplies while the chunk is in L1, so reading the weights overlaps the arithmetic
+ * (chunked_rows). With more than 32 rows (large decode batches, prefill chunks, mixed steps)
+ * two panels go together under blocks of 6 rows x 64 outputs (24 accumulators, pair_block):
+ * each broadcast input feeds four multiply-adds instead of two, and the hardware prefetcher
+ * follows the pair's two sequential reads. A pair's first pass would wait on memory, so the
  * passes after it fetch the next pair into L2, a share each, spread evenly over their steps
  * (rows_of_pair). Every output's sum is taken in the same order on every path, so a row's
  * result does not depend on how many rows its product has. On the 2-core AVX-512 machine this
  * project is benchmarked on, this streams weights at ~29 GB/s for one row, sum()'s rate
- * (oneDNN's kernels: 23, MKL's: 8-12), and reaches ~165 GFLOP/s for 16 rows, ~240 for 64 and
- * ~260 for 128 to 512 (oneDNN: 115, 177, 227). See benchmarks/gemv_bench.py and
- * docs/performance.md.
+ * (oneDNN's kernels: 23, MKL's: 8-12), and in one run over the default model's matrices
+ * reached 266 GFLOP/s for 64 rows and 296 for 128 where oneDNN's packed kernel reached 194
+ * and 248. See benchmarks/gemv_bench.py and docs/performance.md.
  *
  * Plain C with GCC/Clang vector extensions (16 x float, lowered to whatever -march=native
  * offers) and OpenMP; worker/models/panel_gemm.py compiles it on first use. The OpenMP runtime
@@ -30,7 +31,7 @@
 
 #define PANEL 32     /* output features per panel: two 16-float vectors */
 #define BLOCK 8      /* input rows per register block */
-#define CHUNK 64     /* input rows per parallel task of pairs, a multiple of PAIR_BLOCK's */
+#define CHUNK 64     /* input rows per parallel task of pairs */
 #define LINE 16      /* floats per 64-byte cache line */
 #define LINES_PER_ROW (PANEL / LINE)
 #define AHEAD 32     /* panel rows (128 B each) a one-block pass fetches ahead into L1 */
@@ -183,7 +184,8 @@ static void rows_of_panel(const float* x, int64_t start, int64_t end, int64_t k,
 /* y[r][0..cols) = x[r] . (panels a and b side by side) + bias for rows r < ROWS (a constant
  * after inlining), cols <= 64: a register block of ROWS rows by two panels' 64 outputs. The
  * hardware prefetcher follows the two sequential panel reads; meanwhile the fetch_lines cache
- * lines from fetch on are fetched into L2, one every k / fetch_lines steps. */
+ * lines from fetch on are fetched into L2, one every k / fetch_lines steps (fetch_lines is at
+ * most k, see rows_of_pair). */
 static inline __attribute__((always_inline)) void pair_block(
     const float* x, int64_t k, const float* a, const float* b, const float* bias, float* y,
     int64_t n, int64_t cols, const float* fetch, int64_t fetch_lines, const int rows) {
@@ -220,7 +222,9 @@ static inline __attribute__((always_inline)) void pair_block(
  * fetched it); the later ones, reading it from cache, fetch the next_lines cache lines that
  * follow it (the next pair) into L2 in equal shares, each spread over its pass: a burst of
  * fetches at a pass's start measured slower, and so did halving a product's rows between the
- * threads to even out an odd number of pairs. */
+ * threads to even out an odd number of pairs. A share is at most k lines: next_lines is at most
+ * 4k (two panels of k rows of two lines), and a chunk of more than 24 rows makes four or more
+ * later passes. */
 static void rows_of_pair(const float* x, int64_t start, int64_t end, int64_t k, const float* a,
                          const float* b, const float* bias, float* y, int64_t n, int64_t cols,
                          int64_t next_lines) {
@@ -264,9 +268,11 @@ static void many_rows(const float* x, int64_t m, int64_t k, const float* panels,
     if (bias) memcpy(group_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
     const float* a = panels + p * k * PANEL;
     if (p + 1 < num_panels) {
-      /* the pair's last chunk fetches the next pair (a task's next, with static scheduling) */
+      /* The pair's first chunk (the one with the most passes: more than 24 rows, as m is more
+       * than 32) fetches the next pair, the thread's next task under static scheduling but
+       * for its last (the next pair is the other thread's first: a wasted fetch per product) */
       const int64_t after = num_panels - p - 2 < 2 ? num_panels - p - 2 : 2;
-      const int64_t next_lines = chunk == num_chunks - 1 ? after * k * LINES_PER_ROW : 0;
+      const int64_t next_lines = chunk == 0 ? after * k * LINES_PER_ROW : 0;
       rows_of_pair(x, start, end, k, a, a + k * PANEL, group_bias, y + p * PANEL, n, cols,
                    next_lines);
     } else {

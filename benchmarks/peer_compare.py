@@ -50,7 +50,8 @@ Examples:
   .venv/bin/python benchmarks/peer_compare.py --rounds 3 --output peer.json --markdown
 
 Exit status: 0 when both servers started and every request of every workload succeeded, 1
-otherwise (the output is still written), 130 when interrupted.
+otherwise (the output is still written), 130 when interrupted, 143 when terminated (SIGTERM;
+the servers and clients it started are stopped first).
 """
 
 from __future__ import annotations
@@ -665,7 +666,10 @@ def table_rows(result: dict) -> list[list[str]]:
         ratios = [
             metrics["switchyard"]["output_throughput"] / metrics["vllm"]["output_throughput"]
             for metrics in per_round
-            if metrics["switchyard"] and metrics["vllm"] and metrics["vllm"]["output_throughput"]
+            if metrics["switchyard"]
+            and metrics["switchyard"].get("output_throughput") is not None
+            and metrics["vllm"]
+            and metrics["vllm"].get("output_throughput")
         ]
         rows.append(
             [

@@ -42,7 +42,7 @@ Examples:
       "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
 
 Exit status: 0 when both servers started, every request succeeded and the edit outputs match;
-1 otherwise (the output is still written); 130 when interrupted.
+1 otherwise (the output is still written); 130 when interrupted, 143 when terminated.
 """
 
 from __future__ import annotations

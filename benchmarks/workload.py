@@ -36,6 +36,8 @@ class Terminated(BaseException):
 
 
 def _terminated(signum: int, frame: object) -> None:
+    # Once: a second SIGTERM must not cut short the stopping of what the first one unwinds.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated
 
 
@@ -169,8 +171,8 @@ def run_benchmark(
     except Terminated:  # the same
         print(f"{name}: terminated", file=sys.stderr)
         return 143
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # (None: a handler not set from Python, which cannot be put back; the default)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     text, succeeded = report(result)
     print(text)
     if args.output_json:

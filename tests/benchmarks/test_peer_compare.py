@@ -37,6 +37,14 @@ def _round(order: list[str], runs: dict[str, dict[str, dict]]) -> dict:
     return {"order": order, "servers": servers}
 
 
+def _both(first: str, switchyard: tuple, vllm: tuple) -> dict:
+    """A round of short-c1 on both servers, ``first`` run first; each server's metrics as
+    (throughput, TTFT, TPOT)."""
+    s, v = "switchyard", "vllm"
+    order = [s, v] if first == s else [v, s]
+    return _round(order, {s: {"short-c1": _metrics(*switchyard)}, v: {"short-c1": _metrics(*vllm)}})
+
+
 def _result(rounds: list[dict], workloads: tuple[str, ...] = ("short-c1",)) -> dict:
     return {
         "config": {"markdown": False},
@@ -53,20 +61,10 @@ def test_rounds_alternate_which_server_goes_first():
 
 
 def test_the_table_gives_medians_over_rounds_and_the_rounds_own_ratios():
-    s, v = "switchyard", "vllm"
     rounds = [
-        _round(
-            [s, v],
-            {s: {"short-c1": _metrics(30.0, 180, 24)}, v: {"short-c1": _metrics(20.0, 150, 40)}},
-        ),
-        _round(
-            [v, s],
-            {s: {"short-c1": _metrics(40.0, 170, 22)}, v: {"short-c1": _metrics(25.0, 160, 36)}},
-        ),
-        _round(
-            [s, v],
-            {s: {"short-c1": _metrics(36.0, 190, 23)}, v: {"short-c1": _metrics(30.0, 140, 38)}},
-        ),
+        _both("switchyard", (30.0, 180, 24), (20.0, 150, 40)),
+        _both("vllm", (40.0, 170, 22), (25.0, 160, 36)),
+        _both("switchyard", (36.0, 190, 23), (30.0, 140, 38)),
     ]
     header, row = peer_compare.table_rows(_result(rounds))
     assert header[:4] == ["workload", "Switchyard out tok/s", "vLLM out tok/s", "ratio"]
@@ -78,12 +76,7 @@ def test_the_table_gives_medians_over_rounds_and_the_rounds_own_ratios():
 
 def test_one_round_reads_as_before_and_a_missing_run_leaves_its_cells_empty():
     s, v = "switchyard", "vllm"
-    one = [
-        _round(
-            [s, v],
-            {s: {"short-c1": _metrics(30.0, 180, 24)}, v: {"short-c1": _metrics(20.0, 150, 40)}},
-        )
-    ]
+    one = [_both(s, (30.0, 180, 24), (20.0, 150, 40))]
     assert peer_compare.table_rows(_result(one))[1][3] == "1.50x"
     assert "rounds" not in peer_compare.report(_result(one))[0]
     # vLLM failed to start in round 2: its ratio is left out, Switchyard's run still counts

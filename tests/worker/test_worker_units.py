@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -395,16 +396,33 @@ def test_packed_linear_matches_the_plain_one(packing, monkeypatch):
         torch.testing.assert_close(linear(x[:num_rows]), expected[:num_rows], rtol=1e-5, atol=1e-4)
 
 
+@contextlib.contextmanager
+def _threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_kernel_matches_f_linear_for_awkward_shapes(bias):
+def test_panel_kernel_matches_f_linear_for_awkward_shapes(bias, threads):
     """Row counts around the 8-row register block, the 9 to 32 rows that go through 64-feature
     chunks, and more than 32, where two panels go together under 6-row blocks (an odd last
-    panel alone) in tasks of 64 rows; output counts that are not multiples of the 32-wide
-    panel; input sizes around the chunks; a strided input."""
+    panel alone, and a pair cut in two where the threads' shares of the panels end) in tasks
+    of 64 rows; output counts that are not multiples of the 32-wide panel; input sizes around
+    the chunks; a strided input; one to three threads."""
     if panel_gemm.library() is None:
         pytest.skip("no C compiler for the panel kernel")
     generator = torch.Generator().manual_seed(0)
-    shapes = [(1, 1), (31, 7), (33, 64), (96, 129), (577, 40), (40, 200)]
+    shapes = [(1, 1), (31, 7), (33, 64), (96, 129), (192, 50), (577, 40), (40, 200)]
+    with _threads(threads):
+        _check_awkward_shapes(shapes, bias, generator)
+
+
+def _check_awkward_shapes(shapes, bias, generator):
     for out_features, in_features in shapes:
         weight = torch.randn(out_features, in_features, generator=generator)
         b = torch.randn(out_features, generator=generator) if bias else None
@@ -421,21 +439,26 @@ def test_panel_kernel_matches_f_linear_for_awkward_shapes(bias):
 
 
 def test_a_rows_panel_product_does_not_depend_on_how_many_rows_it_goes_with():
-    """Every path (one block, 64-feature chunks, pairs of panels) sums each output in the same
-    order, so a request's logits are the same alone or in any batch."""
+    """Every path (one block, 64-feature chunks, pairs of panels, a pair cut between the
+    threads) sums each output in the same order, so a request's logits are the same alone or
+    in any batch, on any number of threads."""
     if panel_gemm.library() is None:
         pytest.skip("no C compiler for the panel kernel")
     generator = torch.Generator().manual_seed(1)
-    for out_features, in_features in [(96, 129), (160, 200), (50, 64)]:
+    for out_features, in_features in [(96, 129), (160, 200), (192, 40), (50, 64)]:
         weight = torch.randn(out_features, in_features, generator=generator)
         bias = torch.randn(out_features, generator=generator)
         panels = panel_gemm.pack(weight)
         x = torch.randn(200, in_features, generator=generator)
-        everything = panel_gemm.linear(x, panels, bias, out_features)
-        for rows in [1, 5, 8, 9, 31, 32, 33, 40, 64, 65, 128, 130]:
-            assert torch.equal(
-                panel_gemm.linear(x[:rows], panels, bias, out_features), everything[:rows]
-            )
+        with _threads(1):
+            everything = panel_gemm.linear(x, panels, bias, out_features)
+        for threads in (1, 2, 3):
+            with _threads(threads):
+                for rows in [1, 5, 8, 9, 31, 32, 33, 40, 64, 65, 128, 130, 200]:
+                    assert torch.equal(
+                        panel_gemm.linear(x[:rows], panels, bias, out_features),
+                        everything[:rows],
+                    ), (out_features, threads, rows)
 
 
 def test_panel_kernel_refuses_mismatched_inputs():

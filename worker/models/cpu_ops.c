@@ -12,10 +12,10 @@
  *   - a decode is one task over all its heads: each chunk's keys and values for every head
  *     are one contiguous stretch of the cache, read once (the next chunk prefetched into L1,
  *     the one three ahead into L2);
- *   - a prefill is a task per key-value head and tile of 32 / group tokens, whose rows are
- *     the lanes of two vectors, so scores and weighted values are broadcast multiply-adds, as
- *     in a matrix product, each key and value element loaded once for both (the next chunk
- *     prefetched);
+ *   - a prefill is a task per key-value head and tile of 48 / group tokens, whose rows are
+ *     the lanes of up to three vectors, so scores and weighted values are broadcast
+ *     multiply-adds, as in a matrix product, each key and value element loaded once for all
+ *     of them (the next chunk prefetched);
  *   - a lone decode over a long context (threads to spare) is split into parts of the context
  *     whose results are merged at the end (split-K, as flash-decoding does);
  *   - decodes whose block tables begin with the same blocks (a prefix-cache hit) read those
@@ -34,7 +34,8 @@
 #define LANES 16
 #define MAX_HEAD_DIM 256 /* a multiple of LANES; cpu_ops.py checks both */
 #define MAX_ROW_TASK_ROWS 64 /* query heads of a decode read in one task; more: one per kv head */
-#define TILE_ROWS (2 * LANES) /* query rows of a prefill tile at most: two vectors' lanes */
+#define TILE_VECTORS 3 /* vectors of query rows in a prefill tile at most */
+#define TILE_ROWS (TILE_VECTORS * LANES) /* query rows of a prefill tile at most: their lanes */
 #define FEW_ROWS 4       /* a prefill tile of at most this many rows goes row by row */
 #define MASKED -1e30f    /* the score of a key a row cannot see (finite: no inf - inf) */
 #define MIN_PART_KEYS 512 /* keys per context part when a decode's context is split */
@@ -382,7 +383,7 @@ static inline __attribute__((always_inline)) void attend_lanes(
     int64_t all_see, int64_t key_first, int64_t key_end, float* ot, vec16* m_out, vec16* l_out,
     const int dims, const int V) {
   const int64_t stride = c->num_kv_heads * c->head_dim;
-  vec16 m[2], l[2];
+  vec16 m[TILE_VECTORS], l[TILE_VECTORS];
   for (int x = 0; x < V; x++) m[x] = splat(MASKED), l[x] = (vec16){0};
   for (int d = 0; d < dims * V; d++) store(ot + d * LANES, (vec16){0});
   for (int64_t first = key_first; first < key_end;) {
@@ -390,7 +391,7 @@ static inline __attribute__((always_inline)) void attend_lanes(
     const float* k = chunk.k + h * c->head_dim;
     const float* v = chunk.v + h * c->head_dim;
     const int n = (int)chunk.n;
-    vec16 scores[2][LANES], correction[2];
+    vec16 scores[TILE_VECTORS][LANES], correction[TILE_VECTORS];
     /* the next chunk's keys and values of this head, a cache line a step of the scores */
     const Chunk next = chunk_after(c, table, chunk, key_end);
     const float* next_k = next.k + h * c->head_dim;
@@ -399,7 +400,7 @@ static inline __attribute__((always_inline)) void attend_lanes(
     for (int group = 0; group < n; group += 8) { /* eight independent sums a vector */
       const float* keys[8];
       for (int j = 0; j < 8; j++) keys[j] = k + (group + j < n ? group + j : n - 1) * stride;
-      vec16 sums[2][8];
+      vec16 sums[TILE_VECTORS][8];
       for (int x = 0; x < V; x++)
         for (int j = 0; j < 8; j++) sums[x][j] = (vec16){0};
       for (int d = 0; d < dims; d++) {
@@ -409,7 +410,7 @@ static inline __attribute__((always_inline)) void attend_lanes(
         else if (line < 2 * next_lines)
           __builtin_prefetch(next_v + (line - next_lines) / key_lines * stride +
                              (line - next_lines) % key_lines * LANES);
-        vec16 column[2];
+        vec16 column[TILE_VECTORS];
         for (int x = 0; x < V; x++) column[x] = load(qt + (d * V + x) * LANES);
         for (int j = 0; j < 8; j++) {
           const float key = keys[j][d];
@@ -441,7 +442,7 @@ static inline __attribute__((always_inline)) void attend_lanes(
       for (int t = 0; t < n; t++) l[x] += score[t];
     }
     for (int d0 = 0; d0 < dims; d0 += 8) {
-      vec16 sums[2][8];
+      vec16 sums[TILE_VECTORS][8];
       for (int x = 0; x < V; x++)
         for (int j = 0; j < 8; j++)
           sums[x][j] = load(ot + ((d0 + j) * V + x) * LANES) * correction[x];
@@ -460,33 +461,34 @@ static inline __attribute__((always_inline)) void attend_lanes(
   for (int x = 0; x < V; x++) m_out[x] = m[x], l_out[x] = l[x];
 }
 
-/* attend_lanes for any head size, the common ones unrolled, over one vector of rows or two. */
+/* attend_lanes for any head size, the common ones unrolled, over one to TILE_VECTORS vectors
+ * of rows. */
 static void attend_lanes_any(const Cache* c, const int64_t* table, int64_t h, const float* qt,
                              const ivec16* pos, int64_t all_see, int64_t key_first,
                              int64_t key_end, float* ot, vec16* m, vec16* l, int vectors) {
   const int64_t a = all_see, f = key_first, e = key_end;
-  if (vectors == 2)
-    switch (c->head_dim) {
-      case 64: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, 64, 2); break;
-      case 128: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, 128, 2); break;
-      default: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, (int)c->head_dim, 2);
-    }
-  else
-    switch (c->head_dim) {
-      case 64: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, 64, 1); break;
-      case 128: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, 128, 1); break;
-      default: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, (int)c->head_dim, 1);
-    }
+#define ATTEND_LANES_OF(V)                                                                    \
+  switch (c->head_dim) {                                                                     \
+    case 64: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, 64, V); break;            \
+    case 128: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, 128, V); break;          \
+    default: attend_lanes(c, table, h, qt, pos, a, f, e, ot, m, l, (int)c->head_dim, V);     \
+  }
+  switch (vectors) {
+    case 3: ATTEND_LANES_OF(3); break;
+    case 2: ATTEND_LANES_OF(2); break;
+    default: ATTEND_LANES_OF(1);
+  }
+#undef ATTEND_LANES_OF
 }
 
 /* A lane task: tokens [token_first, token_first + num_tokens) of the flat batch (at most
  * TILE_ROWS / group) at positions from position_first, key-value head h, every key up to the
- * last; its rows in one vector, or two where they are more than 16. */
+ * last; its rows in one vector, two where they are more than 16, three where more than 32. */
 static void run_lane_task(const Cache* c, const float* q, const int64_t* table,
                           int64_t token_first, int64_t num_tokens, int64_t position_first,
                           int64_t h, float* out) {
   const int64_t group = c->num_heads / c->num_kv_heads, dims = c->head_dim;
-  const int rows = (int)(num_tokens * group), vectors = rows > LANES ? 2 : 1;
+  const int rows = (int)(num_tokens * group), vectors = (rows + LANES - 1) / LANES;
   const int width = vectors * LANES; /* of a transposed row of qt and ot */
   float qt[MAX_HEAD_DIM * TILE_ROWS], ot[MAX_HEAD_DIM * TILE_ROWS];
   int32_t positions[TILE_ROWS];
@@ -498,9 +500,9 @@ static void run_lane_task(const Cache* c, const float* q, const int64_t* table,
     for (int64_t d = 0; d < dims; d++) qt[d * width + row] = query[d] * c->scale;
     positions[row] = (int32_t)(position_first + row / group);
   }
-  ivec16 pos[2];
+  ivec16 pos[TILE_VECTORS];
   memcpy(pos, positions, sizeof pos);
-  vec16 m[2], l[2];
+  vec16 m[TILE_VECTORS], l[TILE_VECTORS];
   attend_lanes_any(c, table, h, qt, pos, position_first, 0, position_first + num_tokens, ot, m,
                    l, vectors);
   float sums[TILE_ROWS];
@@ -559,12 +561,13 @@ static int split_decode(const Cache* c, const float* q, const int64_t* table, in
 
 /* Shared prefixes. Decodes whose block tables begin with the same blocks (prefix-cache hits:
  * the same system prompt, say) form a group, whose rows read those keys once for all of them.
- * A SHARED task takes up to 32 of the group's rows (its members' query heads of one key-value
- * head) as the lanes of two vectors, as a prefill tile does, over one part of the shared keys;
- * an OWN task folds one member's keys after the prefix into all its heads, as a decode does.
- * Their softmax states are kept (STATE floats each) and merged row by row at the end. For 16
- * decodes after a 512-token prompt the prompt's keys are read twice a layer (once a tile)
- * instead of 16, and their arithmetic runs at the prefill tiles' rate, over twice the decode's. */
+ * A SHARED task takes up to 48 of the group's rows (its members' query heads of one key-value
+ * head) as the lanes of up to three vectors, as a prefill tile does, over one part of the
+ * shared keys; an OWN task folds one member's keys after the prefix into all its heads, as a
+ * decode does. Their softmax states are kept (STATE floats each) and merged row by row at the
+ * end. For 16 decodes after a 512-token prompt the prompt's keys are read once a layer
+ * instead of 16 times, and their arithmetic runs at the prefill tiles' rate, over twice the
+ * decode's. */
 #define MIN_SHARED_KEYS 64       /* a prefix shorter than this is read by each decode alone */
 #define MIN_SHARED_ROWS 8        /* nor by fewer rows a key-value head: a tile's lanes, mostly idle,
                                     would cost more than the reads they save */
@@ -680,7 +683,7 @@ static void free_plan(Plan* p) { /* and leave it empty: freeing it again does no
 }
 
 /* The step's tasks: decodes one task each (or grouped by their shared prefix), prefills a
- * task per key-value head and tile of 32 / group tokens. Returns -1 when out of memory. */
+ * task per key-value head and tile of 48 / group tokens. Returns -1 when out of memory. */
 static int plan_step(const Cache* c, const int64_t* block_tables, int64_t max_blocks,
                      const int64_t* query_starts, const int64_t* context_starts,
                      int64_t num_requests, int64_t num_threads, Plan* p) {
@@ -802,14 +805,14 @@ static void keep_states(const Softmax* s, int64_t row_first, int64_t count, int6
 }
 
 /* A SHARED task: rows [first, first + count) (row i: member i / group's query head
- * h * group + i % group) of a group, as the lanes of one vector or two, over one part of the
+ * h * group + i % group) of a group, as the lanes of one to three vectors, over one part of the
  * keys the group shares, all of which every row sees; their softmax states kept. */
 static void run_shared_task(const Cache* c, const Plan* p, const Task* t, const float* q,
                             const int64_t* block_tables, int64_t max_blocks,
                             const int64_t* query_starts) {
   const Group* x = &p->groups[t->r];
   const int64_t group = c->num_heads / c->num_kv_heads, dims = c->head_dim;
-  const int vectors = t->count > LANES ? 2 : 1, width = vectors * LANES;
+  const int vectors = (int)((t->count + LANES - 1) / LANES), width = vectors * LANES;
   float qt[MAX_HEAD_DIM * TILE_ROWS], ot[MAX_HEAD_DIM * TILE_ROWS];
   int32_t positions[TILE_ROWS];
   memset(qt, 0, sizeof qt);
@@ -821,13 +824,13 @@ static void run_shared_task(const Cache* c, const Plan* p, const Task* t, const 
     for (int64_t d = 0; d < dims; d++) qt[d * width + lane] = query[d] * c->scale;
     positions[lane] = (int32_t)x->shared_keys; /* past every shared key */
   }
-  ivec16 pos[2];
+  ivec16 pos[TILE_VECTORS];
   memcpy(pos, positions, sizeof pos);
   const int64_t key_first = t->part * x->keys_per_part;
   const int64_t key_end = key_first + x->keys_per_part < x->shared_keys
                               ? key_first + x->keys_per_part
                               : x->shared_keys;
-  vec16 m[2], l[2];
+  vec16 m[TILE_VECTORS], l[TILE_VECTORS];
   attend_lanes_any(c, block_tables + p->members[x->first] * max_blocks, t->h, qt, pos,
                    x->shared_keys, key_first, key_end, ot, m, l, vectors);
   float ms[TILE_ROWS], ls[TILE_ROWS];
@@ -954,7 +957,7 @@ int64_t sy_shared_prefix_groups(const int64_t* block_tables, int64_t max_blocks,
  *
  * Tasks: a decode is one task over all its heads (its keys are read once, as they lie), or,
  * where decodes share a prefix, a SHARED task per part of it and key-value head and an OWN
- * task each (above); a prefill is a task per key-value head and tile of 32 / group tokens, a
+ * task each (above); a prefill is a task per key-value head and tile of 48 / group tokens, a
  * lane task unless the tile has FEW_ROWS rows or fewer. */
 int sy_paged_attention(const float* q, const float* key_cache, const float* value_cache,
                        const int64_t* block_tables, int64_t max_blocks,

@@ -16,7 +16,7 @@
 typedef float vec16 __attribute__((vector_size(64)));
 
 #define LINE 16   /* floats per 64-byte cache line */
-#define PAGE 1024 /* floats per 4 KB page */
+#define PAGE_BYTES 4096
 
 /* Returns a sum of the accumulators, so that the loop is not optimised away. Twelve named
  * vectors, not an array: an array of them was kept on the stack, a load and a store each. */
@@ -60,7 +60,8 @@ double sy_read_blocks(const float* pool, const int64_t* order, int64_t num_block
       for (int64_t f = 0; f < block_floats; f += LINE) {
         if (scheme >= 1 && next) __builtin_prefetch(next + f, 0, 3);
         if (scheme == 2 && after) __builtin_prefetch(after + f, 0, 2);
-        if (scheme == 3 && after && f % PAGE < 4 * LINE) __builtin_prefetch(after + f, 0, 2);
+        if (scheme == 3 && after && (uintptr_t)(after + f) % PAGE_BYTES < 4 * LINE * sizeof(float))
+          __builtin_prefetch(after + f, 0, 2); /* the page's first four lines, wherever it lies */
         vec16 v;
         memcpy(&v, block + f, sizeof v);
         acc[f / LINE % 4] += v;

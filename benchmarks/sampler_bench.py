@@ -11,8 +11,10 @@ over random logits of ``--vocab-size`` ids, it times one sampling step
 - now, every row seeded: ``worker.sampler.Sampler`` (counter-based noise for the whole batch in
   a few int64 tensor ops; only rows with top-k, top-p or min-p sorted),
 
-then the three noise draws alone; each number is the best of ``--repeats`` steps. Logits
-processors are left out (none of these rows needs one).
+then the three noise draws alone, then a greedy step (temperature 0) by the sampler's torch ops
+against ``Sampler`` now (on a CPU: ``cpu_ops.greedy_tokens``, one pass over the logits); each
+number is the best of ``--repeats`` steps. Logits processors are left out (none of these rows
+needs one).
 
 Run: ``python benchmarks/sampler_bench.py [--threads 2] [--rows 1 8 32 64] [--device cpu]``;
 ``--quick`` is a smoke run of a few seconds (a small vocabulary, few repeats).
@@ -141,6 +143,24 @@ def noise_times(rows: int, vocab_size: int, timer: Timer) -> list[float]:
     ]
 
 
+def greedy_times(rows: int, vocab_size: int, timer: Timer) -> list[float]:
+    """Milliseconds of a greedy step: the sampler's torch ops (non-finite logits mapped, rows
+    with nothing to pick found, argmax), and ``Sampler`` now."""
+    device = timer.device
+    logits = 4 * torch.randn(rows, vocab_size, generator=torch.Generator().manual_seed(0))
+    logits = logits.to(device)
+    params = [SamplingParams(temperature=0.0)] * rows
+    batch = SamplingBatch.from_params(params, [None] * rows, vocab_size, device)
+    sampler = Sampler(device, seed=0)
+
+    def torch_ops(token_index: int) -> torch.Tensor:
+        finite = finite_logits(logits)
+        nothing_allowed = torch.isneginf(finite).all(dim=-1)
+        return finite.argmax(dim=-1).masked_fill(nothing_allowed, -1)
+
+    return [timer.best_ms(torch_ops), timer.best_ms(lambda i: sampler(logits, batch))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=num_cores())
@@ -177,6 +197,10 @@ def main() -> None:
     for rows in args.rows:
         times = noise_times(rows, args.vocab_size, timer)
         print(f"{rows:4d}  {'':12s} {times[0]:13.2f} {times[1]:8.2f} {times[2]:8.2f}")
+    print(f"\n{'rows':>4}  greedy: {'torch ops':>9s} {'now':>8s}")
+    for rows in args.rows:
+        times = greedy_times(rows, args.vocab_size, timer)
+        print(f"{rows:4d}  {'':7s} {times[0]:9.2f} {times[1]:8.2f}")
 
 
 if __name__ == "__main__":

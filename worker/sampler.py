@@ -13,8 +13,10 @@ gets a fresh key from the sampler's own random source at every step. (This repla
 ``torch.Generator`` per seeded row, re-seeded per token: about 5 times the cost of this draw on
 a CPU, and one small call per row, worse still on a GPU; docs/performance.md.)
 
-Only the rows that ask for top-k, top-p or min-p are sorted; every row's probabilities depend on
-that row alone.
+Only the rows that ask for top-k, top-p or min-p are sorted; every row's probabilities depend
+on that row alone. A batch of greedy rows on the CPU takes its tokens from
+``cpu_ops.greedy_tokens``: the same tokens as the torch ops, in one pass over the logits instead
+of four (64 rows of a 49,152-token vocabulary: 5.5 ms became 0.3).
 
 Non-finite logits never reach a probability: NaN counts as -inf (never sampled), +inf as the
 largest float32 (a tie among the infinite tokens), so softmax and argmax stay defined. A row
@@ -34,6 +36,7 @@ import torch
 
 from interfaces import SamplingParams
 from worker.logits_processors import LogitsProcessors
+from worker.models import cpu_ops
 
 NO_TOKEN = -1
 """The token id of a row that had nothing to sample (every logit -inf or NaN)."""
@@ -205,6 +208,8 @@ class Sampler:
         """
         if batch.processors is not None:
             logits = batch.processors.apply(logits)
+        if batch.all_greedy and cpu_ops.applies(logits) and logits.is_contiguous():
+            return cpu_ops.greedy_tokens(logits)  # the same tokens as below, in one pass
         logits = finite_logits(logits)
         nothing_allowed = torch.isneginf(logits).all(dim=-1)  # (num_rows,)
         tokens = logits.argmax(dim=-1)
@@ -229,8 +234,12 @@ class Sampler:
 
 def finite_logits(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` with NaN as -inf and +inf as the largest float32 (unchanged when all are
-    finite or -inf, so parity rows stay bit-for-bit)."""
-    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    finite or -inf, so parity rows stay bit-for-bit). -inf stays -inf: a token that processors
+    forbid is never picked, not even from a row with nothing else left (``nan_to_num`` would
+    make it the lowest float32 by default)."""
+    return torch.nan_to_num(
+        logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf")
+    )
 
 
 def filtered_probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -19,6 +19,7 @@ from worker.kv_cache import KVCache
 from worker.models import cpu_ops, tile_gemm
 from worker.models.loader import load_model
 from worker.models.rotary import RotaryEmbedding
+from worker.sampler import NO_TOKEN, finite_logits
 
 CPU = torch.device("cpu")
 
@@ -259,6 +260,33 @@ def test_silu_mul_equals_torch(inner):
     torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("vocab_size", [6, 16, 37, 49152])
+def test_greedy_tokens_equal_the_samplers_torch_ops(vocab_size):
+    """First index of the largest, NaN as -inf, +inf tied with the largest float32, -1 when
+    nothing is finite: in the vector lanes, across them and in the tail."""
+    nan, inf, top = float("nan"), float("inf"), torch.finfo(torch.float32).max
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, vocab_size, generator=generator)
+    last = vocab_size - 1
+    logits[0] = nan  # nothing to pick
+    logits[1] = -inf
+    logits[2, ::2] = nan  # NaN never wins, whatever lies beside it
+    logits[3, 1], logits[3, last] = inf, inf  # ties among +inf: the first
+    logits[4, last], logits[4, min(3, last)] = top, inf  # +inf ties with the largest float32
+    logits[5] = 7.0  # all equal: index 0
+    logits[6, last] = 50.0  # the tail's (or the last lane's) own maximum
+    logits[7, min(17, last)], logits[7, min(33, last)] = 9.0, 9.0  # ties across lanes
+    logits[8] = -inf
+    logits[8, last] = nan
+    logits[9] = nan
+    logits[9, last] = -3.0  # one finite value after NaN
+    logits[10, : vocab_size // 2] = -inf  # the maximum in the second half
+    want = finite_logits(logits).argmax(-1)
+    want[torch.isneginf(finite_logits(logits)).all(-1)] = NO_TOKEN
+    assert cpu_ops.greedy_tokens(logits).tolist() == want.tolist()
+    assert cpu_ops.greedy_tokens(logits[5:6].contiguous()).tolist() == [0]  # one row, no threads
+
+
 def test_the_kernels_refuse_what_does_not_fit():
     cache = torch.zeros(4, 16, 2, 64)
     tables, starts, first = torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0, 1]), [0]
@@ -279,6 +307,10 @@ def test_the_kernels_refuse_what_does_not_fit():
         )
     with pytest.raises(ValueError, match="contiguous"):
         cpu_ops.silu_mul(torch.zeros(8, 4).t())
+    with pytest.raises(ValueError, match="greedy tokens of logits shaped"):
+        cpu_ops.greedy_tokens(torch.zeros(4))
+    with pytest.raises(TypeError, match="float32"):
+        cpu_ops.greedy_tokens(torch.zeros(2, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="cannot normalise"):
         cpu_ops.add_rms_norm(None, torch.zeros(2, 8), torch.ones(7), 1e-5)
     with pytest.raises(ValueError, match="do not fit the cache's heads"):

@@ -23,6 +23,7 @@ from worker.logits_processors import (
     token_counts,
 )
 from worker.model_runner import ModelRunner
+from worker.models import cpu_ops
 from worker.request_state import RequestState
 from worker.sampler import NO_TOKEN, Sampler, SamplingBatch, check_supported, noise_key
 
@@ -210,6 +211,7 @@ def test_non_finite_logits_are_never_sampled():
             [nan, 1.0, inf, 0.0, inf, nan],  # +inf ties: the first wins, never a NaN
             [nan, 0.0, nan, 0.0, -inf, 0.0],  # sampled: only the finite tokens
             [0.5, 3.0, 1.0, 0.0, 0.0, 0.0],  # temperature 1e-300 is greedy
+            [-inf, nan, -inf, -inf, nan, -inf],  # every token forbidden: nothing to sample
         ]
     )
     params = [
@@ -217,15 +219,36 @@ def test_non_finite_logits_are_never_sampled():
         SamplingParams(),
         SamplingParams(top_k=0, temperature=1.0, top_p=0.9, min_p=0.1),
         SamplingParams(top_k=0, temperature=1e-300),
+        SamplingParams(),
     ]
-    batch = SamplingBatch.from_params(params, [None] * 4, VOCAB, CPU)
-    assert batch.is_greedy.tolist() == [True, True, False, True]
+    batch = SamplingBatch.from_params(params, [None] * 5, VOCAB, CPU)
+    assert batch.is_greedy.tolist() == [True, True, False, True, True]
     seen = set()
     for seed in range(40):
         tokens = Sampler(CPU, seed=seed)(logits, batch).tolist()
-        assert tokens[:2] == [NO_TOKEN, 2] and tokens[3] == 1
+        assert tokens[:2] == [NO_TOKEN, 2] and tokens[3:] == [1, NO_TOKEN]
         seen.add(tokens[2])
     assert seen == {1, 3, 5}
+
+
+def test_greedy_batches_take_the_same_tokens_from_the_cpu_kernel_as_from_torch(monkeypatch):
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor(
+        [
+            [nan] * VOCAB,
+            [nan, 1.0, inf, 0.0, inf, nan],
+            [-inf, 0.0, nan, 2.0, -inf, 2.0],
+            [0.5, 3.0, 1.0, 0.0, 0.0, 0.0],
+        ]
+    )
+    logits = torch.cat([logits, torch.randn(60, VOCAB, generator=torch.Generator().manual_seed(1))])
+    params = [SamplingParams(top_k=1)] * 2 + [SamplingParams(temperature=0.0)] * 62
+    batch = SamplingBatch.from_params(params, [None] * 64, VOCAB, CPU)
+    assert batch.all_greedy and cpu_ops.applies(logits)
+    fast = Sampler(CPU, seed=0)(logits, batch)
+    monkeypatch.setattr(cpu_ops, "applies", lambda tensor: False)
+    assert fast.tolist() == Sampler(CPU, seed=0)(logits, batch).tolist()
+    assert fast[:4].tolist() == [NO_TOKEN, 2, 3, 1]
 
 
 def test_a_zero_repetition_penalty_stays_inside_the_grammar_mask():

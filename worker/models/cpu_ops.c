@@ -26,6 +26,7 @@
  * compiles it on first use and checks every shape before calling in: these functions trust
  * their arguments.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -1056,6 +1057,48 @@ void sy_silu_mul(const float* gate_up, int64_t num_tokens, int64_t inner, float*
       store(o + d, g / (splat(1.0f) + vexp(-g)) * load(up + d));
     }
     for (; d < inner; d++) o[d] = gate[d] / (1.0f + expf(-gate[d])) * up[d];
+  }
+}
+
+/* Greedy sampling ---------------------------------------------------------------------------
+ * tokens[r] = the first index of the largest logit of row r, as the sampler's torch code picks
+ * it (torch.argmax after finite_logits): NaN counts as -inf, and +inf as the largest float32
+ * (so it ties with FLT_MAX); -1 where every logit of the row is -inf or NaN. One pass over the
+ * logits where nan_to_num, isneginf().all() and argmax made four. Each lane keeps the first
+ * index of its largest value (a later equal value does not replace it), and the lanes' results
+ * are merged by value, then by the lower index. vocab < 2^31. */
+void sy_greedy_tokens(const float* logits, int64_t num_rows, int64_t vocab, int64_t* tokens) {
+#pragma omp parallel for schedule(static) if (num_rows > 1)
+  for (int64_t r = 0; r < num_rows; r++) {
+    const float* row = logits + r * vocab;
+    vec16 best = splat(-INFINITY);
+    ivec16 at = (ivec16){0} - 1, index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    int64_t v = 0;
+    for (; v + LANES <= vocab; v += LANES) {
+      vec16 x = load(row + v);
+      x = blend(x > splat(FLT_MAX), splat(FLT_MAX), x); /* +inf as FLT_MAX; NaN stays NaN */
+      const ivec16 greater = x > best;                   /* never for NaN */
+      best = blend(greater, x, best);
+      at = (index & greater) | (at & ~greater);
+      index += LANES;
+    }
+    float value = -INFINITY;
+    int64_t token = -1;
+    for (int lane = 0; lane < LANES; lane++) {
+      if (at[lane] < 0) continue; /* every value of the lane -inf or NaN */
+      if (best[lane] > value || (best[lane] == value && at[lane] < token)) {
+        value = best[lane];
+        token = at[lane];
+      }
+    }
+    for (; v < vocab; v++) { /* the tail: later indices, so only a larger value wins */
+      const float x = row[v] > FLT_MAX ? FLT_MAX : row[v];
+      if (x > value) {
+        value = x;
+        token = v;
+      }
+    }
+    tokens[r] = token;
   }
 }
 

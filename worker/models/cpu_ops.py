@@ -11,6 +11,7 @@
   product, with the keys and values stored into their cache slots in the same pass.
 - ``add_rms_norm``: the residual add and the RMSNorm after it, in one pass.
 - ``silu_mul``: SwiGLU's ``silu(gate) * up``.
+- ``greedy_tokens``: each row's greedy token, in one pass over the logits (the sampler's).
 - ``decoder_layers``: every decoder layer of a step in one call, the kernels above and the
   matrix product in the order the layer modules call them (``worker.models.fused_layers``).
 
@@ -50,6 +51,7 @@ _SIGNATURES = {
     "sy_rope_write_kv": (None, [_POINTER] + [_INT] * 4 + [_POINTER] * 6),
     "sy_add_rms_norm": (None, [_POINTER] * 3 + [_INT] * 2 + [_FLOAT, _POINTER]),
     "sy_silu_mul": (None, [_POINTER, _INT, _INT, _POINTER]),
+    "sy_greedy_tokens": (None, [_POINTER, _INT, _INT, _POINTER]),
     "sy_decoder_layers": (
         ctypes.c_int,
         [_POINTER] * 2
@@ -261,6 +263,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(num_tokens, width // 2)
     library().sy_silu_mul(gate_up.data_ptr(), num_tokens, width // 2, out.data_ptr())
     return out
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token for ``logits`` (num_rows, vocab_size): int64 (num_rows,), the
+    first index of the row's largest logit, NaN counted as -inf and +inf as the largest float32
+    (``worker.sampler.finite_logits``), and -1 for a row whose logits are all -inf or NaN. The
+    same tokens as ``finite_logits(logits).argmax(-1)`` in one pass (at 64 rows of 49,152 logits
+    about a tenth of those torch ops' time)."""
+    _check_float32(logits)
+    if logits.dim() != 2 or not 0 < logits.shape[1] < 2**31:
+        raise ValueError(f"greedy tokens of logits shaped {tuple(logits.shape)}")
+    num_rows, vocab_size = logits.shape
+    tokens = torch.empty(num_rows, dtype=torch.int64)
+    library().sy_greedy_tokens(logits.data_ptr(), num_rows, vocab_size, tokens.data_ptr())
+    return tokens
 
 
 def decoder_layers(

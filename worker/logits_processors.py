@@ -187,6 +187,17 @@ class LogitsProcessors:
         return torch.where(stuck, unblocked, logits)
 
 
+def edits_logits(row: SamplingRow) -> bool:
+    """Whether ``build_logits_processors`` changes ``row``'s logits: blocked ids (min new
+    tokens), a logit bias, penalties or user processors. (A grammar's mask is the caller's to
+    know: it comes as ``allowed``.)"""
+    if len(row.blocked_token_ids) or row.has_penalties or row.params.logits_processors:
+        return True
+    if row.edits is not None:
+        return len(row.edits.bias_token_ids) > 0
+    return bool(row.params.logit_bias)
+
+
 def build_logits_processors(
     rows: Sequence[SamplingRow],
     vocab_size: int,

@@ -55,6 +55,7 @@ from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_block
 from worker.kv_transfer import kv_layout
 from worker.logprobs import check_logprob_counts
 from worker.lora import LoRAAdapters, update_without_lora
+from worker.models import tile_gemm
 from worker.models.config import ModelConfig
 from worker.models.loader import load_model
 from worker.parallel import tensor_parallel
@@ -382,12 +383,16 @@ class ModelRunner:
         ]
         prompt_rows = plan_prompt_logprob_rows(states, counts)
         input_ids = self._input_ids(states, counts)
+        argmax_only = self._argmax_only([states[i] for i in sampling])
         with (
             parallel.group_breaks_on_error("run a forward pass"),
             self._lora_rows(lora_slots, counts),
         ):
-            logits = self._logits(states, counts, input_ids, rows, prompt_rows.flat_indices)
-            # (len(rows) + len(prompt_rows.flat_indices), vocab_size)
+            logits, known = self._logits(
+                states, counts, input_ids, rows, prompt_rows.flat_indices, argmax_only
+            )
+            # known: a token per row of rows or None; logits: the None rows, then the prompt rows
+        num_open = known.count(None)
         for state, count in zip(states, counts, strict=True):
             state.num_computed_tokens += count
         sampled = [states[i] for i in sampling]
@@ -396,8 +401,8 @@ class ModelRunner:
             if not self.tensor_parallel.is_driver:
                 return self._follow(sampled, capacities)
             try:
-                record_prompt_logprobs(logits[len(rows) :], prompt_rows)
-                outputs = self.request_sampler.sample(logits[: len(rows)], sampled)
+                record_prompt_logprobs(logits[num_open:], prompt_rows)
+                outputs = self.request_sampler.sample(logits[:num_open], sampled, known)
             except Exception:
                 parallel.share_tokens(None, capacities)
                 raise
@@ -410,6 +415,18 @@ class ModelRunner:
             for state in states:
                 state.drafts = []  # this step's only
 
+    def _argmax_only(self, sampled: list[RequestState]) -> list[bool]:
+        """Per sampling row of the step (each state's, then its drafts'), whether the model's
+        greedy head may pick its token (``RequestState.picks_argmax``); all False where the
+        model has none."""
+        if self.model.text_model.greedy_head is None or not self.tensor_parallel.is_driver:
+            return [False] * sum(1 + len(state.drafts) for state in sampled)
+        return [
+            (state.at_draft(index) if index else state).picks_argmax()
+            for state in sampled
+            for index in range(1 + len(state.drafts))
+        ]
+
     def _logits(
         self,
         states: list[RequestState],
@@ -417,10 +434,13 @@ class ModelRunner:
         input_ids: list[int],
         rows: list[int],
         prompt_rows: list[int],
-    ) -> torch.Tensor:
-        """The forward pass over the step's ``input_ids``: float32 logits of flat-batch
-        ``rows + prompt_rows``. A step of single-token decodes replays a CUDA graph
-        (``worker.cuda_graphs``) where one serves it; any other runs eagerly."""
+        argmax_only: list[bool],
+    ) -> tuple[torch.Tensor, list[int | None]]:
+        """The forward pass over the step's ``input_ids``: for each of flat-batch ``rows`` a
+        token where ``argmax_only`` says it and the model's greedy head picked one, else None;
+        and float32 logits of the None rows, then of ``prompt_rows``. A step of single-token
+        decodes replays a CUDA graph (``worker.cuda_graphs``) where one serves it; any other
+        runs eagerly."""
         num_computed = [state.num_computed_tokens for state in states]
         block_ids = [state.block_ids for state in states]
         embeddings = input_embeddings(
@@ -437,7 +457,7 @@ class ModelRunner:
             logits = graphs.run(num_computed, block_ids, input_ids)  # a row per request
             if len(rows) < len(states):
                 logits = logits[torch.tensor(rows, device=self.device)]
-            return logits
+            return logits, [None] * len(rows)
         layout = build_batch_layout(
             num_computed,
             counts,
@@ -447,7 +467,8 @@ class ModelRunner:
             kind=self.attention_kind,
             num_cache_blocks=self.kv_cache.num_blocks,
         )
-        return self.model(
+        model = self.model.text_model  # forward = logits(hidden_states(...)), split here
+        hidden = model.hidden_states(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             layout.positions,
             self.kv_cache,
@@ -455,6 +476,17 @@ class ModelRunner:
             torch.tensor(rows + prompt_rows, dtype=torch.int64).to(self.device),
             embeddings,
         )
+        known: list[int | None] = [None] * len(rows)
+        screened = [row for row, only in enumerate(argmax_only) if only]
+        if screened:
+            tokens = model.greedy_tokens(hidden[screened]).tolist()
+            for row, token in zip(screened, tokens, strict=True):
+                if token != tile_gemm.NEEDS_LOGITS:
+                    known[row] = token
+        open_rows = [row for row in range(len(hidden)) if row >= len(rows) or known[row] is None]
+        if len(open_rows) < len(hidden):
+            hidden = hidden[open_rows]
+        return model.logits(hidden), known
 
     def _follow(
         self, sampled: list[RequestState], capacities: list[int]

@@ -10,6 +10,7 @@ row, so only the rows that raise fail, and the others get the tokens they would 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping
 
@@ -84,7 +85,10 @@ class RequestSampler:
         return news if news.ready or news.failed else None
 
     def sample(
-        self, logits: torch.Tensor, states: list[RequestState]
+        self,
+        logits: torch.Tensor,
+        states: list[RequestState],
+        known: list[int | None] | None = None,
     ) -> dict[RequestID, TextGenerationOutput]:
         """Sample for each state whose grammar is ready from ``logits``, raw from the model:
         one row per state, or, for a state with drafts (speculative decoding), 1 + drafts rows
@@ -94,8 +98,12 @@ class RequestSampler:
         A state with drafts gets the drafts up to the first that differs from the token sampled
         at its position, and that sampled token (or, all accepted, the one after them): each
         position is sampled as it would be alone (``RequestState.at_draft``), so the tokens are
-        those that decoding one at a time gives."""
-        ready: list[tuple[RequestState, int]] = []  # each with its first row in ``logits``
+        those that decoding one at a time gives.
+
+        ``known``, when given, has an entry per row: a token the model's greedy head picked
+        for a row that ``picks_argmax`` (``ModelRunner``), or None; ``logits`` then holds the
+        None rows only, in order."""
+        ready: list[tuple[RequestState, int]] = []  # each with its first row of the step
         first_row = 0
         for state in states:
             if self._grammar_ready(state):
@@ -108,15 +116,31 @@ class RequestSampler:
             for state, _ in ready
             for index in range(1 + len(state.drafts))
         ]
-        ready_rows = [first + i for state, first in ready for i in range(1 + len(state.drafts))]
-        logits = _rows(logits, ready_rows)
-        tokens = self._sample_isolated(logits, row_states)
-        sampled = [i for i, token in enumerate(tokens) if token != NO_TOKEN]
-        asked = [i for i in sampled if row_states[i].logprobs is not None]
+        step_rows = [first + i for state, first in ready for i in range(1 + len(state.drafts))]
+        if known is None:
+            known = [None] * first_row
+        logit_row = list(itertools.accumulate((token is None for token in known), initial=0))
+        # the ready rows to sample from their logits (the others' tokens are known)
+        open_rows = [i for i, r in enumerate(step_rows) if known[r] is None]
+        logits = _rows(logits, [logit_row[step_rows[i]] for i in open_rows])
+        drawn = []
+        if open_rows:
+            drawn = self._sample_isolated(logits, [row_states[i] for i in open_rows])
+        tokens = [known[r] for r in step_rows]
+        for i, token in zip(open_rows, drawn, strict=True):
+            tokens[i] = token
+        # only rows sampled from their logits may ask for log probabilities
+        asked = [
+            j
+            for j, i in enumerate(open_rows)
+            if drawn[j] != NO_TOKEN and row_states[i].logprobs is not None
+        ]
         logprobs = self._logprobs_isolated(
-            _rows(logits, asked), [tokens[i] for i in asked], [row_states[i] for i in asked]
+            _rows(logits, asked),
+            [drawn[j] for j in asked],
+            [row_states[open_rows[j]] for j in asked],
         )
-        row_logprobs = dict.fromkeys(sampled) | dict(zip(asked, logprobs, strict=True))
+        row_logprobs = dict(zip((open_rows[j] for j in asked), logprobs, strict=True))
         outputs = {}
         row = 0
         for state, _ in ready:
@@ -125,7 +149,9 @@ class RequestSampler:
             if state.request_id in self._failures:
                 continue
             kept = _verified(rows, tokens, state.drafts)
-            output = self._output(state, [tokens[r] for r in kept], [row_logprobs[r] for r in kept])
+            output = self._output(
+                state, [tokens[r] for r in kept], [row_logprobs.get(r) for r in kept]
+            )
             if output is not None:
                 outputs[state.request_id] = output
         return outputs

@@ -11,7 +11,7 @@ from interfaces import LogProbabilities, RequestID, SamplingParams
 from interfaces.scheduler_to_worker import NewRequestData
 from worker.grammar_compiler import PendingGrammar
 from worker.images import RequestImage
-from worker.logits_processors import RequestEdits, SamplingRow
+from worker.logits_processors import RequestEdits, SamplingRow, edits_logits
 from worker.logprobs import as_log_probabilities
 from worker.sampler import noise_key
 from worker.structured_output import RequestGrammar
@@ -136,6 +136,19 @@ class RequestState:
             self.blocked_token_ids(),
             self.edits,
             self.request_id,
+        )
+
+    def picks_argmax(self) -> bool:
+        """Whether its next token is the first index of its largest raw logit and nothing
+        else of its logits is needed: greedy, no grammar (compiled or compiling), nothing that
+        edits logits, no log probabilities. Such a row may take its token from the model's
+        greedy head instead of the logits."""
+        return (
+            self.sampling_params.is_greedy
+            and self.logprobs is None
+            and self.grammar is None
+            and self.pending_grammar is None
+            and not edits_logits(self.sampling_row())
         )
 
     def blocked_token_ids(self) -> torch.Tensor | list[int]:

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from worker import flex_attention
+from worker import flex_attention, parallel
 from worker.attention import AttentionKind, AttentionMetadata, paged_attention, write_kv
 from worker.kv_cache import KVCache
-from worker.models import cpu_ops
+from worker.models import cpu_ops, tile_gemm
 from worker.models.config import ModelConfig
 from worker.models.fused_layers import FusedLayers
 from worker.models.linear import Linear, Split, VocabEmbedding, prepack_linears
@@ -173,6 +173,9 @@ class LlamaForCausalLM(nn.Module):
         self.fused_layers: FusedLayers | None = None
         """Every layer in one C call where each piece has a CPU kernel; set by
         ``finish_loading``."""
+        self.greedy_head: tile_gemm.GreedyHead | None = None
+        """Greedy tokens without the float32 logits, where the tile unit serves them
+        (``greedy_tokens``); set by ``finish_loading``."""
 
     @classmethod
     def empty(
@@ -215,7 +218,22 @@ class LlamaForCausalLM(nn.Module):
         elif flex_attention.is_available(device):
             self.attention_kind = AttentionKind.FLEX
         self.fused_layers = FusedLayers.build(self)
+        head = self.lm_head
+        if (
+            head.packing == "panels"
+            and head.bias is None
+            and parallel.tensor_parallel().world_size == 1
+            and tile_gemm.available()
+        ):
+            self.greedy_head = tile_gemm.GreedyHead.build(
+                head.packed_weight, head.out_features, self.config.vocab_size
+            )
         return self.eval()
+
+    @property
+    def text_model(self) -> LlamaForCausalLM:
+        """The model whose ``hidden_states``, ``logits`` and ``greedy_tokens`` a step runs."""
+        return self
 
     @property
     def num_kv_heads(self) -> int:
@@ -248,6 +266,24 @@ class LlamaForCausalLM(nn.Module):
         Returns float32 logits (len(logits_indices), vocab_size) for the flat-batch rows in
         ``logits_indices`` only: the tokens that are followed by a sampled token.
         """
+        return self.logits(
+            self.hidden_states(
+                input_ids, positions, kv_cache, metadata, logits_indices, input_embeddings
+            )
+        )
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        input_embeddings: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward`` up to the LM head: the final norm's output for the rows in
+        ``logits_indices``, (len(logits_indices), hidden_size), which ``logits`` or
+        ``greedy_tokens`` take."""
         # x becomes the residual stream, which the norms add into in place: it must be ours,
         # and contiguous for the CPU kernels
         if input_embeddings is None:
@@ -263,7 +299,19 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer(x, residual, cos_sin, kv_cache, metadata)
         # (num_sampled, hidden_size): x[i] + residual[i] are fresh rows, safe to add into
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
-        return self.lm_head(x).float()  # (num_sampled, vocab_size)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits (num_rows, vocab_size) of ``hidden_states`` rows."""
+        return self.lm_head(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each ``hidden_states`` row's greedy token, the first index of its largest float32
+        logit, without computing those logits (``tile_gemm.GreedyHead``); int64 (num_rows,),
+        ``tile_gemm.NEEDS_LOGITS`` for a row whose values are not all finite. Only where
+        ``greedy_head`` is set."""
+        assert self.greedy_head is not None, "no greedy head here: take the logits"
+        return self.greedy_head.tokens(hidden)
 
 
 STACKED_PROJECTIONS = {

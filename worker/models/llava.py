@@ -81,6 +81,12 @@ class LlavaForConditionalGeneration(nn.Module):
         """How attention reads the paged cache (``worker.attention``)."""
         return self.language_model.attention_kind
 
+    @property
+    def text_model(self) -> LlamaForCausalLM:
+        """The language model: ``forward`` is its forward pass, so a step may run its
+        ``hidden_states``, ``logits`` and ``greedy_tokens`` instead."""
+        return self.language_model
+
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` (num_images, channels, height, width), any dtype and device →
         projected features (num_images, num_image_tokens, hidden_size), one per image token.

@@ -33,6 +33,7 @@
  * later); elsewhere sy_tile_available() is 0 and the worker keeps the float32 kernel. Linux lends
  * a process the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM), once.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -296,6 +297,245 @@ int sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, 
   return 0;
 }
 
+/* Greedy tokens from bfloat16 estimates ---------------------------------------------------
+ * A greedy request needs the index of its largest logit, not 49,152 logits. The LM head's
+ * weight is kept a second time as bfloat16 tiles (sy_tile_pack_hi: 2 bytes a weight), the rows
+ * are rounded to bfloat16 too, and one tile product estimates every logit: half the float32
+ * kernel's read and a small part of its arithmetic. With x~, w~ the rounded row and weight row
+ * and dx = x - x~, dw = w - w~ what rounding lost,
+ *
+ *     x . w  =  x~ . w~  +  x~ . dw  +  dx . w~  +  dx . dw,
+ *
+ * so by Cauchy-Schwarz the estimate is within |x~| |dw| + |dx| |w~| + |dx| |dw| (2-norms; |w~|
+ * and |dw| of every weight row computed once) of x . w, and each float32 sum, the estimate's
+ * and the float32 kernel's, within (k + 2) 2^-24 of the sum of |products| of x . w. A token
+ * whose estimate plus its bound is below another's estimate minus that one's bound cannot
+ * have the largest logit; the few left (a median of 3 a row for SmolLM2) are computed exactly,
+ * each summed as panel_gemm.c sums it (from 0, features 0, 1, ... by fused multiply-adds), and
+ * the largest wins, ties to the lower index: the token that the float32 logits give. */
+
+#define HI_STEP_ELEMS (2 * TILE_ELEMS) /* a panel's step in hi-only form: both halves */
+
+/* hi bfloat16 of 32 floats (v0 then v1). */
+static inline __m512i hi32(__m512 v0, __m512 v1) {
+  return (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+}
+
+/* The weight packed in panels (ceil(n / 32), k, 32) as bfloat16 tiles: per panel, per step of
+ * 32 input features, the tiles of outputs 0-15 and 16-31 (ceil(n / 32) x ceil(k / 32) x 2 KB).
+ */
+void sy_tile_pack_hi(const float* panels, int64_t k, int64_t n, uint16_t* tiles) {
+  const __m512i low_pairs =
+      _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i high_pairs =
+      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  const int64_t steps = (k + TILE_K - 1) / TILE_K;
+  const int64_t num_panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < num_panels; p++) {
+    const float* panel = panels + p * k * PANEL;
+    for (int64_t s = 0; s < steps; s++)
+      for (int half = 0; half < 2; half++)
+        for (int j = 0; j < TILE_ROWS; j++) {
+          const int64_t i = s * TILE_K + 2 * j;
+          const __m512 w0 = i < k ? _mm512_loadu_ps(panel + i * PANEL + 16 * half)
+                                  : _mm512_setzero_ps();
+          const __m512 w1 = i + 1 < k ? _mm512_loadu_ps(panel + (i + 1) * PANEL + 16 * half)
+                                      : _mm512_setzero_ps();
+          _mm512_storeu_si512(
+              tiles + (p * steps + s) * HI_STEP_ELEMS + half * TILE_ELEMS + j * TILE_K,
+              hi32(_mm512_permutex2var_ps(w0, low_pairs, w1),
+                   _mm512_permutex2var_ps(w0, high_pairs, w1)));
+        }
+  }
+}
+
+/* The calling thread's buffer of at least `bytes` for a greedy call's estimates, kept for its
+ * next calls (no fresh pages to fault in every step); NULL when out of memory. */
+static float* estimate_buffer(size_t bytes) {
+  static __thread void* buffer;
+  static __thread size_t size;
+  if (size < bytes) {
+    free(buffer);
+    bytes = (bytes + 4095) & ~(size_t)4095;
+    buffer = aligned_alloc(64, bytes);
+    size = buffer == NULL ? 0 : bytes;
+  }
+  return buffer;
+}
+
+/* Rows 16 block .. 16 block + 15 of x rounded to bfloat16 (zero past m), as tiles per step at
+ * a; norms[2 r], norms[2 r + 1] = |x~_r|, |dx_r| for those rows (inf where x_r is not finite). */
+static void split_hi_block(const float* x, int64_t m, int64_t k, int64_t steps, int64_t block,
+                           uint16_t* a, float* norms) {
+  uint16_t* out = a + block * steps * TILE_ELEMS;
+  for (int r = 0; r < TILE_ROWS; r++) {
+    const int64_t row = block * TILE_ROWS + r;
+    double rounded = 0.0, lost = 0.0;
+    for (int64_t s = 0; s < steps; s++) {
+      __m512i hi = _mm512_setzero_si512();
+      if (row < m) {
+        const float* p = x + row * k + s * TILE_K;
+        const int64_t valid = k - s * TILE_K;
+        const __m512 v0 = load_part(p, valid), v1 = load_part(p + 16, valid - 16);
+        hi = hi32(v0, v1);
+        float h[32], v[32];
+        _mm512_storeu_ps(h, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16)));
+        _mm512_storeu_ps(h + 16, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16)));
+        _mm512_storeu_ps(v, v0);
+        _mm512_storeu_ps(v + 16, v1);
+        for (int i = 0; i < 32; i++) {
+          rounded += (double)h[i] * h[i];
+          lost += ((double)v[i] - h[i]) * ((double)v[i] - h[i]);
+        }
+      }
+      _mm512_storeu_si512(out + s * TILE_ELEMS + r * TILE_K, hi);
+    }
+    if (row < m) {
+      const int finite = isfinite(rounded) && isfinite(lost);
+      norms[2 * row] = finite ? (float)sqrt(rounded) : INFINITY;
+      norms[2 * row + 1] = finite ? (float)sqrt(lost) : INFINITY;
+    }
+  }
+}
+
+/* estimates[r][p * 32 ..] = x~_r . w~ for panel p's outputs, every row r < m (all blocks). */
+static void estimate_panel(const uint16_t* a, const uint16_t* w, int64_t m, int64_t steps,
+                           int64_t n, int64_t p, float* estimates) {
+  const int64_t blocks = (m + TILE_ROWS - 1) / TILE_ROWS;
+  const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+  for (int64_t block = 0; block < blocks; block++) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t s = 0; s < steps; s++) {
+      const uint16_t* ws = w + s * HI_STEP_ELEMS;
+      if (block == 0) /* the first block reads the panel from memory, the others from L1 */
+        for (int i = 0; i < HI_STEP_ELEMS * (int)sizeof(uint16_t); i += 64)
+          _mm_prefetch((const char*)ws + i, _MM_HINT_T0);
+      _tile_loadd(4, a + (block * steps + s) * TILE_ELEMS, 64);
+      _tile_loadd(6, ws, 64);
+      _tile_loadd(7, ws + TILE_ELEMS, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    const int64_t rows = m - block * TILE_ROWS < TILE_ROWS ? m - block * TILE_ROWS : TILE_ROWS;
+    float* at = estimates + block * TILE_ROWS * n + p * PANEL;
+    if (rows == TILE_ROWS && cols == PANEL) {
+      _tile_stored(0, at, n * (int64_t)sizeof(float));
+      _tile_stored(1, at + 16, n * (int64_t)sizeof(float));
+    } else {
+      float part[TILE_ROWS * PANEL] __attribute__((aligned(64)));
+      _tile_stored(0, part, PANEL * sizeof(float));
+      _tile_stored(1, part + 16, PANEL * sizeof(float));
+      for (int64_t r = 0; r < rows; r++)
+        memcpy(at + r * n, part + r * PANEL, (size_t)cols * sizeof(float));
+    }
+  }
+}
+
+/* The bound of 16 estimates e at p (norms |w~| at hi, |dw| at lo): the terms above in
+ * float32, then a margin for their own rounding, |e| 2^-22 for the rounding of e +- bound, and
+ * 1e-30 (1 + |x~| + |w~|) for the tile unit counting bfloat16 values below 2^-126 as zero. */
+static inline __m512 bounds16(__m512 e, const float* hi, const float* lo, __m512 a_hi,
+                              __m512 a_lo, __m512 rounded) {
+  const __m512 w_hi = _mm512_loadu_ps(hi);
+  const __m512 terms = _mm512_fmadd_ps(a_hi, w_hi, _mm512_mul_ps(a_lo, _mm512_loadu_ps(lo)));
+  const __m512 tiny = _mm512_mul_ps(_mm512_set1_ps(1e-30f),
+                                    _mm512_add_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), rounded),
+                                                  w_hi));
+  return _mm512_add_ps(
+      _mm512_fmadd_ps(terms, _mm512_set1_ps(1.0f + 0x1p-10f),
+                      _mm512_mul_ps(_mm512_abs_ps(e), _mm512_set1_ps(0x1p-22f))),
+      tiny);
+}
+
+/* Row r's token from its estimates (see above), or -2 where an estimate, a norm or a logit
+ * computed exactly is not finite (the caller then takes that row's float32 logits). */
+static int64_t screened_token(const float* x, int64_t k, const float* estimates,
+                              int64_t n_valid, const float* weight_norms, const float* panels,
+                              float rounded, float lost) {
+  if (!isfinite(rounded) || !isfinite(lost)) return -2;
+  /* bound_j = |w~_j| (B + g (2A + B)) + |dw_j| (A + B + g (A + B)), A = |x~|, B = |dx|, g the
+   * float32 rounding of a sum of k products, (k + 2) 2^-24 */
+  const float g = (float)(k + 2) * 0x1p-24f * 1.01f;
+  const __m512 a_hi = _mm512_set1_ps(lost + g * (2 * rounded + lost));
+  const __m512 a_lo = _mm512_set1_ps(rounded + lost + g * (rounded + lost));
+  const __m512 x_norm = _mm512_set1_ps(rounded);
+  const float *norms_hi = weight_norms, *norms_lo = weight_norms + (n_valid + 15) / 16 * 16;
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 floors = _mm512_set1_ps(-INFINITY);
+  __mmask16 not_finite = 0;
+  for (int64_t j = 0; j < n_valid; j += 16) {
+    const __mmask16 valid = n_valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n_valid - j)) - 1);
+    const __m512 e = _mm512_maskz_loadu_ps(valid, estimates + j);
+    not_finite |= _mm512_cmp_ps_mask(_mm512_sub_ps(e, e), zero, _CMP_NEQ_UQ); /* inf, NaN */
+    const __m512 low = _mm512_sub_ps(e, bounds16(e, norms_hi + j, norms_lo + j, a_hi, a_lo,
+                                                 x_norm));
+    floors = _mm512_mask_max_ps(floors, valid, floors, low);
+  }
+  if (not_finite) return -2;
+  const float floor = _mm512_reduce_max_ps(floors);
+  float best = -INFINITY;
+  int64_t token = -1;
+  for (int64_t j = 0; j < n_valid; j += 16) {
+    const __mmask16 valid = n_valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n_valid - j)) - 1);
+    const __m512 e = _mm512_maskz_loadu_ps(valid, estimates + j);
+    const __m512 high = _mm512_add_ps(e, bounds16(e, norms_hi + j, norms_lo + j, a_hi, a_lo,
+                                                  x_norm));
+    for (unsigned left = _mm512_mask_cmp_ps_mask(valid, high, _mm512_set1_ps(floor), _CMP_GE_OQ);
+         left; left &= left - 1) { /* each candidate, ascending */
+      const int64_t c = j + __builtin_ctz(left);
+      const float* w = panels + c / PANEL * k * PANEL + c % PANEL;
+      float logit = 0.0f;
+      for (int64_t i = 0; i < k; i++) logit = fmaf(x[i], w[i * PANEL], logit);
+      if (!isfinite(logit)) return -2;
+      if (logit > best) { /* ascending: a tie keeps the lower index */
+        best = logit;
+        token = c;
+      }
+    }
+  }
+  return token;
+}
+
+/* tokens[r] = the index of the largest of x_r W^T's first n_valid outputs (the vocabulary,
+ * before padding), for x (m, k) and W (n, k) given twice: as bfloat16 tiles (sy_tile_pack_hi)
+ * and as float32 panels (panel_gemm.c's, summed there without a bias). weight_norms: |w~_j|
+ * for every j < n_valid, zeros up to a multiple of 16, then |dw_j| the same way. tokens[r] = -2 where the row needs its float32 logits (values
+ * not finite). Returns 0, -1 when out of memory, -2 where the tile registers are not granted. */
+int sy_tile_greedy_tokens(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
+                          int64_t n_valid, const float* weight_norms, const float* panels,
+                          int64_t* tokens) {
+  if (m <= 0) return 0;
+  if (!sy_tile_available()) return -2;
+  const int64_t steps = (k + TILE_K - 1) / TILE_K;
+  const int64_t blocks = (m + TILE_ROWS - 1) / TILE_ROWS;
+  const int64_t num_panels = (n + PANEL - 1) / PANEL;
+  uint16_t* a = input_buffer((size_t)(blocks * steps * TILE_ELEMS) * sizeof(uint16_t) +
+                             (size_t)(2 * m) * sizeof(float));
+  float* estimates = estimate_buffer((size_t)(m * n) * sizeof(float));
+  if (a == NULL || estimates == NULL) return -1;
+  float* norms = (float*)(a + blocks * steps * TILE_ELEMS); /* |x~_r|, |dx_r| */
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < blocks; block++)
+      split_hi_block(x, m, k, steps, block, a, norms);
+    configure_tiles(m < TILE_ROWS ? (int)m : TILE_ROWS);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < num_panels; p++)
+      estimate_panel(a, tiles + p * steps * HI_STEP_ELEMS, m, steps, n, p, estimates);
+    _tile_release();
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+      tokens[r] = screened_token(x + r * k, k, estimates + r * n, n_valid, weight_norms, panels,
+                                 norms[2 * r], norms[2 * r + 1]);
+  }
+  return 0;
+}
+
 #else /* no AMX-BF16 here: nothing to call but sy_tile_available */
 int sy_tile_available(void) { return 0; }
 void sy_tile_pack(const float* panels, int64_t k, int64_t n, uint16_t* tiles) {
@@ -304,6 +544,16 @@ void sy_tile_pack(const float* panels, int64_t k, int64_t n, uint16_t* tiles) {
 int sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
                    const float* bias, float* y) {
   (void)x, (void)m, (void)k, (void)tiles, (void)n, (void)bias, (void)y;
+  return -2;
+}
+void sy_tile_pack_hi(const float* panels, int64_t k, int64_t n, uint16_t* tiles) {
+  (void)panels, (void)k, (void)n, (void)tiles; /* tile_gemm.pack_hi never calls it here */
+}
+int sy_tile_greedy_tokens(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
+                          int64_t n_valid, const float* weight_norms, const float* panels,
+                          int64_t* tokens) {
+  (void)x, (void)m, (void)k, (void)tiles, (void)n, (void)n_valid, (void)weight_norms;
+  (void)panels, (void)tokens;
   return -2;
 }
 #endif

@@ -55,7 +55,6 @@ from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_block
 from worker.kv_transfer import kv_layout
 from worker.logprobs import check_logprob_counts
 from worker.lora import LoRAAdapters, update_without_lora
-from worker.models import tile_gemm
 from worker.models.config import ModelConfig
 from worker.models.loader import load_model
 from worker.parallel import tensor_parallel
@@ -478,11 +477,14 @@ class ModelRunner:
         )
         known: list[int | None] = [None] * len(rows)
         screened = [row for row, only in enumerate(argmax_only) if only]
-        if screened:
-            tokens = model.greedy_tokens(hidden[screened]).tolist()
-            for row, token in zip(screened, tokens, strict=True):
-                if token != tile_gemm.NEEDS_LOGITS:
-                    known[row] = token
+        try:
+            tokens = model.greedy_tokens(hidden[screened]).tolist() if screened else []
+        except MemoryError:  # the head's buffers: these rows take their logits instead
+            logger.warning("no memory for the greedy head: %d rows take logits", len(screened))
+            screened, tokens = [], []
+        for row, token in zip(screened, tokens, strict=True):
+            if token >= 0:  # else tile_gemm.NEEDS_LOGITS
+                known[row] = token
         open_rows = [row for row in range(len(hidden)) if row >= len(rows) or known[row] is None]
         if len(open_rows) < len(hidden):
             hidden = hidden[open_rows]

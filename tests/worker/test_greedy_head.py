@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from interfaces import SamplingParams, StructuredOutput
+from interfaces import StructuredOutput
 from tests.support.step_driver import DrivenRequest, StepDriver, context, small_runner
-from worker.logits_processors import SamplingRow, build_logits_processors, edits_logits
 from worker.model_runner import ModelRunner
 from worker.models import cpu_ops, panel_gemm, tile_gemm
 
@@ -44,11 +43,14 @@ def test_the_head_gives_the_float32_logits_argmax(n, vocab, k, m):
     assert head.tokens(x).tolist() == _float32_tokens(x, panels, n, vocab).tolist()
 
 
-def test_exact_and_one_ulp_ties_keep_the_float32_token():
-    generator = torch.Generator().manual_seed(0)
-    n, k = 4096, 576
+@pytest.mark.parametrize(("m", "k"), [(1, 576), (8, 576), (12, 72), (40, 72)])
+def test_exact_and_one_ulp_ties_keep_the_float32_token(m, k):
+    """Through each of the float32 kernel's paths (1, 2-8, 9-32 and more rows), and a k that
+    fills neither a 64-feature chunk nor a 32-feature step."""
+    generator = torch.Generator().manual_seed(m)
+    n = 4096
     weight = torch.randn(n, k, generator=generator) * 0.05
-    x = torch.randn(8, k, generator=generator)
+    x = torch.randn(m, k, generator=generator)
     for row, top in enumerate((x @ weight.T).argmax(-1).tolist()):
         below, above = (top - 7 - row) % n, (top + 13 + row) % n
         weight[below] = weight[top]  # an exact tie at a lower index: the lower one wins
@@ -99,6 +101,24 @@ def test_a_row_that_is_not_finite_asks_for_its_logits_and_no_other_does():
     assert [tokens[i] for i in (0, 2, 4)] == [want[i] for i in (0, 2, 4)]
 
 
+def test_tiny_huge_and_subnormal_values_keep_the_float32_token_or_ask_for_logits():
+    """Values the tile unit flushes to zero (below 2^-126) and sums that come near overflow."""
+    generator = torch.Generator().manual_seed(5)
+    n, k = 1024, 64
+    weight = torch.randn(n, k, generator=generator) * 0.05
+    weight[:, :8] *= 1e-38  # subnormal weights
+    panels = panel_gemm.pack(weight)
+    head = tile_gemm.GreedyHead.build(panels, n, n)
+    x = torch.randn(4, k, generator=generator)
+    x[1] *= 1e-36  # products below the smallest normal float32
+    x[2] *= 1e30  # large, but every sum stays far from overflow
+    x[3] *= 3e37  # sums that might overflow: its logits are asked for
+    tokens = head.tokens(x).tolist()
+    want = _float32_tokens(x, panels, n, n).tolist()
+    assert tokens[:3] == want[:3]
+    assert tokens[3] == tile_gemm.NEEDS_LOGITS
+
+
 def test_the_head_refuses_what_does_not_fit():
     panels = panel_gemm.pack(torch.zeros(64, 32))
     with pytest.raises(ValueError, match="are not an 100-row head"):
@@ -110,33 +130,6 @@ def test_the_head_refuses_what_does_not_fit():
         head.tokens(torch.zeros(2, 31))
     with pytest.raises(TypeError, match="float32"):
         head.tokens(torch.zeros(2, 32, dtype=torch.float64))
-
-
-# Rows that need only the argmax, and the others
-
-
-@pytest.mark.parametrize(
-    ("params", "edits"),
-    [
-        (SamplingParams(temperature=0.0), False),
-        (SamplingParams(temperature=0.0, ignore_eos=True, min_new_tokens=4), False),
-        (SamplingParams(temperature=0.0, logit_bias={5: 2.0}), True),
-        (SamplingParams(temperature=0.0, presence_penalty=0.5), True),
-        (SamplingParams(temperature=0.0, frequency_penalty=-0.5), True),
-        (SamplingParams(temperature=0.0, repetition_penalty=1.3), True),
-    ],
-)
-def test_rows_said_not_to_edit_their_logits_keep_them(params, edits):
-    row = SamplingRow(params, [4, 5, 6, 5], 2)
-    assert edits_logits(row) == edits
-    logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(4))
-    edited = build_logits_processors([row], 16, torch.device("cpu")).apply(logits)
-    assert torch.equal(edited, logits) == (not edits)
-
-
-def test_rows_with_min_new_tokens_still_to_reach_edit_their_logits():
-    params = SamplingParams(temperature=0.0, min_new_tokens=4, stop_token_ids=[9])
-    assert edits_logits(SamplingRow(params, [4, 5, 6], 2, blocked_token_ids=[9, 2]))
 
 
 @pytest.fixture(scope="module")
@@ -166,18 +159,26 @@ def test_a_step_takes_greedy_tokens_from_the_head_only_where_the_argmax_is_all_i
     tiny_runner, monkeypatch
 ):
     model = tiny_runner.model.text_model
-    head = model.greedy_head
-    assert head is not None  # CPU float32, panels, no bias, one rank, a tile unit
-    screened: list[int] = []
+    assert model.greedy_head is not None  # CPU float32, panels, no bias, one rank, a tile unit
+    screened: list[tuple[str, int]] = []  # (request, outputs so far) of each screened row
+    argmax_only = tiny_runner._argmax_only
 
-    def greedy_tokens(hidden: torch.Tensor) -> torch.Tensor:
-        screened.append(len(hidden))
-        return head.tokens(hidden)
+    def spy(sampled: list) -> list[bool]:
+        flags = argmax_only(sampled)
+        screened.extend(
+            (state.request_id, state.num_output_tokens)
+            for state, flag in zip(sampled, flags, strict=True)
+            if flag
+        )
+        return flags
 
-    monkeypatch.setattr(model, "greedy_tokens", greedy_tokens)
+    monkeypatch.setattr(tiny_runner, "_argmax_only", spy)
     with_head = StepDriver(tiny_runner).run(_requests())
-    # "plain" and "top-k 1" at every sampled token, "min tokens" once it has 6
-    assert min(screened) == 2 and max(screened) == 3
+    # "plain" and "top-k 1" at every token, "min tokens" once it has its 6
+    assert sorted(screened) == sorted(
+        [(name, outputs) for name in ("plain", "top-k 1") for outputs in range(8)]
+        + [("min tokens", 6), ("min tokens", 7)]
+    )
     monkeypatch.setattr(model, "greedy_head", None)
     without = StepDriver(tiny_runner).run(_requests())
     for name, request in with_head.items():

@@ -20,10 +20,11 @@ from worker.logits_processors import (
     RequestEdits,
     SamplingRow,
     build_logits_processors,
+    edits_logits,
     token_counts,
 )
 from worker.model_runner import ModelRunner
-from worker.models import cpu_ops
+from worker.models import cpu_ops, tile_gemm
 from worker.request_state import RequestState
 from worker.sampler import NO_TOKEN, Sampler, SamplingBatch, check_supported, noise_key
 
@@ -249,6 +250,74 @@ def test_greedy_batches_take_the_same_tokens_from_the_cpu_kernel_as_from_torch(m
     monkeypatch.setattr(cpu_ops, "applies", lambda tensor: False)
     assert fast.tolist() == Sampler(CPU, seed=0)(logits, batch).tolist()
     assert fast[:4].tolist() == [NO_TOKEN, 2, 3, 1]
+
+
+@pytest.mark.parametrize(
+    ("params", "edits"),
+    [
+        (SamplingParams(temperature=0.0), False),
+        (SamplingParams(temperature=0.0, ignore_eos=True, min_new_tokens=4), False),
+        (SamplingParams(temperature=0.0, logit_bias={5: 2.0}), True),
+        (SamplingParams(temperature=0.0, presence_penalty=0.5), True),
+        (SamplingParams(temperature=0.0, frequency_penalty=-0.5), True),
+        (SamplingParams(temperature=0.0, repetition_penalty=1.3), True),
+    ],
+)
+def test_rows_said_not_to_edit_their_logits_keep_them(params, edits):
+    """``edits_logits`` (which rows may take the greedy head's token) says what
+    ``build_logits_processors`` does, with and without a request's prebuilt edits."""
+    for row_edits in (None, RequestEdits.build(params, [EOS], 16, CPU)):
+        row = SamplingRow(params, [4, 5, 6, 5], 2, edits=row_edits)
+        assert edits_logits(row) == edits
+        logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(4))
+        edited = build_logits_processors([row], 16, CPU).apply(logits)
+        assert torch.equal(edited, logits) == (not edits)
+
+
+def test_rows_with_min_new_tokens_still_to_reach_edit_their_logits():
+    params = SamplingParams(temperature=0.0, min_new_tokens=4, stop_token_ids=[9])
+    assert edits_logits(SamplingRow(params, [4, 5, 6], 2, blocked_token_ids=[9, 2]))
+
+
+def test_tokens_known_before_sampling_join_the_sampled_ones_in_their_places(
+    tiny_runner, monkeypatch
+):
+    """Where the model's greedy head picks some rows' tokens (``known``) and leaves others
+    (``NEEDS_LOGITS``), every request gets the tokens and log probabilities of a run without it;
+    here a stand-in head that takes the argmax of the float32 logits, on any machine."""
+    model = tiny_runner.model.text_model
+    calls: list[int] = []
+
+    def greedy_tokens(hidden: torch.Tensor) -> torch.Tensor:
+        calls.append(len(hidden))
+        tokens = model.logits(hidden).argmax(-1)
+        tokens[::2] = tile_gemm.NEEDS_LOGITS  # every other row takes its logits after all
+        return tokens
+
+    prompt = [71, 72, 73, 74, 75]
+    requests = [
+        ("a", {"top_k": 1}),
+        ("b", {"top_k": 1, "logprobs": 1}),
+        ("c", {"top_k": 0, "temperature": 0.9, "seed": 3}),
+        ("d", {"top_k": 1}),
+        ("e", {"top_k": 1, "prompt_logprobs": 2}),
+    ]
+
+    def run() -> dict:
+        return StepDriver(tiny_runner).run(
+            [DrivenRequest(context(name, prompt[:3], 5, **fields)) for name, fields in requests]
+        )
+
+    without = run()
+    monkeypatch.setattr(model, "greedy_head", object())
+    monkeypatch.setattr(model, "greedy_tokens", greedy_tokens)
+    with_known = run()
+    assert calls and max(calls) == 3  # a, d and e
+    for name, request in with_known.items():
+        assert request.output_token_ids == without[name].output_token_ids, name
+        assert [(o.log_probabilities, o.prompt_log_probabilities) for o in request.outputs] == [
+            (o.log_probabilities, o.prompt_log_probabilities) for o in without[name].outputs
+        ], name
 
 
 def test_a_zero_repetition_penalty_stays_inside_the_grammar_mask():

@@ -437,7 +437,8 @@ static void estimate_panel(const uint16_t* a, const uint16_t* w, int64_t m, int6
 
 /* The bound of 16 estimates e at p (norms |w~| at hi, |dw| at lo): the terms above in
  * float32, then a margin for their own rounding, |e| 2^-22 for the rounding of e +- bound, and
- * 1e-30 (1 + |x~| + |w~|) for the tile unit counting bfloat16 values below 2^-126 as zero. */
+ * 1e-30 (1 + |x~| + |w~|) for the tile unit counting bfloat16 values below 2^-126 as zero
+ * (and for the weight norms, which torch's rounding took without flushing them). */
 static inline __m512 bounds16(__m512 e, const float* hi, const float* lo, __m512 a_hi,
                               __m512 a_lo, __m512 rounded) {
   const __m512 w_hi = _mm512_loadu_ps(hi);
@@ -451,8 +452,9 @@ static inline __m512 bounds16(__m512 e, const float* hi, const float* lo, __m512
       tiny);
 }
 
-/* Row r's token from its estimates (see above), or -2 where an estimate, a norm or a logit
- * computed exactly is not finite (the caller then takes that row's float32 logits). */
+/* Row r's token from its estimates (see above), or -2 where an estimate, a norm, the bound or
+ * a logit computed exactly is not finite, or a float32 sum could overflow (the caller then
+ * takes that row's float32 logits). */
 static int64_t screened_token(const float* x, int64_t k, const float* estimates,
                               int64_t n_valid, const float* weight_norms, const float* panels,
                               float rounded, float lost) {
@@ -464,19 +466,25 @@ static int64_t screened_token(const float* x, int64_t k, const float* estimates,
   const __m512 a_lo = _mm512_set1_ps(rounded + lost + g * (rounded + lost));
   const __m512 x_norm = _mm512_set1_ps(rounded);
   const float *norms_hi = weight_norms, *norms_lo = weight_norms + (n_valid + 15) / 16 * 16;
+  /* |x| |w_j| bounds every partial sum of the float32 kernel: past LARGE one might overflow,
+   * and the bound above assumes none does */
+  const __m512 x_whole = _mm512_set1_ps(rounded + lost), large = _mm512_set1_ps(1e37f);
   const __m512 zero = _mm512_setzero_ps();
   __m512 floors = _mm512_set1_ps(-INFINITY);
-  __mmask16 not_finite = 0;
+  __mmask16 refused = 0;
   for (int64_t j = 0; j < n_valid; j += 16) {
     const __mmask16 valid = n_valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n_valid - j)) - 1);
     const __m512 e = _mm512_maskz_loadu_ps(valid, estimates + j);
-    not_finite |= _mm512_cmp_ps_mask(_mm512_sub_ps(e, e), zero, _CMP_NEQ_UQ); /* inf, NaN */
+    refused |= _mm512_cmp_ps_mask(_mm512_sub_ps(e, e), zero, _CMP_NEQ_UQ); /* inf, NaN */
+    const __m512 w_whole = _mm512_add_ps(_mm512_loadu_ps(norms_hi + j),
+                                         _mm512_loadu_ps(norms_lo + j));
+    refused |= _mm512_cmp_ps_mask(_mm512_mul_ps(x_whole, w_whole), large, _CMP_NLT_UQ);
     const __m512 low = _mm512_sub_ps(e, bounds16(e, norms_hi + j, norms_lo + j, a_hi, a_lo,
                                                  x_norm));
     floors = _mm512_mask_max_ps(floors, valid, floors, low);
   }
-  if (not_finite) return -2;
   const float floor = _mm512_reduce_max_ps(floors);
+  if (refused || !isfinite(floor)) return -2; /* (a NaN bound would leave no candidate) */
   float best = -INFINITY;
   int64_t token = -1;
   for (int64_t j = 0; j < n_valid; j += 16) {

@@ -119,7 +119,7 @@ class GreedyHead:
         tiles = torch.empty((num_panels, -(-k // STEP), HI_BYTES_PER_STEP // 2), dtype=torch.int16)
         lib.sy_tile_pack_hi(panels.data_ptr(), k, out_features, tiles.data_ptr())
         norms = torch.zeros(2, -(-vocab_size // 16) * 16, dtype=torch.float32)
-        for first in range(0, num_panels, NORM_PANELS):  # float64 copies of a few MB at a time
+        for first in range(0, -(-vocab_size // width), NORM_PANELS):  # a few MB of float64
             weight = panels[first : first + NORM_PANELS].transpose(1, 2).reshape(-1, k).double()
             weight = weight[: vocab_size - first * width]
             rounded = weight.to(torch.bfloat16).double()  # as the tile unit rounds: to nearest
@@ -131,7 +131,8 @@ class GreedyHead:
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's greedy token for ``x`` (m, in_features) float32, the head's input: the
         first index of the largest of its float32 logits (``panel_gemm.linear`` of the
-        panels), or ``NEEDS_LOGITS`` where its values are not all finite. int64 (m,)."""
+        panels), or ``NEEDS_LOGITS`` where its values are not all finite or so large that a
+        float32 sum might overflow. int64 (m,)."""
         lib = library()
         assert lib is not None, "tokens() needs the built library; check available() first"
         x = panel_gemm.checked_operands(x, None, self.in_features, self.out_features, "greedy")

@@ -2,11 +2,12 @@
 GreedyHead``: bfloat16 estimates on the tile unit, the few tokens their bounds leave computed
 exactly), in one loaded model, in turns.
 
-For each step shape (``REQUESTSxNEWxCACHED``, as kernel_ab.py takes it; blocks shuffled over a
-pool of random keys and values) it runs the decoder layers once for the rows' final states,
-then times (a) the LM head alone: the float32 logits and ``cpu_ops.greedy_tokens`` against the
-greedy head, and (b) the whole step both ways; each the median of --rounds turns, with whether
-both gave the same tokens (they must: the head's tokens are the float32 argmax's).
+For each step shape (``REQUESTSxNEWxCACHED[xSHARED]``, as kernel_ab.py takes it; blocks
+shuffled over a pool of random keys and values) it runs the decoder layers once for the rows'
+final states, then times (a) the LM head alone: the float32 logits and
+``cpu_ops.greedy_tokens`` against the greedy head, and (b) the whole step both ways; each the
+median of --rounds turns, with whether both gave the same tokens (they must: the head's tokens
+are the float32 argmax's).
 
 Run alone (nothing else on the cores):
   python benchmarks/greedy_head_bench.py [--steps 1x1x128,16x1x191,64x1x159,8x1x1600] \
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from kernel_ab import parse_step
+from kernel_ab import add_step_arguments, parsed_steps
 from model_steps import random_step
 from workload import num_cores, resolve_model_dir
 
@@ -44,16 +45,9 @@ def medians(ways: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", default=DEFAULT_STEPS, help="comma-separated (see above)")
-    parser.add_argument("--rounds", type=int, default=15, help="turns of each way a step")
-    parser.add_argument("--model-path", help="directory or .gguf (default: the default model)")
+    add_step_arguments(parser, DEFAULT_STEPS, 15, "turns of each way a step")
     args = parser.parse_args(argv)
-    try:
-        steps = [parse_step(text) for text in args.steps.split(",")]
-    except ValueError as error:
-        parser.error(f"steps are REQUESTSxNEWxCACHED of whole numbers: {error}")
-    if args.rounds < 1:
-        parser.error("--rounds is at least 1")
+    steps = parsed_steps(parser, args)
     torch.set_num_threads(num_cores())
     model = load_model(resolve_model_dir(args.model_path), torch.device("cpu"), torch.float32)
     if model.greedy_head is None:

@@ -51,6 +51,30 @@ def parse_step(text: str) -> tuple[int, int, int, int]:
     return tuple(parts)
 
 
+def add_step_arguments(
+    parser: argparse.ArgumentParser, steps: str, rounds: int, rounds_help: str
+) -> None:
+    """--steps (default ``steps``), --rounds (default ``rounds``) and --model-path, as this
+    script and greedy_head_bench.py take them."""
+    parser.add_argument("--steps", default=steps, help="comma-separated (see above)")
+    parser.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+    parser.add_argument("--model-path", help="directory or .gguf (default: the default model)")
+
+
+def parsed_steps(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> list[tuple[int, int, int, int]]:
+    """``args.steps`` parsed (``parse_step``), once checked with ``args.rounds``; a usage
+    error (exit 2) where either does not fit."""
+    try:
+        steps = [parse_step(text) for text in args.steps.split(",")]
+    except ValueError as error:
+        parser.error(f"steps are REQUESTSxNEWxCACHED[xSHARED] of whole numbers: {error}")
+    if args.rounds < 1:
+        parser.error("--rounds is at least 1")
+    return steps
+
+
 def swaps(model, kernel: str, libraries: dict) -> dict[str, Callable[[], None]]:
     """Per build, what puts it in use: the module's ``library`` returning it, and for the
     matrix product also a layer stack built over it (the stack keeps its product's address)."""
@@ -107,16 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu_ops",
         help="whose source --compare is (default: %(default)s)",
     )
-    parser.add_argument("--steps", default=DEFAULT_STEPS, help="comma-separated (see above)")
-    parser.add_argument("--rounds", type=int, default=8, help="turns of each build a step")
-    parser.add_argument("--model-path", help="directory or .gguf (default: the default model)")
+    add_step_arguments(parser, DEFAULT_STEPS, 8, "turns of each build a step")
     args = parser.parse_args(argv)
-    try:
-        steps = [parse_step(text) for text in args.steps.split(",")]
-    except ValueError as error:
-        parser.error(f"steps are REQUESTSxNEWxCACHED[xSHARED] of whole numbers: {error}")
-    if args.rounds < 1:
-        parser.error("--rounds is at least 1")
+    steps = parsed_steps(parser, args)
     module = KERNELS[args.kernel]
     if cpu_ops.library() is None or module.library() is None:
         parser.error("the CPU kernels could not be built here")

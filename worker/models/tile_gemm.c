@@ -220,19 +220,28 @@ static void panel_product(const uint16_t* a, const uint16_t* w, int64_t steps, i
   }
 }
 
-/* The calling thread's buffer for split inputs, of at least `bytes`, kept for its next calls;
- * NULL when out of memory (for at most a few MB; the product then fails, and the next call
- * tries again). */
-static uint16_t* input_buffer(size_t bytes) {
-  static __thread void* buffer;
-  static __thread size_t size;
-  if (size < bytes) {
-    free(buffer);
+/* A buffer of the calling thread, kept for its next calls (no fresh pages to fault in). */
+typedef struct {
+  void* data;
+  size_t size;
+} Kept;
+
+/* `kept` grown to at least `bytes`; NULL when out of memory (the call then fails, and the next
+ * one tries again). */
+static void* grown(Kept* kept, size_t bytes) {
+  if (kept->size < bytes) {
+    free(kept->data);
     bytes = (bytes + 4095) & ~(size_t)4095;
-    buffer = aligned_alloc(64, bytes);
-    size = buffer == NULL ? 0 : bytes;
+    kept->data = aligned_alloc(64, bytes);
+    kept->size = kept->data == NULL ? 0 : bytes;
   }
-  return buffer;
+  return kept->data;
+}
+
+/* The calling thread's buffer for split inputs (at most a few MB). */
+static uint16_t* input_buffer(size_t bytes) {
+  static __thread Kept inputs;
+  return grown(&inputs, bytes);
 }
 
 /* Rows [0, m) of y (m <= MAX_PASS_ROWS), their inputs split into a. */
@@ -350,18 +359,10 @@ void sy_tile_pack_hi(const float* panels, int64_t k, int64_t n, uint16_t* tiles)
   }
 }
 
-/* The calling thread's buffer of at least `bytes` for a greedy call's estimates, kept for its
- * next calls (no fresh pages to fault in every step); NULL when out of memory. */
+/* The calling thread's buffer for a greedy call's estimates (m x n floats). */
 static float* estimate_buffer(size_t bytes) {
-  static __thread void* buffer;
-  static __thread size_t size;
-  if (size < bytes) {
-    free(buffer);
-    bytes = (bytes + 4095) & ~(size_t)4095;
-    buffer = aligned_alloc(64, bytes);
-    size = buffer == NULL ? 0 : bytes;
-  }
-  return buffer;
+  static __thread Kept estimates;
+  return grown(&estimates, bytes);
 }
 
 /* Rows 16 block .. 16 block + 15 of x rounded to bfloat16 (zero past m), as tiles per step at

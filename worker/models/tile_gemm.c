@@ -82,9 +82,14 @@ static void configure_tiles(int rows) {
   _tile_loadconfig(&config);
 }
 
+/* hi bfloat16 of 32 floats (v0 then v1). */
+static inline __m512i hi32(__m512 v0, __m512 v1) {
+  return (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+}
+
 /* hi and lo bfloat16 of 32 floats (v0 then v1): lo holds what rounding to hi lost. */
 static inline void split32(__m512 v0, __m512 v1, __m512i* hi, __m512i* lo) {
-  const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+  const __m512i h = hi32(v0, v1);
   const __m512 h0 = _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
   const __m512 h1 = _mm512_castsi512_ps(
@@ -100,23 +105,32 @@ static inline __m512 load_part(const float* p, int64_t valid) {
   return _mm512_maskz_loadu_ps((__mmask16)((1u << valid) - 1), p);
 }
 
-/* Panel p (k, 32 floats, as panel_gemm packs it) in tile form at `tiles`. */
-static void pack_panel(const float* panel, int64_t k, int64_t steps, uint16_t* tiles) {
+/* Row j of a weight tile of step s, outputs 16 half .. 16 half + 15, of a panel (k, 32 floats,
+ * as panel_gemm packs it): the pairs (w[2j][o], w[2j + 1][o]) of its 16 outputs as 32 floats
+ * (zeros past k), in v0 (outputs 0-7) and v1 (8-15). */
+static inline void weight_pairs(const float* panel, int64_t k, int64_t s, int half, int j,
+                                __m512* v0, __m512* v1) {
   const __m512i low_pairs =
       _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i high_pairs =
       _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  const int64_t i = s * TILE_K + 2 * j;
+  const __m512 w0 = i < k ? _mm512_loadu_ps(panel + i * PANEL + 16 * half) : _mm512_setzero_ps();
+  const __m512 w1 =
+      i + 1 < k ? _mm512_loadu_ps(panel + (i + 1) * PANEL + 16 * half) : _mm512_setzero_ps();
+  *v0 = _mm512_permutex2var_ps(w0, low_pairs, w1);
+  *v1 = _mm512_permutex2var_ps(w0, high_pairs, w1);
+}
+
+/* Panel p (k, 32 floats, as panel_gemm packs it) in tile form at `tiles`. */
+static void pack_panel(const float* panel, int64_t k, int64_t steps, uint16_t* tiles) {
   for (int64_t s = 0; s < steps; s++) {
     for (int half = 0; half < 2; half++) {
       for (int j = 0; j < TILE_ROWS; j++) {
-        const int64_t i = s * TILE_K + 2 * j;
-        const __m512 w0 = i < k ? _mm512_loadu_ps(panel + i * PANEL + 16 * half)
-                                : _mm512_setzero_ps();
-        const __m512 w1 = i + 1 < k ? _mm512_loadu_ps(panel + (i + 1) * PANEL + 16 * half)
-                                    : _mm512_setzero_ps();
+        __m512 v0, v1;
         __m512i hi, lo;
-        split32(_mm512_permutex2var_ps(w0, low_pairs, w1),
-                _mm512_permutex2var_ps(w0, high_pairs, w1), &hi, &lo);
+        weight_pairs(panel, k, s, half, j, &v0, &v1);
+        split32(v0, v1, &hi, &lo);
         uint16_t* row = tiles + s * STEP_ELEMS + half * TILE_ELEMS + j * TILE_K;
         _mm512_storeu_si512(row, hi);
         _mm512_storeu_si512(row + 2 * TILE_ELEMS, lo);
@@ -325,38 +339,23 @@ int sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, 
 
 #define HI_STEP_ELEMS (2 * TILE_ELEMS) /* a panel's step in hi-only form: both halves */
 
-/* hi bfloat16 of 32 floats (v0 then v1). */
-static inline __m512i hi32(__m512 v0, __m512 v1) {
-  return (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
-}
-
 /* The weight packed in panels (ceil(n / 32), k, 32) as bfloat16 tiles: per panel, per step of
  * 32 input features, the tiles of outputs 0-15 and 16-31 (ceil(n / 32) x ceil(k / 32) x 2 KB).
  */
 void sy_tile_pack_hi(const float* panels, int64_t k, int64_t n, uint16_t* tiles) {
-  const __m512i low_pairs =
-      _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i high_pairs =
-      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   const int64_t steps = (k + TILE_K - 1) / TILE_K;
   const int64_t num_panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < num_panels; p++) {
-    const float* panel = panels + p * k * PANEL;
+  for (int64_t p = 0; p < num_panels; p++)
     for (int64_t s = 0; s < steps; s++)
       for (int half = 0; half < 2; half++)
         for (int j = 0; j < TILE_ROWS; j++) {
-          const int64_t i = s * TILE_K + 2 * j;
-          const __m512 w0 = i < k ? _mm512_loadu_ps(panel + i * PANEL + 16 * half)
-                                  : _mm512_setzero_ps();
-          const __m512 w1 = i + 1 < k ? _mm512_loadu_ps(panel + (i + 1) * PANEL + 16 * half)
-                                      : _mm512_setzero_ps();
+          __m512 v0, v1;
+          weight_pairs(panels + p * k * PANEL, k, s, half, j, &v0, &v1);
           _mm512_storeu_si512(
               tiles + (p * steps + s) * HI_STEP_ELEMS + half * TILE_ELEMS + j * TILE_K,
-              hi32(_mm512_permutex2var_ps(w0, low_pairs, w1),
-                   _mm512_permutex2var_ps(w0, high_pairs, w1)));
+              hi32(v0, v1));
         }
-  }
 }
 
 /* The calling thread's buffer for a greedy call's estimates (m x n floats). */

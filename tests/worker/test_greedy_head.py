@@ -52,7 +52,7 @@ def test_exact_and_one_ulp_ties_keep_the_float32_token(m, k):
     weight = torch.randn(n, k, generator=generator) * 0.05
     x = torch.randn(m, k, generator=generator)
     for row, top in enumerate((x @ weight.T).argmax(-1).tolist()):
-        below, above = (top - 7 - row) % n, (top + 13 + row) % n
+        below, above = (top - 39 - row) % n, (top + 45 + row) % n  # in other panels of 32
         weight[below] = weight[top]  # an exact tie at a lower index: the lower one wins
         weight[above] = weight[top]  # and one a unit in the last place away from it
         weight[above, 3] = torch.nextafter(weight[top, 3], torch.tensor(1.0))
@@ -62,19 +62,20 @@ def test_exact_and_one_ulp_ties_keep_the_float32_token(m, k):
 
 
 def test_a_token_whose_estimate_ranks_below_another_still_wins_when_its_logit_is_larger():
-    """Rounding to bfloat16 (steps of 2^-7 at 1.5) lifts row 3's estimate above row 5's while
-    row 5's float32 logit is the larger: only the bounds keep row 5 a candidate."""
+    """Rounding to bfloat16 (steps of 2^-7 at 1.5) lifts token 37's estimate above token 5's
+    while token 5's float32 logit is the larger: only the bounds keep token 5's panel (outputs
+    0-31; token 37 is in the next one) among those computed exactly."""
     k, n, step = 64, 64, 2.0**-7
     weight = torch.full((n, k), 0.01)
     weight[5] = 1.5
-    weight[3] = 1.5
-    weight[3, 0] += 0.51 * step  # rounds up a step: the estimate gains one step
-    weight[3, 1:3] -= 0.49 * step  # round back to 1.5: the logit loses 0.98 of one
+    weight[37] = 1.5
+    weight[37, 0] += 0.51 * step  # rounds up a step: the estimate gains one step
+    weight[37, 1:3] -= 0.49 * step  # round back to 1.5: the logit loses 0.98 of one
     x = torch.ones(1, k)  # exact in bfloat16
     panels = panel_gemm.pack(weight)
     assert _float32_tokens(x, panels, n, n).tolist() == [5]
     rounded = x @ weight.to(torch.bfloat16).float().T
-    assert rounded[0, 3] > rounded[0, 5]
+    assert rounded[0, 37] > rounded[0, 5]
     assert tile_gemm.GreedyHead.build(panels, n, n).tokens(x).tolist() == [5]
 
 

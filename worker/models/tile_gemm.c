@@ -41,6 +41,7 @@
 #if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__AVX512BF16__)
 #include <immintrin.h>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -332,10 +333,14 @@ int sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, 
  * so by Cauchy-Schwarz the estimate is within |x~| |dw| + |dx| |w~| + |dx| |dw| (2-norms; |w~|
  * and |dw| of every weight row computed once) of x . w, and each float32 sum, the estimate's
  * and the float32 kernel's, within (k + 2) 2^-24 of the sum of |products| of x . w. A token
- * whose estimate plus its bound is below another's estimate minus that one's bound cannot
- * have the largest logit; the few left (a median of 3 a row for SmolLM2) are computed exactly,
- * each summed as panel_gemm.c sums it (from 0, features 0, 1, ... by fused multiply-adds), and
- * the largest wins, ties to the lower index: the token that the float32 logits give. */
+ * whose estimate plus its bound is below another's estimate minus that one's bound (the row's
+ * floor) cannot have the largest logit. Each panel's estimates are screened as they leave the
+ * tile unit, while in L1: a row keeps its floor and, per panel, the largest estimate + bound
+ * (the panel's ceiling), never the m x n estimates themselves. The panels whose ceiling reaches
+ * the floor (those holding the few tokens left: a median of 3 a row for SmolLM2) are computed
+ * exactly, each logit summed as panel_gemm.c sums it (from 0, features 0, 1, ... by fused
+ * multiply-adds), and the largest wins, ties to the lower index: the token that the float32
+ * logits give. */
 
 #define HI_STEP_ELEMS (2 * TILE_ELEMS) /* a panel's step in hi-only form: both halves */
 
@@ -358,10 +363,10 @@ void sy_tile_pack_hi(const float* panels, int64_t k, int64_t n, uint16_t* tiles)
         }
 }
 
-/* The calling thread's buffer for a greedy call's estimates (m x n floats). */
-static float* estimate_buffer(size_t bytes) {
-  static __thread Kept estimates;
-  return grown(&estimates, bytes);
+/* The calling thread's buffer for a greedy call's screening state (see below). */
+static float* screen_buffer(size_t bytes) {
+  static __thread Kept screens;
+  return grown(&screens, bytes);
 }
 
 /* Rows 16 block .. 16 block + 15 of x rounded to bfloat16 (zero past m), as tiles per step at
@@ -401,11 +406,58 @@ static void split_hi_block(const float* x, int64_t m, int64_t k, int64_t steps, 
   }
 }
 
-/* estimates[r][p * 32 ..] = x~_r . w~ for panel p's outputs, every row r < m (all blocks). */
-static void estimate_panel(const uint16_t* a, const uint16_t* w, int64_t m, int64_t steps,
-                           int64_t n, int64_t p, float* estimates) {
+/* The bound of 16 estimates e (weight norms |w~| w_hi, |dw| w_lo): the terms above in float32,
+ * then a margin for their own rounding, |e| 2^-22 for the rounding of e +- bound, and
+ * 1e-30 (1 + |x~| + |w~|) for the tile unit counting bfloat16 values below 2^-126 as zero
+ * (and for the weight norms, which torch's rounding took without flushing them). */
+static inline __m512 bounds16(__m512 e, __m512 w_hi, __m512 w_lo, __m512 a_hi, __m512 a_lo,
+                              __m512 rounded) {
+  const __m512 terms = _mm512_fmadd_ps(a_hi, w_hi, _mm512_mul_ps(a_lo, w_lo));
+  const __m512 tiny = _mm512_mul_ps(_mm512_set1_ps(1e-30f),
+                                    _mm512_add_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), rounded),
+                                                  w_hi));
+  return _mm512_add_ps(
+      _mm512_fmadd_ps(terms, _mm512_set1_ps(1.0f + 0x1p-10f),
+                      _mm512_mul_ps(_mm512_abs_ps(e), _mm512_set1_ps(0x1p-22f))),
+      tiny);
+}
+
+/* Where a greedy call keeps what the screening of each row has found so far: per thread, each
+ * row's running floor (the largest estimate - bound among its tokens seen, lane by lane) and
+ * whether a value it met refuses the row; per row and panel, the largest estimate + bound of
+ * the panel's tokens (its candidates' ceiling). */
+typedef struct {
+  float* floors;       /* [thread][row][16] */
+  uint8_t* refused;    /* [thread][row] */
+  float* ceilings;     /* [row][panel] */
+  int64_t num_panels;
+} Screen;
+
+/* Panel p's estimates x~_r . w~ of every row r < m (all blocks) on the tile unit, each block's
+ * screened while in L1 (see above): its tokens below n_valid fold into the rows' floors in
+ * `floors` (this thread's, m x 16) and refusals in `refused`, and each row's largest estimate +
+ * bound over the panel goes to the screen's ceilings. A row is refused where an estimate is not
+ * finite, a bound is NaN, or |x| |w_j| reaches 1e37 (a float32 sum might overflow; the bounds
+ * assume none does). */
+static void screen_panel(const uint16_t* a, const uint16_t* w, int64_t m, int64_t k,
+                         int64_t steps, int64_t n_valid, int64_t p, const float* norms,
+                         const float* weight_norms, float* floors, uint8_t* refused,
+                         const Screen* screen) {
   const int64_t blocks = (m + TILE_ROWS - 1) / TILE_ROWS;
-  const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+  /* the panel's columns below n_valid, as the masks of its two halves */
+  const int64_t first = p * PANEL;
+  const float *norms_hi = weight_norms, *norms_lo = weight_norms + (n_valid + 15) / 16 * 16;
+  __mmask16 valid[2];
+  __m512 w_hi[2], w_lo[2];
+  for (int h = 0; h < 2; h++) {
+    const int64_t left = n_valid - first - 16 * h;
+    valid[h] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+    w_hi[h] = _mm512_maskz_loadu_ps(valid[h], norms_hi + first + 16 * h);
+    w_lo[h] = _mm512_maskz_loadu_ps(valid[h], norms_lo + first + 16 * h);
+  }
+  const float g = (float)(k + 2) * 0x1p-24f * 1.01f;
+  const __m512 zero = _mm512_setzero_ps(), large = _mm512_set1_ps(1e37f);
+  float part[TILE_ROWS * PANEL] __attribute__((aligned(64)));
   for (int64_t block = 0; block < blocks; block++) {
     _tile_zero(0);
     _tile_zero(1);
@@ -420,88 +472,66 @@ static void estimate_panel(const uint16_t* a, const uint16_t* w, int64_t m, int6
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
     }
+    _tile_stored(0, part, PANEL * sizeof(float));
+    _tile_stored(1, part + 16, PANEL * sizeof(float));
     const int64_t rows = m - block * TILE_ROWS < TILE_ROWS ? m - block * TILE_ROWS : TILE_ROWS;
-    float* at = estimates + block * TILE_ROWS * n + p * PANEL;
-    if (rows == TILE_ROWS && cols == PANEL) {
-      _tile_stored(0, at, n * (int64_t)sizeof(float));
-      _tile_stored(1, at + 16, n * (int64_t)sizeof(float));
-    } else {
-      float part[TILE_ROWS * PANEL] __attribute__((aligned(64)));
-      _tile_stored(0, part, PANEL * sizeof(float));
-      _tile_stored(1, part + 16, PANEL * sizeof(float));
-      for (int64_t r = 0; r < rows; r++)
-        memcpy(at + r * n, part + r * PANEL, (size_t)cols * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) {
+      const int64_t row = block * TILE_ROWS + r;
+      /* bound_j = |w~_j| (B + g (2A + B)) + |dw_j| (A + B + g (A + B)), A = |x~|, B = |dx|, g
+       * the float32 rounding of a sum of k products, (k + 2) 2^-24 */
+      const float rounded = norms[2 * row], lost = norms[2 * row + 1];
+      const __m512 a_hi = _mm512_set1_ps(lost + g * (2 * rounded + lost));
+      const __m512 a_lo = _mm512_set1_ps(rounded + lost + g * (rounded + lost));
+      const __m512 x_norm = _mm512_set1_ps(rounded), x_whole = _mm512_set1_ps(rounded + lost);
+      __m512 floor = _mm512_load_ps(floors + row * 16);
+      __m512 ceiling = _mm512_set1_ps(-INFINITY);
+      __mmask16 refuse = 0;
+      for (int h = 0; h < 2; h++) {
+        const __m512 e = _mm512_maskz_loadu_ps(valid[h], part + r * PANEL + 16 * h);
+        const __m512 bound = bounds16(e, w_hi[h], w_lo[h], a_hi, a_lo, x_norm);
+        const __m512 low = _mm512_sub_ps(e, bound), high = _mm512_add_ps(e, bound);
+        refuse |= _mm512_mask_cmp_ps_mask(valid[h], _mm512_sub_ps(e, e), zero, _CMP_NEQ_UQ);
+        refuse |= _mm512_mask_cmp_ps_mask(
+            valid[h], _mm512_mul_ps(x_whole, _mm512_add_ps(w_hi[h], w_lo[h])), large, _CMP_NLT_UQ);
+        refuse |= _mm512_mask_cmp_ps_mask(valid[h], low, high, _CMP_UNORD_Q);
+        floor = _mm512_mask_max_ps(floor, valid[h], floor, low);
+        ceiling = _mm512_mask_max_ps(ceiling, valid[h], ceiling, high);
+      }
+      _mm512_store_ps(floors + row * 16, floor);
+      refused[row] |= refuse != 0;
+      screen->ceilings[row * screen->num_panels + p] = _mm512_reduce_max_ps(ceiling);
     }
   }
 }
 
-/* The bound of 16 estimates e at p (norms |w~| at hi, |dw| at lo): the terms above in
- * float32, then a margin for their own rounding, |e| 2^-22 for the rounding of e +- bound, and
- * 1e-30 (1 + |x~| + |w~|) for the tile unit counting bfloat16 values below 2^-126 as zero
- * (and for the weight norms, which torch's rounding took without flushing them). */
-static inline __m512 bounds16(__m512 e, const float* hi, const float* lo, __m512 a_hi,
-                              __m512 a_lo, __m512 rounded) {
-  const __m512 w_hi = _mm512_loadu_ps(hi);
-  const __m512 terms = _mm512_fmadd_ps(a_hi, w_hi, _mm512_mul_ps(a_lo, _mm512_loadu_ps(lo)));
-  const __m512 tiny = _mm512_mul_ps(_mm512_set1_ps(1e-30f),
-                                    _mm512_add_ps(_mm512_add_ps(_mm512_set1_ps(1.0f), rounded),
-                                                  w_hi));
-  return _mm512_add_ps(
-      _mm512_fmadd_ps(terms, _mm512_set1_ps(1.0f + 0x1p-10f),
-                      _mm512_mul_ps(_mm512_abs_ps(e), _mm512_set1_ps(0x1p-22f))),
-      tiny);
-}
-
-/* Row r's token from its estimates (see above), or -2 where an estimate, a norm, the bound or
- * a logit computed exactly is not finite, or a float32 sum could overflow (the caller then
- * takes that row's float32 logits). */
-static int64_t screened_token(const float* x, int64_t k, const float* estimates,
-                              int64_t n_valid, const float* weight_norms, const float* panels,
-                              float rounded, float lost) {
-  if (!isfinite(rounded) || !isfinite(lost)) return -2;
-  /* bound_j = |w~_j| (B + g (2A + B)) + |dw_j| (A + B + g (A + B)), A = |x~|, B = |dx|, g the
-   * float32 rounding of a sum of k products, (k + 2) 2^-24 */
-  const float g = (float)(k + 2) * 0x1p-24f * 1.01f;
-  const __m512 a_hi = _mm512_set1_ps(lost + g * (2 * rounded + lost));
-  const __m512 a_lo = _mm512_set1_ps(rounded + lost + g * (rounded + lost));
-  const __m512 x_norm = _mm512_set1_ps(rounded);
-  const float *norms_hi = weight_norms, *norms_lo = weight_norms + (n_valid + 15) / 16 * 16;
-  /* |x| |w_j| bounds every partial sum of the float32 kernel: past LARGE one might overflow,
-   * and the bound above assumes none does */
-  const __m512 x_whole = _mm512_set1_ps(rounded + lost), large = _mm512_set1_ps(1e37f);
-  const __m512 zero = _mm512_setzero_ps();
-  __m512 floors = _mm512_set1_ps(-INFINITY);
-  __mmask16 refused = 0;
-  for (int64_t j = 0; j < n_valid; j += 16) {
-    const __mmask16 valid = n_valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n_valid - j)) - 1);
-    const __m512 e = _mm512_maskz_loadu_ps(valid, estimates + j);
-    refused |= _mm512_cmp_ps_mask(_mm512_sub_ps(e, e), zero, _CMP_NEQ_UQ); /* inf, NaN */
-    const __m512 w_whole = _mm512_add_ps(_mm512_loadu_ps(norms_hi + j),
-                                         _mm512_loadu_ps(norms_lo + j));
-    refused |= _mm512_cmp_ps_mask(_mm512_mul_ps(x_whole, w_whole), large, _CMP_NLT_UQ);
-    const __m512 low = _mm512_sub_ps(e, bounds16(e, norms_hi + j, norms_lo + j, a_hi, a_lo,
-                                                 x_norm));
-    floors = _mm512_mask_max_ps(floors, valid, floors, low);
-  }
-  const float floor = _mm512_reduce_max_ps(floors);
-  if (refused || !isfinite(floor)) return -2; /* (a NaN bound would leave no candidate) */
+/* Row r's token: every panel whose ceiling reaches the row's floor has its tokens below n_valid
+ * computed exactly, each summed as panel_gemm.c sums it (from 0, features 0, 1, ... by fused
+ * multiply-adds, here sixteen lanes at once), and the largest wins, ties to the lower index.
+ * A token left out has logit <= its estimate + bound < floor <= the logit of the token whose
+ * estimate - bound is the floor, which is in; one taken beside the candidates is below the
+ * floor too, so it neither wins nor ties. -2 where a logit computed exactly is not finite. */
+static int64_t chosen_token(const float* x, int64_t k, const float* ceilings, int64_t num_panels,
+                            float floor, int64_t n_valid, const float* panels) {
   float best = -INFINITY;
   int64_t token = -1;
-  for (int64_t j = 0; j < n_valid; j += 16) {
-    const __mmask16 valid = n_valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n_valid - j)) - 1);
-    const __m512 e = _mm512_maskz_loadu_ps(valid, estimates + j);
-    const __m512 high = _mm512_add_ps(e, bounds16(e, norms_hi + j, norms_lo + j, a_hi, a_lo,
-                                                  x_norm));
-    for (unsigned left = _mm512_mask_cmp_ps_mask(valid, high, _mm512_set1_ps(floor), _CMP_GE_OQ);
-         left; left &= left - 1) { /* each candidate, ascending */
-      const int64_t c = j + __builtin_ctz(left);
-      const float* w = panels + c / PANEL * k * PANEL + c % PANEL;
-      float logit = 0.0f;
-      for (int64_t i = 0; i < k; i++) logit = fmaf(x[i], w[i * PANEL], logit);
-      if (!isfinite(logit)) return -2;
-      if (logit > best) { /* ascending: a tie keeps the lower index */
-        best = logit;
-        token = c;
+  for (int64_t p = 0; p < num_panels; p++) {
+    if (!(ceilings[p] >= floor)) continue;
+    const float* w = panels + p * k * PANEL;
+    __m512 l0 = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+      const __m512 xi = _mm512_set1_ps(x[i]);
+      l0 = _mm512_fmadd_ps(xi, _mm512_loadu_ps(w + i * PANEL), l0);
+      l1 = _mm512_fmadd_ps(xi, _mm512_loadu_ps(w + i * PANEL + 16), l1);
+    }
+    float logits[PANEL];
+    _mm512_storeu_ps(logits, l0);
+    _mm512_storeu_ps(logits + 16, l1);
+    const int64_t cols = n_valid - p * PANEL < PANEL ? n_valid - p * PANEL : PANEL;
+    for (int64_t c = 0; c < cols; c++) { /* ascending: a tie keeps the lower index */
+      if (!isfinite(logits[c])) return -2;
+      if (logits[c] > best) {
+        best = logits[c];
+        token = p * PANEL + c;
       }
     }
   }
@@ -511,8 +541,11 @@ static int64_t screened_token(const float* x, int64_t k, const float* estimates,
 /* tokens[r] = the index of the largest of x_r W^T's first n_valid outputs (the vocabulary,
  * before padding), for x (m, k) and W (n, k) given twice: as bfloat16 tiles (sy_tile_pack_hi)
  * and as float32 panels (panel_gemm.c's, summed there without a bias). weight_norms: |w~_j|
- * for every j < n_valid, zeros up to a multiple of 16, then |dw_j| the same way. tokens[r] = -2 where the row needs its float32 logits (values
- * not finite). Returns 0, -1 when out of memory, -2 where the tile registers are not granted. */
+ * for every j < n_valid, zeros up to a multiple of 16, then |dw_j| the same way. tokens[r] =
+ * -2 where the row needs its float32 logits: values not finite, so large that a float32 sum
+ * might overflow, or a floor that is not finite. The panels are shared among the threads, each
+ * keeping its own floors and refusals, combined row by row at the end. Returns 0, -1 when out
+ * of memory, -2 where the tile registers are not granted. */
 int sy_tile_greedy_tokens(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
                           int64_t n_valid, const float* weight_norms, const float* panels,
                           int64_t* tokens) {
@@ -521,25 +554,45 @@ int sy_tile_greedy_tokens(const float* x, int64_t m, int64_t k, const uint16_t* 
   const int64_t steps = (k + TILE_K - 1) / TILE_K;
   const int64_t blocks = (m + TILE_ROWS - 1) / TILE_ROWS;
   const int64_t num_panels = (n + PANEL - 1) / PANEL;
+  const int64_t threads = omp_get_max_threads();
   uint16_t* a = input_buffer((size_t)(blocks * steps * TILE_ELEMS) * sizeof(uint16_t) +
                              (size_t)(2 * m) * sizeof(float));
-  float* estimates = estimate_buffer((size_t)(m * n) * sizeof(float));
-  if (a == NULL || estimates == NULL) return -1;
+  float* kept = screen_buffer((size_t)(threads * m * 16 + m * num_panels) * sizeof(float) +
+                              (size_t)(threads * m));
+  if (a == NULL || kept == NULL) return -1;
   float* norms = (float*)(a + blocks * steps * TILE_ELEMS); /* |x~_r|, |dx_r| */
-#pragma omp parallel
+  const Screen screen = {kept, (uint8_t*)(kept + threads * m * 16 + m * num_panels),
+                         kept + threads * m * 16, num_panels};
+#pragma omp parallel num_threads(threads)
   {
+    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+    float* floors = screen.floors + thread * m * 16;
+    uint8_t* refused = screen.refused + thread * m;
+    for (int64_t i = 0; i < m * 16; i++) floors[i] = -INFINITY;
+    memset(refused, 0, (size_t)m);
 #pragma omp for schedule(static)
     for (int64_t block = 0; block < blocks; block++)
       split_hi_block(x, m, k, steps, block, a, norms);
     configure_tiles(m < TILE_ROWS ? (int)m : TILE_ROWS);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < num_panels; p++)
-      estimate_panel(a, tiles + p * steps * HI_STEP_ELEMS, m, steps, n, p, estimates);
+      screen_panel(a, tiles + p * steps * HI_STEP_ELEMS, m, k, steps, n_valid, p, norms,
+                   weight_norms, floors, refused, &screen);
     _tile_release();
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; r++)
-      tokens[r] = screened_token(x + r * k, k, estimates + r * n, n_valid, weight_norms, panels,
-                                 norms[2 * r], norms[2 * r + 1]);
+    for (int64_t r = 0; r < m; r++) {
+      __m512 floor = _mm512_set1_ps(-INFINITY);
+      int refuse = !isfinite(norms[2 * r]) || !isfinite(norms[2 * r + 1]);
+      for (int64_t t = 0; t < team; t++) {
+        floor = _mm512_max_ps(floor, _mm512_load_ps(screen.floors + (t * m + r) * 16));
+        refuse |= screen.refused[t * m + r];
+      }
+      const float lowest = _mm512_reduce_max_ps(floor);
+      tokens[r] = refuse || !isfinite(lowest)
+                      ? -2
+                      : chosen_token(x + r * k, k, screen.ceilings + r * num_panels, num_panels,
+                                     lowest, n_valid, panels);
+    }
   }
   return 0;
 }

@@ -8,8 +8,10 @@ over random logits of ``--vocab-size`` ids, it times one sampling step
   noise from one ``exponential_`` over the batch);
 - (b) before, every row seeded: the same, and each row's noise drawn again from its own
   ``torch.Generator``, re-seeded for the token (one small call per row);
-- now, every row seeded: ``worker.sampler.Sampler`` (counter-based noise for the whole batch in
-  a few int64 tensor ops; only rows with top-k, top-p or min-p sorted),
+- now, every row seeded: ``worker.sampler.Sampler`` (counter-based noise; only rows with
+  top-k, top-p or min-p sorted; on a CPU in float32 the race in one C pass,
+  ``cpu_ops.sample_tokens``, the noise made as it is used, elsewhere a few int64 tensor ops for
+  the whole batch),
 
 then the three noise draws alone, then a greedy step (temperature 0) by the sampler's torch ops
 against ``Sampler`` now (on a CPU: ``cpu_ops.greedy_tokens``, one pass over the logits); each

@@ -14,9 +14,12 @@ gets a fresh key from the sampler's own random source at every step. (This repla
 a CPU, and one small call per row, worse still on a GPU; docs/performance.md.)
 
 Only the rows that ask for top-k, top-p or min-p are sorted; every row's probabilities depend
-on that row alone. A batch of greedy rows on the CPU takes its tokens from
-``cpu_ops.greedy_tokens``: the same tokens as the torch ops, in one pass over the logits instead
-of four (64 rows of a 49,152-token vocabulary: 5.5 ms became 0.3).
+on that row alone. On the CPU in float32 the tokens come from C (``c_tokens``): a batch of greedy
+rows from ``cpu_ops.greedy_tokens`` (one pass over the logits instead of four: 64 rows of a
+49,152-token vocabulary, 5.5 ms became 0.3), any other batch from ``cpu_ops.sample_tokens``, the
+race in one pass with each row's noise made as it is used (64 rows at temperature 0.8: 46 ms
+became ~5). Both pick the tokens the torch ops (``torch_tokens``, the path elsewhere) pick, but
+for scores within float32 rounding of one another.
 
 Non-finite logits never reach a probability: NaN counts as -inf (never sampled), +inf as the
 largest float32 (a tie among the infinite tokens), so softmax and argmax stay defined. A row
@@ -205,31 +208,59 @@ class Sampler:
         the vocabulary, or ``NO_TOKEN`` for a row without a finite logit.
 
         ``logits`` is not modified (the caller may still need the raw values for logprobs).
+        On the CPU in float32 the C kernels pick the tokens (``cpu_ops.greedy_tokens``,
+        ``cpu_ops.sample_tokens``: the same tokens as ``torch_tokens``, in one pass); elsewhere
+        ``torch_tokens`` does.
         """
         if batch.processors is not None:
             logits = batch.processors.apply(logits)
-        if batch.all_greedy and cpu_ops.applies(logits) and logits.is_contiguous():
-            return cpu_ops.greedy_tokens(logits)  # the same tokens as below, in one pass
-        logits = finite_logits(logits)
-        nothing_allowed = torch.isneginf(logits).all(dim=-1)  # (num_rows,)
-        tokens = logits.argmax(dim=-1)
-        if not batch.all_greedy:
-            scaled = finite_logits(logits / batch.temperatures[:, None])
-            probs = filtered_probabilities(scaled, batch)
-            sampled = (probs / self.noise(batch, logits.shape[-1])).argmax(dim=-1)
-            tokens = torch.where(batch.is_greedy, tokens, sampled)
-        return tokens.masked_fill(nothing_allowed, NO_TOKEN)
+        in_c = cpu_ops.applies(logits) and logits.is_contiguous()
+        if batch.all_greedy:
+            return cpu_ops.greedy_tokens(logits) if in_c else torch_tokens(logits, batch, None)
+        keys = self.noise_keys(batch)
+        if in_c:
+            return c_tokens(logits, batch, keys)
+        return torch_tokens(logits, batch, keys)
 
-    def noise(self, batch: SamplingBatch, vocab_size: int) -> torch.Tensor:
-        """``exponential_noise`` (num_rows, vocab_size) of the batch's noise keys, with a fresh
-        key from this sampler's random source for each row that has none."""
+    def noise_keys(self, batch: SamplingBatch) -> torch.Tensor:
+        """The batch's noise keys (num_rows,) int64, with a fresh key from this sampler's
+        random source for each row that has none."""
         keys = [
             _as_int64(self.random.getrandbits(64)) if key is None else key
             for key in batch.noise_keys
         ]
-        return exponential_noise(
-            torch.tensor(keys, dtype=torch.int64, device=self.device), vocab_size
-        )
+        return torch.tensor(keys, dtype=torch.int64, device=self.device)
+
+
+def torch_tokens(
+    logits: torch.Tensor, batch: SamplingBatch, keys: torch.Tensor | None
+) -> torch.Tensor:
+    """``Sampler.__call__``'s tokens by torch ops (after the processors), the noise of ``keys``
+    (None: every row greedy)."""
+    logits = finite_logits(logits)
+    nothing_allowed = torch.isneginf(logits).all(dim=-1)  # (num_rows,)
+    tokens = logits.argmax(dim=-1)
+    if not batch.all_greedy:
+        scaled = finite_logits(logits / batch.temperatures[:, None])
+        probs = filtered_probabilities(scaled, batch)
+        sampled = (probs / exponential_noise(keys, logits.shape[-1])).argmax(dim=-1)
+        tokens = torch.where(batch.is_greedy, tokens, sampled)
+    return tokens.masked_fill(nothing_allowed, NO_TOKEN)
+
+
+def c_tokens(logits: torch.Tensor, batch: SamplingBatch, keys: torch.Tensor) -> torch.Tensor:
+    """``torch_tokens`` by ``cpu_ops.sample_tokens`` for CPU float32 ``logits``: the rows that
+    top-k, top-p or min-p filter are scaled and filtered by torch ops first (and then race at
+    temperature 1); the race and every other row take one pass in C. 64 rows of 49,152 logits
+    at temperature 0.8: 46 ms by torch ops, ~2 in C (docs/performance.md)."""
+    temperatures = batch.temperatures
+    rows = batch.filtered_rows
+    if rows.numel():
+        scaled = finite_logits(logits[rows] / temperatures[rows, None])
+        kept = _drop_filtered(scaled, batch.top_ks[rows], batch.top_ps[rows], batch.min_ps[rows])
+        logits = logits.index_copy(0, rows, kept)
+        temperatures = temperatures.index_fill(0, rows, 1.0)
+    return cpu_ops.sample_tokens(logits, temperatures, keys, ~batch.is_greedy)
 
 
 def finite_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -52,8 +52,9 @@ def test_exact_and_one_ulp_ties_keep_the_float32_token(m, k):
     weight = torch.randn(n, k, generator=generator) * 0.05
     x = torch.randn(m, k, generator=generator)
     for row, top in enumerate((x @ weight.T).argmax(-1).tolist()):
-        below, above = (top - 39 - row) % n, (top + 45 + row) % n  # in other panels of 32
-        weight[below] = weight[top]  # an exact tie at a lower index: the lower one wins
+        # in other panels of 32 (wrapping around the vocabulary's ends for a few rows)
+        below, above = (top - 39 - row) % n, (top + 45 + row) % n
+        weight[below] = weight[top]  # an exact tie: the lower index wins
         weight[above] = weight[top]  # and one a unit in the last place away from it
         weight[above, 3] = torch.nextafter(weight[top, 3], torch.tensor(1.0))
     panels = panel_gemm.pack(weight)

@@ -12,8 +12,10 @@ from interfaces import SamplingParams
 from interfaces.scheduler_to_worker import NewRequestData
 from tests.support.step_driver import context
 from worker import sampler
+from worker.models import cpu_ops
 from worker.request_state import RequestState
 from worker.sampler import (
+    NO_TOKEN,
     Sampler,
     SamplingBatch,
     exponential_noise,
@@ -100,8 +102,11 @@ def test_the_noise_is_uniform_and_uncorrelated_across_seeds_indices_and_vocab_id
         assert abs(correlation) < 0.006, name
 
 
-def test_sampled_frequencies_match_the_probabilities():
-    """40,000 successive tokens of one seed over a vocabulary of 8, without and with top-p."""
+@pytest.mark.parametrize("contiguous", [True, False], ids=["c-race", "torch-ops"])
+def test_sampled_frequencies_match_the_probabilities(contiguous):
+    """40,000 successive tokens of one seed over a vocabulary of 8, without and with top-p;
+    contiguous CPU float32 logits take the C race (``cpu_ops.sample_tokens``), an expanded view
+    the torch ops."""
     probs = torch.tensor([0.4, 0.2, 0.15, 0.1, 0.08, 0.05, 0.02, 0.0])
     num_draws = 40_000
     keys = [noise_key(7, index) for index in range(num_draws)]
@@ -109,6 +114,8 @@ def test_sampled_frequencies_match_the_probabilities():
     top_p = SamplingParams(top_k=0, temperature=1.0, top_p=0.7, seed=7)
     kept = torch.tensor([0.4, 0.2, 0.15, 0, 0, 0, 0, 0]) / 0.75  # mass before token 3 is 0.75
     logits = probs.log().expand(num_draws, 8)
+    if contiguous:
+        logits = logits.contiguous()
     for params, expected in ((plain, probs), (top_p, kept)):
         batch = SamplingBatch.from_params([params] * num_draws, keys, 8, CPU)
         tokens = Sampler(CPU, seed=0)(logits, batch)
@@ -116,6 +123,58 @@ def test_sampled_frequencies_match_the_probabilities():
         bounds = 5 * (expected * (1 - expected) / num_draws).sqrt() + 1e-9
         assert ((frequencies - expected).abs() <= bounds).all(), (frequencies, expected)
         assert frequencies[expected == 0].sum().item() == 0.0
+
+
+needs_c = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler here")
+
+
+@needs_c
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (2, 4099), (64, 49152), (5, 37)])
+def test_the_c_race_picks_the_torch_ops_tokens(rows, vocab):
+    """Temperatures, top-k, top-p and min-p rows, greedy rows, a lone row (split over the
+    threads), vocabularies that are not a multiple of 16, logits of three scales: the C race
+    and the torch ops pick the same tokens from the same noise."""
+    generator = torch.Generator().manual_seed(rows)
+    for scale in (1.0, 3.0, 8.0):
+        logits = scale * torch.randn(rows, vocab, generator=generator)
+        params = [
+            SamplingParams(
+                top_k=(0, 0, 0, 40, 0)[row % 5],
+                top_p=(1.0, 0.9, 1.0, 1.0, 1.0)[row % 5],
+                min_p=(0.0, 0.0, 0.05, 0.0, 0.0)[row % 5],
+                temperature=(0.7, 1.0, 1.3, 0.5, 0.0)[(row + int(scale)) % 5],
+            )
+            for row in range(rows)
+        ]
+        keys = [noise_key(row + int(scale), 9) for row in range(rows)]
+        batch = SamplingBatch.from_params(params, keys, vocab, CPU)
+        key_tensor = torch.tensor(keys)
+        want = sampler.torch_tokens(logits, batch, key_tensor)
+        assert sampler.c_tokens(logits, batch, key_tensor).tolist() == want.tolist()
+
+
+@needs_c
+def test_the_c_race_keeps_what_is_not_finite_out():
+    """NaN never wins, +inf ties with the largest float32, a row with one allowed token takes
+    it, a row with none gets NO_TOKEN, as with the torch ops; finite logits that a tiny
+    temperature takes to -inf give the greedy token (the torch ops' softmax is NaN there)."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.full((5, 40), -inf)
+    logits[0, 3] = 2.0  # the one allowed token
+    logits[1] = torch.randn(40, generator=torch.Generator().manual_seed(1))
+    logits[1, ::3] = nan
+    logits[2, 5], logits[2, 30] = inf, 3e38  # both as the largest float32: a race of two
+    logits[4] = torch.linspace(-3e38, -2.9e38, 40)  # / 1e-5: every x is -inf
+    params = [SamplingParams(top_k=0, temperature=1.0)] * 4 + [
+        SamplingParams(top_k=0, temperature=1e-5)
+    ]
+    batch = SamplingBatch.from_params(params, list(range(5)), 40, CPU)
+    for index in range(30):
+        keys = torch.tensor([noise_key(row, index) for row in range(5)])
+        tokens = sampler.c_tokens(logits, batch, keys).tolist()
+        assert tokens[:4] == sampler.torch_tokens(logits, batch, keys).tolist()[:4]
+        assert tokens[0] == 3 and tokens[1] % 3 != 0 and tokens[2] in (5, 30)
+        assert tokens[3] == NO_TOKEN and tokens[4] == 39
 
 
 def test_seeded_tokens_ignore_the_batch_and_the_row_order():
@@ -150,9 +209,9 @@ def test_rows_without_a_seed_draw_fresh_noise_from_the_samplers_source():
         [SamplingParams(top_k=0), SamplingParams()], [None, 1], 50, CPU
     )
     sampler, again = Sampler(CPU, seed=3), Sampler(CPU, seed=3)
-    first, second = sampler.noise(batch, 50), sampler.noise(batch, 50)
-    assert not torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
-    assert torch.equal(again.noise(batch, 50), first)  # a worker's --seed makes them repeat
+    first, second = sampler.noise_keys(batch), sampler.noise_keys(batch)
+    assert first[0] != second[0] and first[1] == second[1] == 1
+    assert torch.equal(again.noise_keys(batch), first)  # a worker's --seed makes them repeat
 
 
 def test_only_filtered_rows_are_restricted_and_each_row_stands_alone():

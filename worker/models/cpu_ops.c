@@ -27,6 +27,7 @@
  * their arguments.
  */
 #include <float.h>
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -1067,39 +1068,230 @@ void sy_silu_mul(const float* gate_up, int64_t num_tokens, int64_t inner, float*
  * logits where nan_to_num, isneginf().all() and argmax made four. Each lane keeps the first
  * index of its largest value (a later equal value does not replace it), and the lanes' results
  * are merged by value, then by the lower index. vocab < 2^31. */
+
+/* The best of a stretch of a row: its largest value and that value's first index (-1: none). */
+typedef struct {
+  float value;
+  int64_t index;
+} Best;
+
+/* Best of a and b: the larger value, then the lower index (b's index is never -1 where its
+ * value could win: an empty stretch has value -inf and index -1). */
+static inline Best better(Best a, Best b) {
+  if (b.index >= 0 && (a.index < 0 || b.value > a.value || (b.value == a.value && b.index < a.index)))
+    return b;
+  return a;
+}
+
+/* The greedy token of row[first, end) (first a multiple of LANES), as above. */
+static Best greedy_part(const float* row, int64_t first, int64_t end) {
+  vec16 best = splat(-INFINITY);
+  ivec16 at = (ivec16){0} - 1, index = (ivec16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  index += (int32_t)first;
+  int64_t v = first;
+  for (; v + LANES <= end; v += LANES) {
+    vec16 x = load(row + v);
+    x = blend(x > splat(FLT_MAX), splat(FLT_MAX), x); /* +inf as FLT_MAX; NaN stays NaN */
+    const ivec16 greater = x > best;                   /* never for NaN */
+    best = blend(greater, x, best);
+    at = (index & greater) | (at & ~greater);
+    index += LANES;
+  }
+  Best found = {-INFINITY, -1};
+  for (int lane = 0; lane < LANES; lane++)
+    if (at[lane] >= 0) found = better(found, (Best){best[lane], at[lane]});
+  for (; v < end; v++) { /* the tail: later indices, so only a larger value wins */
+    const float x = row[v] > FLT_MAX ? FLT_MAX : row[v];
+    if (x > found.value) found = (Best){x, v};
+  }
+  return found;
+}
+
 void sy_greedy_tokens(const float* logits, int64_t num_rows, int64_t vocab, int64_t* tokens) {
 #pragma omp parallel for schedule(static) if (num_rows > 1)
-  for (int64_t r = 0; r < num_rows; r++) {
-    const float* row = logits + r * vocab;
-    vec16 best = splat(-INFINITY);
-    ivec16 at = (ivec16){0} - 1, index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    int64_t v = 0;
-    for (; v + LANES <= vocab; v += LANES) {
-      vec16 x = load(row + v);
-      x = blend(x > splat(FLT_MAX), splat(FLT_MAX), x); /* +inf as FLT_MAX; NaN stays NaN */
-      const ivec16 greater = x > best;                   /* never for NaN */
-      best = blend(greater, x, best);
-      at = (index & greater) | (at & ~greater);
-      index += LANES;
-    }
-    float value = -INFINITY;
-    int64_t token = -1;
-    for (int lane = 0; lane < LANES; lane++) {
-      if (at[lane] < 0) continue; /* every value of the lane -inf or NaN */
-      if (best[lane] > value || (best[lane] == value && at[lane] < token)) {
-        value = best[lane];
-        token = at[lane];
-      }
-    }
-    for (; v < vocab; v++) { /* the tail: later indices, so only a larger value wins */
-      const float x = row[v] > FLT_MAX ? FLT_MAX : row[v];
-      if (x > value) {
-        value = x;
-        token = v;
-      }
-    }
-    tokens[r] = token;
+  for (int64_t r = 0; r < num_rows; r++) tokens[r] = greedy_part(logits + r * vocab, 0, vocab).index;
+}
+
+/* Random sampling ---------------------------------------------------------------------------
+ * The exponential race of worker/sampler.py in one pass over each row: token v of a row with
+ * temperature T wins where exp(x_v - max x) / E_v is largest (first index on ties), x_v =
+ * finite(finite(logit_v) / T) (NaN as -inf, +inf as FLT_MAX, as finite_logits does before and
+ * after the division) and E_v = -log(u_v) the row's counter-based Exp(1) noise:
+ *     u_v = (2 (mix64(key + (v + 1) gamma) >> 12) + 1) 2^-53,
+ * mix64 splitmix64's finaliser, gamma its increment, -log in float64 (fdlibm's log, within an
+ * ulp), then rounded to float32: the noise exponential_noise makes with torch ops. Where the
+ * torch code takes probs / noise with probs = softmax(x), the sum that normalises them is left
+ * out (it scales every score of the row alike), so the same tokens but for scores within
+ * float32 rounding of one another. 16 logits a step; the noise in two halves of 8 float64s. */
+
+typedef double dvec8 __attribute__((vector_size(64)));
+typedef int64_t lvec8 __attribute__((vector_size(64)));
+typedef uint64_t uvec8 __attribute__((vector_size(64)));
+typedef float fvec8 __attribute__((vector_size(32)));
+
+#define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
+
+static inline dvec8 dsplat(double x) { return (dvec8){0} + x; }
+
+/* mask ? a : b for float64 lanes (mask lanes all ones or all zeros). */
+static inline dvec8 dblend(lvec8 mask, dvec8 a, dvec8 b) {
+  return (dvec8)(((lvec8)a & mask) | ((lvec8)b & ~mask));
+}
+
+/* splitmix64's finaliser on 8 counters. */
+static inline uvec8 mix64(uvec8 z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/* -log(u) for u = (2 j + 1) 2^-53 (j < 2^52: u in (0, 1), exact in float64), by fdlibm's
+ * e_log.c: u = 2^k (1 + f) with sqrt(2)/2 <= 1 + f < sqrt(2), log(1 + f) = f - s (f - R(s)),
+ * s = f / (2 + f); within an ulp. */
+static inline dvec8 neg_log_unit(uvec8 j) {
+  const dvec8 u = __builtin_convertvector((lvec8)(j + j + 1), dvec8) * dsplat(0x1p-53);
+  lvec8 bits;
+  memcpy(&bits, &u, sizeof bits);
+  lvec8 k = (bits >> 52) - 1023; /* u is positive and normal */
+  const lvec8 mantissa = (bits & 0x000FFFFFFFFFFFFFll) | 0x3FF0000000000000ll;
+  dvec8 m;
+  memcpy(&m, &mantissa, sizeof m); /* in [1, 2) */
+  const lvec8 high = m > dsplat(1.41421356237309504880);
+  m = dblend(high, m * dsplat(0.5), m);
+  k -= high; /* high lanes are -1 */
+  const dvec8 f = m - dsplat(1.0);
+  const dvec8 s = f / (dsplat(2.0) + f), z = s * s, w = z * z;
+  const dvec8 t1 = w * (dsplat(3.999999999940941908e-01) +
+                        w * (dsplat(2.222219843214978396e-01) + w * dsplat(1.531383769920937332e-01)));
+  const dvec8 t2 =
+      z * (dsplat(6.666666666666735130e-01) +
+           w * (dsplat(2.857142874366239149e-01) +
+                w * (dsplat(1.818357216161805012e-01) + w * dsplat(1.479819860511658591e-01))));
+  const dvec8 r = t2 + t1, hfsq = dsplat(0.5) * f * f;
+  const dvec8 dk = __builtin_convertvector(k, dvec8);
+  const dvec8 log = dk * dsplat(6.93147180369123816490e-01) -
+                    ((hfsq - (s * (hfsq + r) + dk * dsplat(1.90821492927058770002e-10))) - f);
+  return -log;
+}
+
+/* The row's Exp(1) noise for vocab ids v .. v + 15 (float32). */
+static inline vec16 noise16(uint64_t key, int64_t v) {
+  const uvec8 lanes = {1, 2, 3, 4, 5, 6, 7, 8};
+  const uvec8 lo = (uvec8){0} + (key + (uint64_t)v * GOLDEN_GAMMA) + lanes * GOLDEN_GAMMA;
+  const uvec8 hi = lo + 8 * GOLDEN_GAMMA;
+  const fvec8 a = __builtin_convertvector(neg_log_unit(mix64(lo) >> 12), fvec8);
+  const fvec8 b = __builtin_convertvector(neg_log_unit(mix64(hi) >> 12), fvec8);
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* x_v as above for 16 logits. */
+static inline vec16 scaled16(vec16 logits, vec16 temperature) {
+  vec16 x = blend(logits > splat(FLT_MAX), splat(FLT_MAX), logits);
+  x = blend(x != x, splat(-INFINITY), x); /* NaN */
+  x = x / temperature;
+  return blend(x > splat(FLT_MAX), splat(FLT_MAX), x);
+}
+
+/* The largest x_v of row[first, end) (-inf: none finite). */
+static float max_part(const float* row, int64_t first, int64_t end, float temperature) {
+  vec16 best = splat(-INFINITY);
+  const vec16 t = splat(temperature);
+  int64_t v = first;
+  for (; v + LANES <= end; v += LANES) best = vmax(scaled16(load(row + v), t), best);
+  float found = -INFINITY;
+  for (int lane = 0; lane < LANES; lane++) found = best[lane] > found ? best[lane] : found;
+  for (; v < end; v++) {
+    float x = row[v] > FLT_MAX ? FLT_MAX : row[v] != row[v] ? -INFINITY : row[v];
+    x /= temperature;
+    x = x > FLT_MAX ? FLT_MAX : x;
+    found = x > found ? x : found;
   }
+  return found;
+}
+
+/* The race's winner among row[first, end) given the row's largest x (finite): the largest
+ * score, first index on ties; tokens whose x is -inf never win. */
+static Best race_part(const float* row, int64_t first, int64_t end, float temperature,
+                      float top, uint64_t key) {
+  const vec16 t = splat(temperature), m = splat(top);
+  vec16 best = splat(-1.0f);
+  ivec16 at = (ivec16){0} - 1, index = (ivec16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  index += (int32_t)first;
+  for (int64_t v = first; v < end; v += LANES) {
+    vec16 logits;
+    if (v + LANES <= end) {
+      logits = load(row + v);
+    } else { /* the tail: lanes past the row as -inf */
+      float part[LANES];
+      for (int lane = 0; lane < LANES; lane++) part[lane] = v + lane < end ? row[v + lane] : -INFINITY;
+      logits = load(part);
+    }
+    const vec16 x = scaled16(logits, t);
+    const vec16 weight = blend(x == splat(-INFINITY), splat(0.0f), vexp(x - m));
+    const vec16 score = weight / noise16(key, v);
+    const ivec16 greater = score > best;
+    best = blend(greater, score, best);
+    at = (index & greater) | (at & ~greater);
+    index += LANES;
+  }
+  Best found = {-1.0f, -1};
+  for (int lane = 0; lane < LANES; lane++)
+    if (at[lane] >= 0 && best[lane] > 0.0f) found = better(found, (Best){best[lane], at[lane]});
+  return found;
+}
+
+/* tokens[r] for every row r of logits (num_rows, vocab): row r samples with temperatures[r]
+ * and noise key keys[r] where sampled[r], else takes its greedy token (greedy_part). A sampled
+ * row whose logits are all -inf or NaN gets -1; one whose x_v all came out -inf (finite logits
+ * so negative that dividing by a tiny temperature overflows) takes its greedy token, the
+ * race's limit as the temperature falls. A batch of fewer rows than threads splits each row
+ * into parts whose bests are merged as the lanes' are, so a row's token does not depend on how
+ * it was split. vocab < 2^31. Returns 0, or -1 when out of memory. */
+int sy_sample_tokens(const float* logits, int64_t num_rows, int64_t vocab,
+                     const float* temperatures, const int64_t* keys, const uint8_t* sampled,
+                     int64_t* tokens) {
+  if (num_rows <= 0) return 0;
+  const int64_t threads = omp_get_max_threads();
+  int64_t parts = num_rows >= threads ? 1 : (threads + num_rows - 1) / num_rows;
+  const int64_t part_len = ((vocab + parts - 1) / parts + LANES - 1) / LANES * LANES;
+  parts = (vocab + part_len - 1) / part_len;
+  const int64_t units = num_rows * parts;
+  Best* bests = malloc((size_t)units * sizeof(Best));
+  float* tops = malloc((size_t)units * sizeof(float));
+  if (bests == NULL || tops == NULL) {
+    free(bests);
+    free(tops);
+    return -1;
+  }
+#pragma omp parallel if (units > 1)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t unit = 0; unit < units; unit++) {
+      const int64_t r = unit / parts, first = unit % parts * part_len;
+      const int64_t end = first + part_len < vocab ? first + part_len : vocab;
+      const float* row = logits + r * vocab;
+      bests[unit] = greedy_part(row, first, end);
+      tops[unit] = sampled[r] ? max_part(row, first, end, temperatures[r]) : -INFINITY;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t unit = 0; unit < units; unit++) {
+      const int64_t r = unit / parts, first = unit % parts * part_len;
+      const int64_t end = first + part_len < vocab ? first + part_len : vocab;
+      float top = -INFINITY;
+      for (int64_t p = 0; p < parts; p++) top = tops[r * parts + p] > top ? tops[r * parts + p] : top;
+      if (sampled[r] && top != -INFINITY) /* (bests stay the greedy ones elsewhere) */
+        bests[unit] = race_part(logits + r * vocab, first, end, temperatures[r], top,
+                                (uint64_t)keys[r]);
+    }
+  }
+  for (int64_t r = 0; r < num_rows; r++) {
+    Best found = {-INFINITY, -1};
+    for (int64_t p = 0; p < parts; p++) found = better(found, bests[r * parts + p]);
+    tokens[r] = found.index;
+  }
+  free(bests);
+  free(tops);
+  return 0;
 }
 
 /* The fused layer stack ---------------------------------------------------------------------

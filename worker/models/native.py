@@ -6,7 +6,8 @@ Each source is compiled with the system C compiler (``$CC``, else ``cc`` or ``gc
 the source, the compiler, these flags and this CPU's model and flags, so a later start loads it
 in milliseconds. ``-ffp-contract=fast`` (GCC's default in its GNU mode, spelled out for any
 compiler) makes each ``a += x * w`` of the kernels one fused multiply-add, which the greedy
-head's exact logits (``tile_gemm.c``, ``fmaf``) repeat to the bit. Without a compiler, or if
+head's exact logits (``tile_gemm.c``, fused multiply-adds in the same order) repeat to the
+bit. Without a compiler, or if
 the build fails, ``load`` logs why once and returns None, and the callers fall back to torch's
 kernels.
 """

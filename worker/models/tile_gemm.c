@@ -543,7 +543,7 @@ static int64_t chosen_token(const float* x, int64_t k, const float* ceilings, in
  * and as float32 panels (panel_gemm.c's, summed there without a bias). weight_norms: |w~_j|
  * for every j < n_valid, zeros up to a multiple of 16, then |dw_j| the same way. tokens[r] =
  * -2 where the row needs its float32 logits: values not finite, so large that a float32 sum
- * might overflow, or a floor that is not finite. The panels are shared among the threads, each
+ * might overflow, a bound that is NaN, or a floor that is not finite. The panels are shared among the threads, each
  * keeping its own floors and refusals, combined row by row at the end. Returns 0, -1 when out
  * of memory, -2 where the tile registers are not granted. */
 int sy_tile_greedy_tokens(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,

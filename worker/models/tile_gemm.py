@@ -11,9 +11,9 @@ changes.
 
 ``GreedyHead`` uses the same tile unit for greedy requests at any precision: from a bfloat16
 copy of the LM head it estimates every logit with a proven bound on its distance from the
-float32 logit, and computes exactly (as ``panel_gemm`` sums it) only the few tokens the bounds
-leave: the same token as the float32 logits' argmax, for half the read and a small part of the
-arithmetic (``tile_gemm.c`` gives the bound).
+float32 logit, and computes exactly (as ``panel_gemm`` sums them) only the panels of 32 tokens
+holding the few the bounds leave: the same token as the float32 logits' argmax, for half the
+read and a small part of the arithmetic (``tile_gemm.c`` gives the bound).
 """
 
 from __future__ import annotations

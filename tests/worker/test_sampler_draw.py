@@ -154,6 +154,42 @@ def test_the_c_race_picks_the_torch_ops_tokens(rows, vocab):
 
 
 @needs_c
+@pytest.mark.parametrize("scale", [0.1, 1.0, 12.0])
+def test_the_c_filters_keep_what_the_torch_sort_keeps(scale):
+    """Top-k of 1 to vocab - 1, top-p from 0.01 to 0.99, min-p, and their combinations, over
+    flat and peaked rows, some with half their tokens forbidden (-inf): the C ranking (a
+    histogram, only the boundary's bucket sorted) keeps the prefix the torch sort keeps."""
+    combos = [
+        (top_k, top_p, min_p)
+        for top_k in (0, 1, 2, 50, 1000, 4098)
+        for top_p in (1.0, 0.01, 0.5, 0.9, 0.99)
+        for min_p in (0.0, 0.02, 0.3)
+    ]
+    vocab = 4099
+    logits = scale * torch.randn(len(combos), vocab, generator=torch.Generator().manual_seed(3))
+    logits[::7, : vocab // 2] = float("-inf")
+    params = [SamplingParams(top_k=k, top_p=p, min_p=m, temperature=0.9) for k, p, m in combos]
+    for index in range(3):
+        keys = torch.tensor([noise_key(row, index) for row in range(len(combos))])
+        batch = SamplingBatch.from_params(params, keys.tolist(), vocab, CPU)
+        want = sampler.torch_tokens(logits, batch, keys)
+        assert sampler.c_tokens(logits, batch, keys).tolist() == want.tolist()
+
+
+@needs_c
+def test_the_c_filters_break_ties_by_the_lower_index():
+    """Where the top-k boundary falls among equal logits, the lower indices are kept."""
+    logits = torch.zeros(1, 64)
+    logits[0, 40] = 1.0  # the largest, then 63 ties
+    batch = SamplingBatch.from_params([SamplingParams(top_k=3, temperature=1.0)], [0], 64, CPU)
+    seen = set()
+    for index in range(300):
+        keys = torch.tensor([noise_key(0, index)])
+        seen.add(sampler.c_tokens(logits, batch, keys).item())
+    assert seen == {40, 0, 1}
+
+
+@needs_c
 def test_the_c_race_keeps_what_is_not_finite_out():
     """NaN never wins, +inf ties with the largest float32, a row with one allowed token takes
     it, a row with none gets NO_TOKEN, as with the torch ops; finite logits that a tiny

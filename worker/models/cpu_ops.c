@@ -1209,11 +1209,186 @@ static float max_part(const float* row, int64_t first, int64_t end, float temper
   return found;
 }
 
-/* The race's winner among row[first, end) given the row's largest x (finite): the largest
- * score, first index on ties; tokens whose x is -inf never win. */
-static Best race_part(const float* row, int64_t first, int64_t end, float temperature,
-                      float top, uint64_t key) {
+/* Top-k, top-p and min-p. They keep a prefix of the row's tokens in rank order (x descending,
+ * then the lower index first, where the torch code's sort breaks ties as it likes): top-k the
+ * first k; top-p, of the distribution restricted by top-k, the ranks whose mass before them is
+ * at most top_p (so at least the first); min-p the ranks whose weight exp(x - max) is at least
+ * min_p, the largest's being 1. The kept prefix is the shortest of the three, described by its
+ * last token (Cutoff): a token is kept where its order key is above the last one's, or equal
+ * with an index at most the last one's. Ranks are found without sorting the row: a histogram
+ * of the order keys' top 16 bits (counts and masses) is walked from the top, and only the
+ * bucket a rank or mass falls in is sorted. */
+
+typedef uint32_t uvec16 __attribute__((vector_size(64)));
+
+typedef struct {
+  uint32_t key;
+  int32_t index;
+} Cutoff;
+
+static const Cutoff KEEP_ALL = {0, INT32_MAX}; /* every key is above 0: -inf's is 0x007FFFFF */
+
+#define BUCKET_BITS 12
+#define NUM_BUCKETS (1 << BUCKET_BITS)
+
+/* An order key of each x: larger x, larger key (as unsigned); x is never NaN here. */
+static inline uvec16 order_keys(vec16 x) {
+  const uvec16 bits = (uvec16)x, negative = (uvec16)((ivec16)bits >> 31);
+  return bits ^ (negative | 0x80000000u);
+}
+
+/* A thread's scratch for one row: its order keys and weights, the histogram, and the members
+ * of one bucket; kept for the thread's next calls. */
+typedef struct {
+  uint32_t* keys;
+  float* weights;
+  int32_t* members;
+  int32_t* counts;
+  double* masses;
+  int64_t vocab;
+} Ranking;
+
+static __thread Ranking thread_ranking;
+static __thread const uint32_t* sorting_keys; /* for by_rank, which qsort calls */
+
+/* Rank order of two tokens (key descending, index ascending). */
+static int by_rank(const void* a, const void* b) {
+  const int32_t i = *(const int32_t*)a, j = *(const int32_t*)b;
+  const uint32_t ki = sorting_keys[i], kj = sorting_keys[j];
+  return ki != kj ? (ki < kj ? 1 : -1) : (i > j) - (i < j);
+}
+
+/* This thread's ranking scratch for rows of `vocab` tokens, or NULL when out of memory. */
+static Ranking* ranking_for(int64_t vocab) {
+  Ranking* r = &thread_ranking;
+  if (r->vocab < vocab || r->counts == NULL) {
+    free(r->keys), free(r->weights), free(r->members), free(r->counts), free(r->masses);
+    r->keys = malloc((size_t)vocab * sizeof *r->keys);
+    r->weights = malloc((size_t)vocab * sizeof *r->weights);
+    r->members = malloc((size_t)vocab * sizeof *r->members);
+    r->counts = malloc(NUM_BUCKETS * sizeof *r->counts);
+    r->masses = malloc(NUM_BUCKETS * sizeof *r->masses);
+    r->vocab = vocab;
+    if (!r->keys || !r->weights || !r->members || !r->counts || !r->masses) {
+      free(r->keys), free(r->weights), free(r->members), free(r->counts), free(r->masses);
+      memset(r, 0, sizeof *r);
+      return NULL;
+    }
+  }
+  return r;
+}
+
+/* Bucket b's tokens into r->members in rank order; their number. */
+static int64_t bucket_members(Ranking* r, int64_t vocab, int64_t b) {
+  int64_t n = 0;
+  for (int64_t v = 0; v < vocab; v++)
+    if ((int64_t)(r->keys[v] >> (32 - BUCKET_BITS)) == b) r->members[n++] = (int32_t)v;
+  sorting_keys = r->keys;
+  qsort(r->members, (size_t)n, sizeof *r->members, by_rank); /* (index order already) */
+  return n;
+}
+
+/* The token at rank `rank` (< vocab) and the mass of the ranks before it. */
+static int32_t at_rank(Ranking* r, int64_t vocab, int64_t rank, double* mass_before) {
+  int64_t above = 0;
+  double mass = 0.0;
+  for (int64_t b = NUM_BUCKETS - 1; b >= 0; b--) {
+    if (above + r->counts[b] > rank) {
+      bucket_members(r, vocab, b);
+      for (int64_t i = 0; i < rank - above; i++) mass += r->weights[r->members[i]];
+      *mass_before = mass;
+      return r->members[rank - above];
+    }
+    above += r->counts[b];
+    mass += r->masses[b];
+  }
+  *mass_before = mass;
+  return -1; /* (no such rank) */
+}
+
+/* The first rank whose mass before it is above `limit`; vocab if none is. */
+static int64_t rank_past_mass(Ranking* r, int64_t vocab, double limit) {
+  int64_t above = 0;
+  double mass = 0.0;
+  for (int64_t b = NUM_BUCKETS - 1; b >= 0; b--) {
+    if (r->counts[b] == 0) continue;
+    if (mass > limit) return above;
+    if (mass + r->masses[b] <= limit) { /* the whole bucket's ranks are kept */
+      above += r->counts[b];
+      mass += r->masses[b];
+      continue;
+    }
+    const int64_t n = bucket_members(r, vocab, b);
+    for (int64_t i = 0; i < n; i++) {
+      if (mass > limit) return above + i;
+      mass += r->weights[r->members[i]];
+    }
+    above += n;
+  }
+  return above;
+}
+
+/* The last token that row's top-k, top-p and min-p keep (see above), given its largest x;
+ * KEEP_ALL where none applies; `failed` set when out of memory. */
+static Cutoff filter_cutoff(const float* row, int64_t vocab, float temperature, float top,
+                            int64_t top_k, float top_p, float min_p, int* failed) {
+  if (top_k >= vocab && !(top_p < 1.0f) && !(min_p > 0.0f)) return KEEP_ALL;
+  Ranking* r = ranking_for(vocab);
+  if (r == NULL) {
+#pragma omp atomic write
+    *failed = 1;
+    return KEEP_ALL;
+  }
+  memset(r->counts, 0, NUM_BUCKETS * sizeof *r->counts);
+  memset(r->masses, 0, NUM_BUCKETS * sizeof *r->masses);
   const vec16 t = splat(temperature), m = splat(top);
+  int64_t above_min_p = 0;
+  for (int64_t v = 0; v < vocab; v += LANES) {
+    vec16 logits;
+    const int64_t lanes = vocab - v < LANES ? vocab - v : LANES;
+    if (lanes == LANES) {
+      logits = load(row + v);
+    } else {
+      float part[LANES];
+      for (int lane = 0; lane < LANES; lane++) part[lane] = lane < lanes ? row[v + lane] : -INFINITY;
+      logits = load(part);
+    }
+    const vec16 x = scaled16(logits, t);
+    const vec16 weight = blend(x == splat(-INFINITY), splat(0.0f), vexp(x - m));
+    const uvec16 keys = order_keys(x);
+    for (int lane = 0; lane < lanes; lane++) {
+      const uint32_t bucket = keys[lane] >> (32 - BUCKET_BITS);
+      r->keys[v + lane] = keys[lane];
+      r->weights[v + lane] = weight[lane];
+      r->counts[bucket]++;
+      r->masses[bucket] += weight[lane];
+      above_min_p += weight[lane] >= min_p;
+    }
+  }
+  int64_t keep = top_k < vocab ? top_k : vocab;
+  double mass = 0.0;
+  if (top_p < 1.0f) {
+    if (keep < vocab)
+      at_rank(r, vocab, keep, &mass); /* the mass of the first `keep` ranks */
+    else
+      for (int64_t b = 0; b < NUM_BUCKETS; b++) mass += r->masses[b];
+    const int64_t by_mass = rank_past_mass(r, vocab, (double)top_p * mass);
+    keep = by_mass < keep ? by_mass : keep;
+  }
+  if (min_p > 0.0f && above_min_p < keep) keep = above_min_p;
+  if (keep < 1) keep = 1; /* the first rank is always kept */
+  double unused;
+  const int32_t last = at_rank(r, vocab, keep - 1, &unused);
+  return (Cutoff){r->keys[last], last};
+}
+
+/* The race's winner among row[first, end) given the row's largest x (finite): the largest
+ * score, first index on ties; tokens whose x is -inf, or that the cutoff drops, never win. */
+static Best race_part(const float* row, int64_t first, int64_t end, float temperature,
+                      float top, uint64_t key, Cutoff cut) {
+  const vec16 t = splat(temperature), m = splat(top);
+  const uvec16 cut_key = (uvec16){0} + cut.key;
+  const ivec16 cut_index = (ivec16){0} + cut.index;
   vec16 best = splat(-1.0f);
   ivec16 at = (ivec16){0} - 1, index = (ivec16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   index += (int32_t)first;
@@ -1227,7 +1402,9 @@ static Best race_part(const float* row, int64_t first, int64_t end, float temper
       logits = load(part);
     }
     const vec16 x = scaled16(logits, t);
-    const vec16 weight = blend(x == splat(-INFINITY), splat(0.0f), vexp(x - m));
+    const uvec16 keys = order_keys(x);
+    const ivec16 kept = (ivec16)(keys > cut_key) | ((ivec16)(keys == cut_key) & (index <= cut_index));
+    const vec16 weight = blend(~kept | (x == splat(-INFINITY)), splat(0.0f), vexp(x - m));
     const vec16 score = weight / noise16(key, v);
     const ivec16 greater = score > best;
     best = blend(greater, score, best);
@@ -1240,15 +1417,17 @@ static Best race_part(const float* row, int64_t first, int64_t end, float temper
   return found;
 }
 
-/* tokens[r] for every row r of logits (num_rows, vocab): row r samples with temperatures[r]
- * and noise key keys[r] where sampled[r], else takes its greedy token (greedy_part). A sampled
+/* tokens[r] for every row r of logits (num_rows, vocab): row r samples with temperatures[r],
+ * top_ks[r] (vocab or more: off), top_ps[r] (1 or more: off), min_ps[r] (0: off) and noise key
+ * keys[r] where sampled[r], else takes its greedy token (greedy_part). A sampled
  * row whose logits are all -inf or NaN gets -1; one whose x_v all came out -inf (finite logits
  * so negative that dividing by a tiny temperature overflows) takes its greedy token, the
  * race's limit as the temperature falls. A batch of fewer rows than threads splits each row
  * into parts whose bests are merged as the lanes' are, so a row's token does not depend on how
  * it was split. vocab < 2^31. Returns 0, or -1 when out of memory. */
 int sy_sample_tokens(const float* logits, int64_t num_rows, int64_t vocab,
-                     const float* temperatures, const int64_t* keys, const uint8_t* sampled,
+                     const float* temperatures, const int64_t* top_ks, const float* top_ps,
+                     const float* min_ps, const int64_t* keys, const uint8_t* sampled,
                      int64_t* tokens) {
   if (num_rows <= 0) return 0;
   const int64_t threads = omp_get_max_threads();
@@ -1258,11 +1437,12 @@ int sy_sample_tokens(const float* logits, int64_t num_rows, int64_t vocab,
   const int64_t units = num_rows * parts;
   Best* bests = malloc((size_t)units * sizeof(Best));
   float* tops = malloc((size_t)units * sizeof(float));
-  if (bests == NULL || tops == NULL) {
-    free(bests);
-    free(tops);
+  Cutoff* cuts = malloc((size_t)num_rows * sizeof(Cutoff));
+  if (bests == NULL || tops == NULL || cuts == NULL) {
+    free(bests), free(tops), free(cuts);
     return -1;
   }
+  int failed = 0;
 #pragma omp parallel if (units > 1)
   {
 #pragma omp for schedule(dynamic, 1)
@@ -1274,14 +1454,23 @@ int sy_sample_tokens(const float* logits, int64_t num_rows, int64_t vocab,
       tops[unit] = sampled[r] ? max_part(row, first, end, temperatures[r]) : -INFINITY;
     }
 #pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < num_rows; r++) {
+      float top = -INFINITY;
+      for (int64_t p = 0; p < parts; p++) top = tops[r * parts + p] > top ? tops[r * parts + p] : top;
+      tops[r * parts] = top;
+      cuts[r] = sampled[r] && top != -INFINITY
+                    ? filter_cutoff(logits + r * vocab, vocab, temperatures[r], top, top_ks[r],
+                                    top_ps[r], min_ps[r], &failed)
+                    : KEEP_ALL;
+    }
+#pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; unit++) {
       const int64_t r = unit / parts, first = unit % parts * part_len;
       const int64_t end = first + part_len < vocab ? first + part_len : vocab;
-      float top = -INFINITY;
-      for (int64_t p = 0; p < parts; p++) top = tops[r * parts + p] > top ? tops[r * parts + p] : top;
+      const float top = tops[r * parts];
       if (sampled[r] && top != -INFINITY) /* (bests stay the greedy ones elsewhere) */
         bests[unit] = race_part(logits + r * vocab, first, end, temperatures[r], top,
-                                (uint64_t)keys[r]);
+                                (uint64_t)keys[r], cuts[r]);
     }
   }
   for (int64_t r = 0; r < num_rows; r++) {
@@ -1289,9 +1478,8 @@ int sy_sample_tokens(const float* logits, int64_t num_rows, int64_t vocab,
     for (int64_t p = 0; p < parts; p++) found = better(found, bests[r * parts + p]);
     tokens[r] = found.index;
   }
-  free(bests);
-  free(tops);
-  return 0;
+  free(bests), free(tops), free(cuts);
+  return failed ? -1 : 0;
 }
 
 /* The fused layer stack ---------------------------------------------------------------------

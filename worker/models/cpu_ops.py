@@ -54,7 +54,7 @@ _SIGNATURES = {
     "sy_add_rms_norm": (None, [_POINTER] * 3 + [_INT] * 2 + [_FLOAT, _POINTER]),
     "sy_silu_mul": (None, [_POINTER, _INT, _INT, _POINTER]),
     "sy_greedy_tokens": (None, [_POINTER, _INT, _INT, _POINTER]),
-    "sy_sample_tokens": (ctypes.c_int, [_POINTER, _INT, _INT] + [_POINTER] * 4),
+    "sy_sample_tokens": (ctypes.c_int, [_POINTER, _INT, _INT] + [_POINTER] * 7),
     "sy_decoder_layers": (
         ctypes.c_int,
         [_POINTER] * 2
@@ -284,29 +284,39 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, sampled: torch.Tensor
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    keys: torch.Tensor,
+    sampled: torch.Tensor,
 ) -> torch.Tensor:
     """Each row's token for ``logits`` (num_rows, vocab_size): int64 (num_rows,). A row where
-    ``sampled`` (bool) is true takes the token ``worker.sampler`` draws with the torch ops
-    (``argmax(softmax(x) / exponential_noise(keys))``, x = finite_logits(finite_logits(logits) /
-    temperature)) but for scores within float32 rounding of one another; the others their
-    ``greedy_tokens`` token. -1 for a row whose logits are all -inf or NaN; a sampled row whose
-    x all came out -inf (finite logits divided by a tiny temperature) takes its greedy token.
-    At 64 rows of 49,152 logits about a twentieth of the torch ops' time (the noise is made as
-    it is used instead of written and read back)."""
-    _check_float32(logits, temperatures)
-    _check_int64(keys)
+    ``sampled`` (bool) is true takes the token ``worker.sampler.torch_tokens`` draws with torch
+    ops (x = finite_logits(finite_logits(logits) / temperature), its top-k (vocab_size or more:
+    off), top-p (1 or more: off) and min-p (0: off) applied, ``argmax(softmax(x) /
+    exponential_noise(keys))``) but for scores within float32 rounding of one another, and
+    where the torch sort breaks ties in x (here the lower index ranks first); the other rows
+    their ``greedy_tokens`` token. -1 for a row whose logits are all -inf or NaN; a sampled row
+    whose x all came out -inf (finite logits divided by a tiny temperature) takes its greedy
+    token. The filters rank the row through a histogram of its values instead of sorting it,
+    and the noise is made as it is used: at 64 rows of 49,152 logits about a tenth of the torch
+    ops' time, and a twentieth with top-p or top-k (docs/performance.md)."""
+    _check_float32(logits, temperatures, top_ps, min_ps)
+    _check_int64(keys, top_ks)
     if logits.dim() != 2 or not 0 < logits.shape[1] < 2**31:
         raise ValueError(f"sampling from logits shaped {tuple(logits.shape)}")
     num_rows, vocab_size = logits.shape
-    if temperatures.shape != (num_rows,) or keys.shape != (num_rows,):
-        raise ValueError(f"{num_rows} rows need as many temperatures and noise keys")
+    if any(t.shape != (num_rows,) for t in (temperatures, top_ks, top_ps, min_ps, keys)):
+        raise ValueError(f"{num_rows} rows need as many temperatures, filters and noise keys")
     if sampled.dtype != torch.bool or sampled.shape != (num_rows,) or not sampled.is_contiguous():
         raise TypeError("sampled must be a contiguous bool tensor, one entry a row")
     tokens = torch.empty(num_rows, dtype=torch.int64)
     status = library().sy_sample_tokens(
-        logits.data_ptr(), num_rows, vocab_size, temperatures.data_ptr(), keys.data_ptr(),
-        sampled.data_ptr(), tokens.data_ptr(),
+        logits.data_ptr(), num_rows, vocab_size, temperatures.data_ptr(), top_ks.data_ptr(),
+        top_ps.data_ptr(), min_ps.data_ptr(), keys.data_ptr(), sampled.data_ptr(),
+        tokens.data_ptr(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("sampling could not allocate its per-row state")

@@ -9,7 +9,8 @@ float32 with a context of 2048 tokens, a 4 GiB KV cache and prefix caching on; t
 given the same directory as --model and --tokenizer for both, and the name each server reports
 at /v1/models as --served-model-name.
 
-Workloads (random dataset: random token ids, decoded; --ignore-eos, --temperature 0, all
+Workloads (random dataset: random token ids, decoded; --ignore-eos, greedy (--temperature 0)
+unless --temperature and --top-p say otherwise for every request, all
 requests queued at once and at most --max-concurrency in flight; each workload has its own
 fixed --seed, the same for both servers, so that no workload hits the prefix cache of another):
   short-c1     128 in / 64 out, concurrency 1, 16 prompts
@@ -193,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="more `switchyard serve` flags, as one shell-quoted string (default: none)",
     )
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature (default: %(default)s, greedy)",
+    )
+    parser.add_argument(
+        "--top-p", type=float, help="every request's top_p (default: none sent, so 1)"
+    )
+    parser.add_argument(
         "--result-dir",
         help="folder for the client's result JSONs and logs (default: a new temporary one)",
     )
@@ -208,6 +218,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--num-prompts-scale must be positive")
     if not 1 <= args.rounds <= MAX_ROUNDS:
         parser.error(f"--rounds must be 1 to {MAX_ROUNDS}")
+    if not (math.isfinite(args.temperature) and 0 <= args.temperature <= 2):
+        parser.error("--temperature must be 0 to 2")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error("--top-p must be above 0 and at most 1")
     if "vllm" in args.servers and not Path(args.vllm_python).is_file():
         parser.error(f"--vllm-python: no file {args.vllm_python}")
     if args.model_dir is not None and not (Path(args.model_dir) / "config.json").is_file():
@@ -412,7 +426,8 @@ def bench_command(
         "--num-prompts": scaled_prompts(workload, args.num_prompts_scale),
         "--max-concurrency": workload.concurrency,
         "--request-rate": "inf",
-        "--temperature": 0,
+        "--temperature": args.temperature,
+        **({} if args.top_p is None else {"--top-p": args.top_p}),
         "--seed": workload_seed(workload),
         "--percentile-metrics": "ttft,tpot,itl,e2el",
         "--metric-percentiles": "50,99",

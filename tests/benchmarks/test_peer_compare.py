@@ -125,3 +125,37 @@ def test_a_round_count_out_of_range_is_refused_by_name():
             timeout=60,
         )
         assert completed.returncode == 2 and "--rounds must be 1 to 20" in completed.stderr
+
+
+def test_the_client_samples_as_asked_and_greedily_by_default():
+    parser = peer_compare.build_parser()
+    workload = peer_compare.WORKLOADS[1]
+
+    def command(*flags: str) -> list[str]:
+        args = parser.parse_args(list(flags))
+        return peer_compare.bench_command(
+            args, workload, "http://127.0.0.1:1", "m", Path("/m"), Path("/r"), "r.json"
+        )
+
+    greedy = command()
+    assert greedy[greedy.index("--temperature") + 1] == "0.0" and "--top-p" not in greedy
+    sampled = command("--temperature", "1", "--top-p", "0.95")
+    assert sampled[sampled.index("--temperature") + 1] == "1.0"
+    assert sampled[sampled.index("--top-p") + 1] == "0.95"
+
+
+def test_sampling_out_of_range_is_refused_by_name():
+    for flags, name in ((["--top-p", "0"], "--top-p"), (["--temperature", "3"], "--temperature")):
+        completed = subprocess.run(
+            [
+                sys.executable,
+                str(BENCHMARKS / "peer_compare.py"),
+                "--servers",
+                "switchyard",
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert completed.returncode == 2 and name in completed.stderr, completed.stderr

@@ -256,7 +256,7 @@ def torch_tokens(
 def c_tokens(logits: torch.Tensor, batch: SamplingBatch, keys: torch.Tensor) -> torch.Tensor:
     """``torch_tokens`` by ``cpu_ops.sample_tokens`` for CPU float32 ``logits``: every row,
     its filters included, in one C task (docs/performance.md: 64 rows of 49,152 logits at
-    temperature 0.8, 46 ms by torch ops and ~5 in C; with top-p 0.95, 167 and ~8)."""
+    temperature 0.8, 46 ms by torch ops and ~5 in C; with top-p 0.95, 167 and ~13)."""
     return cpu_ops.sample_tokens(
         logits,
         batch.temperatures,

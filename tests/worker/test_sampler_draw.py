@@ -191,26 +191,34 @@ def test_the_c_filters_break_ties_by_the_lower_index():
 
 @needs_c
 def test_the_c_race_keeps_what_is_not_finite_out():
-    """NaN never wins, +inf ties with the largest float32, a row with one allowed token takes
-    it, a row with none gets NO_TOKEN, as with the torch ops; finite logits that a tiny
-    temperature takes to -inf give the greedy token (the torch ops' softmax is NaN there)."""
-    nan, inf = float("nan"), float("inf")
-    logits = torch.full((5, 40), -inf)
+    """NaN never wins, +inf ties with the largest float32 (before and after the temperature's
+    division), a row with one allowed token takes it, a row with none gets NO_TOKEN, as with the
+    torch ops; finite logits that a tiny temperature takes to -inf give the greedy token, with
+    or without top-p (the torch ops' softmax is NaN there)."""
+    nan, inf, largest = float("nan"), float("inf"), torch.finfo(torch.float32).max
+    logits = torch.full((7, 40), -inf)
     logits[0, 3] = 2.0  # the one allowed token
     logits[1] = torch.randn(40, generator=torch.Generator().manual_seed(1))
     logits[1, ::3] = nan
-    logits[2, 5], logits[2, 30] = inf, 3e38  # both as the largest float32: a race of two
-    logits[4] = torch.linspace(-3e38, -2.9e38, 40)  # / 1e-5: every x is -inf
+    logits[2, 5], logits[2, 30] = inf, largest  # a race of two equal tokens
+    logits[5, 5], logits[5, 30] = inf, largest  # the same, halved by the temperature
+    logits[4] = logits[6] = torch.linspace(-3e38, -2.9e38, 40)  # / 1e-5: every x is -inf
     params = [SamplingParams(top_k=0, temperature=1.0)] * 4 + [
-        SamplingParams(top_k=0, temperature=1e-5)
+        SamplingParams(top_k=0, temperature=1e-5),
+        SamplingParams(top_k=0, top_p=0.95, temperature=2.0),
+        SamplingParams(top_k=0, top_p=0.9, temperature=1e-5),
     ]
-    batch = SamplingBatch.from_params(params, list(range(5)), 40, CPU)
-    for index in range(30):
-        keys = torch.tensor([noise_key(row, index) for row in range(5)])
+    batch = SamplingBatch.from_params(params, list(range(7)), 40, CPU)
+    raced = []
+    for index in range(40):
+        keys = torch.tensor([noise_key(row, index) for row in range(7)])
         tokens = sampler.c_tokens(logits, batch, keys).tolist()
-        assert tokens[:4] == sampler.torch_tokens(logits, batch, keys).tolist()[:4]
-        assert tokens[0] == 3 and tokens[1] % 3 != 0 and tokens[2] in (5, 30)
-        assert tokens[3] == NO_TOKEN and tokens[4] == 39
+        want = sampler.torch_tokens(logits, batch, keys).tolist()
+        assert tokens[:4] == want[:4] and tokens[5] == want[5]
+        assert tokens[0] == 3 and tokens[1] % 3 != 0
+        assert tokens[3] == NO_TOKEN and tokens[4] == tokens[6] == 39
+        raced += [tokens[2], tokens[5]]
+    assert set(raced) == {5, 30}
 
 
 def test_seeded_tokens_ignore_the_batch_and_the_row_order():

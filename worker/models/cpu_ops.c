@@ -1450,8 +1450,12 @@ int sy_sample_tokens(const float* logits, int64_t num_rows, int64_t vocab,
       const int64_t r = unit / parts, first = unit % parts * part_len;
       const int64_t end = first + part_len < vocab ? first + part_len : vocab;
       const float* row = logits + r * vocab;
-      bests[unit] = greedy_part(row, first, end);
-      tops[unit] = sampled[r] ? max_part(row, first, end, temperatures[r]) : -INFINITY;
+      if (sampled[r]) {
+        tops[unit] = max_part(row, first, end, temperatures[r]);
+      } else {
+        bests[unit] = greedy_part(row, first, end);
+        tops[unit] = -INFINITY;
+      }
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < num_rows; r++) {
@@ -1468,9 +1472,10 @@ int sy_sample_tokens(const float* logits, int64_t num_rows, int64_t vocab,
       const int64_t r = unit / parts, first = unit % parts * part_len;
       const int64_t end = first + part_len < vocab ? first + part_len : vocab;
       const float top = tops[r * parts];
-      if (sampled[r] && top != -INFINITY) /* (bests stay the greedy ones elsewhere) */
-        bests[unit] = race_part(logits + r * vocab, first, end, temperatures[r], top,
-                                (uint64_t)keys[r], cuts[r]);
+      if (!sampled[r]) continue; /* its greedy best is in */
+      bests[unit] = top != -INFINITY ? race_part(logits + r * vocab, first, end, temperatures[r],
+                                                 top, (uint64_t)keys[r], cuts[r])
+                                     : greedy_part(logits + r * vocab, first, end);
     }
   }
   for (int64_t r = 0; r < num_rows; r++) {

@@ -305,6 +305,8 @@ def sample_tokens(
     ops' time, and a twentieth with top-p or top-k (docs/performance.md)."""
     _check_float32(logits, temperatures, top_ps, min_ps)
     _check_int64(keys, top_ks)
+    if keys.device.type != "cpu" or top_ks.device.type != "cpu" or sampled.device.type != "cpu":
+        raise TypeError("the CPU kernels take CPU tensors")
     if logits.dim() != 2 or not 0 < logits.shape[1] < 2**31:
         raise ValueError(f"sampling from logits shaped {tuple(logits.shape)}")
     num_rows, vocab_size = logits.shape

@@ -13,14 +13,15 @@ gets a fresh key from the sampler's own random source at every step. (This repla
 ``torch.Generator`` per seeded row, re-seeded per token: about 5 times the cost of this draw on
 a CPU, and one small call per row, worse still on a GPU; docs/performance.md.)
 
-Only the rows that ask for top-k, top-p or min-p are sorted; every row's probabilities depend
-on that row alone. On the CPU in float32 the tokens come from C (``c_tokens``): a batch of greedy
-rows from ``cpu_ops.greedy_tokens`` (one pass over the logits instead of four: 64 rows of a
-49,152-token vocabulary, 5.5 ms became 0.3), any other batch from ``cpu_ops.sample_tokens``, the
-race in one pass with each row's noise made as it is used and its filters found without a sort
-(64 rows at temperature 0.8: 46 ms became ~5; with top-p 0.95, 167 became ~13). Both pick the
-tokens the torch ops (``torch_tokens``, the path elsewhere) pick, but for scores within float32
-rounding of one another, and for ties in the logits at a filter's boundary.
+Every row's probabilities depend on that row alone (the torch ops sort only the rows that ask
+for top-k, top-p or min-p). On the CPU in float32 the tokens come from C (``c_tokens``): a
+batch of greedy rows from ``cpu_ops.greedy_tokens`` (one pass over the logits instead of four:
+64 rows of a 49,152-token vocabulary, 5.5 ms became 0.3), any other batch from
+``cpu_ops.sample_tokens``, the race in one pass with each row's noise made as it is used and
+its filters found without a sort (64 rows at temperature 0.8: 46 ms became ~5; with top-p 0.95,
+167 became ~13). Both pick the tokens the torch ops (``torch_tokens``, the path elsewhere)
+pick, but for scores within float32 rounding of one another, a filter's mass or weight within
+rounding of its threshold, and ties in the logits at a filter's boundary.
 
 Non-finite logits never reach a probability: NaN counts as -inf (never sampled), +inf as the
 largest float32 (a tie among the infinite tokens), so softmax and argmax stay defined. A row

@@ -154,11 +154,12 @@ def test_the_c_race_picks_the_torch_ops_tokens(rows, vocab):
 
 
 @needs_c
-@pytest.mark.parametrize("scale", [0.1, 1.0, 12.0])
-def test_the_c_filters_keep_what_the_torch_sort_keeps(scale):
+@pytest.mark.parametrize(("shift", "scale"), [(0.0, 0.1), (0.0, 1.0), (0.0, 12.0), (20.0, 2.0)])
+def test_the_c_filters_keep_what_the_torch_sort_keeps(shift, scale):
     """Top-k of 1 to vocab - 1, top-p from 0.01 to 0.99, min-p, and their combinations, over
-    flat and peaked rows, some with half their tokens forbidden (-inf): the C ranking (a
-    histogram, only the boundary's bucket sorted) keeps the prefix the torch sort keeps."""
+    flat and peaked rows and rows far from zero (most of them in one bucket of the histogram),
+    some with half their tokens forbidden (-inf): the C ranking (a histogram, only the
+    boundary's bucket sorted) keeps the prefix the torch sort keeps."""
     combos = [
         (top_k, top_p, min_p)
         for top_k in (0, 1, 2, 50, 1000, 4098)
@@ -166,7 +167,8 @@ def test_the_c_filters_keep_what_the_torch_sort_keeps(scale):
         for min_p in (0.0, 0.02, 0.3)
     ]
     vocab = 4099
-    logits = scale * torch.randn(len(combos), vocab, generator=torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(3)
+    logits = shift + scale * torch.randn(len(combos), vocab, generator=generator)
     logits[::7, : vocab // 2] = float("-inf")
     params = [SamplingParams(top_k=k, top_p=p, min_p=m, temperature=0.9) for k, p, m in combos]
     for index in range(3):
@@ -178,15 +180,48 @@ def test_the_c_filters_keep_what_the_torch_sort_keeps(scale):
 
 @needs_c
 def test_the_c_filters_break_ties_by_the_lower_index():
-    """Where the top-k boundary falls among equal logits, the lower indices are kept."""
-    logits = torch.zeros(1, 64)
+    """Where the top-k boundary falls among equal logits, the lower indices are kept; -0 and
+    +0 are equal there."""
+    logits = torch.zeros(2, 64)
     logits[0, 40] = 1.0  # the largest, then 63 ties
-    batch = SamplingBatch.from_params([SamplingParams(top_k=3, temperature=1.0)], [0], 64, CPU)
-    seen = set()
+    logits[1] = float("-inf")
+    logits[1, 0], logits[1, 3], logits[1, 7] = 0.5, -0.0, 0.0
+    params = [SamplingParams(top_k=3, temperature=1.0), SamplingParams(top_k=2, temperature=1.0)]
+    batch = SamplingBatch.from_params(params, [0, 1], 64, CPU)
+    seen: list[set[int]] = [set(), set()]
     for index in range(300):
-        keys = torch.tensor([noise_key(0, index)])
-        seen.add(sampler.c_tokens(logits, batch, keys).item())
-    assert seen == {40, 0, 1}
+        keys = torch.tensor([noise_key(0, index), noise_key(1, index)])
+        for row, token in enumerate(sampler.c_tokens(logits, batch, keys).tolist()):
+            seen[row].add(token)
+    assert seen == [{40, 0, 1}, {0, 3}]
+
+
+@needs_c
+def test_the_c_filters_stop_at_the_finite_tokens_and_take_top_k_below_one_as_off():
+    """A grammar's mask leaves 20 tokens under a top-k of 50 (the kept prefix stops at them);
+    top_k 0 or -1 given to the kernel directly filters nothing."""
+    logits = torch.full((3, 5000), float("-inf"))
+    generator = torch.Generator().manual_seed(4)
+    allowed = torch.randperm(5000, generator=generator)[:20]
+    logits[:, allowed] = torch.randn(3, 20, generator=generator)
+    batch = SamplingBatch.from_params(
+        [SamplingParams(top_k=50, top_p=0.9, temperature=1.0)] * 3, [0, 1, 2], 5000, CPU
+    )
+    for index in range(20):
+        keys = torch.tensor([noise_key(row, index) for row in range(3)])
+        want = sampler.torch_tokens(logits, batch, keys)
+        assert sampler.c_tokens(logits, batch, keys).tolist() == want.tolist()
+        off = cpu_ops.sample_tokens(
+            logits,
+            batch.temperatures,
+            torch.tensor([0, -1, 5000]),
+            torch.full((3,), float("inf")),
+            torch.zeros(3),
+            keys,
+            torch.ones(3, dtype=torch.bool),
+        )
+        plain = SamplingBatch.from_params([SamplingParams(top_k=0)] * 3, [0, 1, 2], 5000, CPU)
+        assert off.tolist() == sampler.torch_tokens(logits, plain, keys).tolist()
 
 
 @needs_c

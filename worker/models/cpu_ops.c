@@ -1192,6 +1192,15 @@ static inline vec16 scaled16(vec16 logits, vec16 temperature) {
   return blend(x > splat(FLT_MAX), splat(FLT_MAX), x);
 }
 
+/* exp(x - m) for 16 x (m the row's largest), 0 for x = -inf. x - m is held at -86 or more,
+ * so that no lane makes a subnormal (each costs the vector unit a slow assist: a row of
+ * 49,132 forbidden tokens ran 7 times slower): a token that far below the largest weighs
+ * ~4e-38 instead of less, which neither wins a race against the largest's 1 nor moves a top-p
+ * mass of at least 1, and fails a min-p only below that. */
+static inline vec16 weights16(vec16 x, vec16 m) {
+  return blend(x == splat(-INFINITY), splat(0.0f), vexp(vmax(x - m, splat(-86.0f))));
+}
+
 /* The largest x_v of row[first, end) (-inf: none finite). */
 static float max_part(const float* row, int64_t first, int64_t end, float temperature) {
   vec16 best = splat(-INFINITY);
@@ -1216,8 +1225,11 @@ static float max_part(const float* row, int64_t first, int64_t end, float temper
  * min_p, the largest's being 1. The kept prefix is the shortest of the three, described by its
  * last token (Cutoff): a token is kept where its order key is above the last one's, or equal
  * with an index at most the last one's. Ranks are found without sorting the row: a histogram
- * of the order keys' top 16 bits (counts and masses) is walked from the top, and only the
- * bucket a rank or mass falls in is sorted. */
+ * of the order keys' top 12 bits (counts and masses) is walked from the top, and only the
+ * bucket a rank or mass falls in is put in order (a stable radix sort of the keys' other 20
+ * bits, so equal keys keep index order; the last bucket sorted is kept for the next query of
+ * the row). -inf tokens rank last and weigh nothing, so the kept prefix never reaches past the
+ * row's finite tokens (which would only add tokens that cannot win). */
 
 typedef uint32_t uvec16 __attribute__((vector_size(64)));
 
@@ -1231,60 +1243,81 @@ static const Cutoff KEEP_ALL = {0, INT32_MAX}; /* every key is above 0: -inf's i
 #define BUCKET_BITS 12
 #define NUM_BUCKETS (1 << BUCKET_BITS)
 
-/* An order key of each x: larger x, larger key (as unsigned); x is never NaN here. */
+/* An order key of each x: larger x, larger key (as unsigned); x is never NaN here, and -0 is
+ * taken as +0 (adding +0 turns -0 into +0), so that the two tie as equal floats do. */
 static inline uvec16 order_keys(vec16 x) {
+  x = x + splat(0.0f);
   const uvec16 bits = (uvec16)x, negative = (uvec16)((ivec16)bits >> 31);
   return bits ^ (negative | 0x80000000u);
 }
 
-/* A thread's scratch for one row: its order keys and weights, the histogram, and the members
- * of one bucket; kept for the thread's next calls. */
+#define DIGIT_BITS 10 /* the radix sort's digit: two passes over the 20 bits below a bucket's */
+#define NUM_DIGITS (1 << DIGIT_BITS)
+
+/* A thread's scratch for one row: its order keys and weights, the histogram, one bucket's
+ * members in rank order (and which bucket that is: -1 none yet), a buffer for sorting them;
+ * kept for the thread's next calls. */
 typedef struct {
   uint32_t* keys;
   float* weights;
   int32_t* members;
+  int32_t* spare;
   int32_t* counts;
   double* masses;
-  int64_t vocab;
+  int64_t vocab, sorted_bucket, num_members;
 } Ranking;
 
 static __thread Ranking thread_ranking;
-static __thread const uint32_t* sorting_keys; /* for by_rank, which qsort calls */
 
-/* Rank order of two tokens (key descending, index ascending). */
-static int by_rank(const void* a, const void* b) {
-  const int32_t i = *(const int32_t*)a, j = *(const int32_t*)b;
-  const uint32_t ki = sorting_keys[i], kj = sorting_keys[j];
-  return ki != kj ? (ki < kj ? 1 : -1) : (i > j) - (i < j);
+static void free_ranking(Ranking* r) {
+  free(r->keys), free(r->weights), free(r->members), free(r->spare), free(r->counts);
+  free(r->masses);
+  memset(r, 0, sizeof *r);
 }
 
 /* This thread's ranking scratch for rows of `vocab` tokens, or NULL when out of memory. */
 static Ranking* ranking_for(int64_t vocab) {
   Ranking* r = &thread_ranking;
   if (r->vocab < vocab || r->counts == NULL) {
-    free(r->keys), free(r->weights), free(r->members), free(r->counts), free(r->masses);
+    free_ranking(r);
     r->keys = malloc((size_t)vocab * sizeof *r->keys);
     r->weights = malloc((size_t)vocab * sizeof *r->weights);
     r->members = malloc((size_t)vocab * sizeof *r->members);
+    r->spare = malloc((size_t)vocab * sizeof *r->spare);
     r->counts = malloc(NUM_BUCKETS * sizeof *r->counts);
     r->masses = malloc(NUM_BUCKETS * sizeof *r->masses);
     r->vocab = vocab;
-    if (!r->keys || !r->weights || !r->members || !r->counts || !r->masses) {
-      free(r->keys), free(r->weights), free(r->members), free(r->counts), free(r->masses);
-      memset(r, 0, sizeof *r);
+    if (!r->keys || !r->weights || !r->members || !r->spare || !r->counts || !r->masses) {
+      free_ranking(r);
       return NULL;
     }
   }
   return r;
 }
 
-/* Bucket b's tokens into r->members in rank order; their number. */
+/* Bucket b's tokens into r->members in rank order (key descending, index ascending); their
+ * number. Collected in index order, then a stable radix sort by the key's low 20 bits,
+ * descending, in two passes of DIGIT_BITS; the bucket stays sorted for the row's next query. */
 static int64_t bucket_members(Ranking* r, int64_t vocab, int64_t b) {
+  if (r->sorted_bucket == b) return r->num_members;
   int64_t n = 0;
   for (int64_t v = 0; v < vocab; v++)
     if ((int64_t)(r->keys[v] >> (32 - BUCKET_BITS)) == b) r->members[n++] = (int32_t)v;
-  sorting_keys = r->keys;
-  qsort(r->members, (size_t)n, sizeof *r->members, by_rank); /* (index order already) */
+  for (int shift = 0; shift < 32 - BUCKET_BITS; shift += DIGIT_BITS) {
+    int64_t starts[NUM_DIGITS + 1] = {0};
+    for (int64_t i = 0; i < n; i++) /* digits counted descending: NUM_DIGITS - 1 - digit */
+      starts[NUM_DIGITS - ((r->keys[r->members[i]] >> shift) & (NUM_DIGITS - 1))]++;
+    for (int d = 1; d <= NUM_DIGITS; d++) starts[d] += starts[d - 1];
+    for (int64_t i = 0; i < n; i++) {
+      const int32_t v = r->members[i];
+      r->spare[starts[NUM_DIGITS - 1 - ((r->keys[v] >> shift) & (NUM_DIGITS - 1))]++] = v;
+    }
+    int32_t* sorted = r->spare;
+    r->spare = r->members;
+    r->members = sorted;
+  }
+  r->sorted_bucket = b;
+  r->num_members = n;
   return n;
 }
 
@@ -1332,7 +1365,8 @@ static int64_t rank_past_mass(Ranking* r, int64_t vocab, double limit) {
  * KEEP_ALL where none applies; `failed` set when out of memory. */
 static Cutoff filter_cutoff(const float* row, int64_t vocab, float temperature, float top,
                             int64_t top_k, float top_p, float min_p, int* failed) {
-  if (top_k >= vocab && !(top_p < 1.0f) && !(min_p > 0.0f)) return KEEP_ALL;
+  if (top_k < 1 || top_k > vocab) top_k = vocab; /* off */
+  if (top_k == vocab && !(top_p < 1.0f) && !(min_p > 0.0f)) return KEEP_ALL;
   Ranking* r = ranking_for(vocab);
   if (r == NULL) {
 #pragma omp atomic write
@@ -1341,8 +1375,9 @@ static Cutoff filter_cutoff(const float* row, int64_t vocab, float temperature, 
   }
   memset(r->counts, 0, NUM_BUCKETS * sizeof *r->counts);
   memset(r->masses, 0, NUM_BUCKETS * sizeof *r->masses);
+  r->sorted_bucket = -1;
   const vec16 t = splat(temperature), m = splat(top);
-  int64_t above_min_p = 0;
+  int64_t above_min_p = 0, finite = 0;
   for (int64_t v = 0; v < vocab; v += LANES) {
     vec16 logits;
     const int64_t lanes = vocab - v < LANES ? vocab - v : LANES;
@@ -1354,7 +1389,7 @@ static Cutoff filter_cutoff(const float* row, int64_t vocab, float temperature, 
       logits = load(part);
     }
     const vec16 x = scaled16(logits, t);
-    const vec16 weight = blend(x == splat(-INFINITY), splat(0.0f), vexp(x - m));
+    const vec16 weight = weights16(x, m);
     const uvec16 keys = order_keys(x);
     for (int lane = 0; lane < lanes; lane++) {
       const uint32_t bucket = keys[lane] >> (32 - BUCKET_BITS);
@@ -1363,14 +1398,15 @@ static Cutoff filter_cutoff(const float* row, int64_t vocab, float temperature, 
       r->counts[bucket]++;
       r->masses[bucket] += weight[lane];
       above_min_p += weight[lane] >= min_p;
+      finite += x[lane] != -INFINITY;
     }
   }
-  int64_t keep = top_k < vocab ? top_k : vocab;
+  int64_t keep = top_k < finite ? top_k : finite; /* at least 1: the row's max is finite */
   double mass = 0.0;
   if (top_p < 1.0f) {
-    if (keep < vocab)
+    if (keep < finite)
       at_rank(r, vocab, keep, &mass); /* the mass of the first `keep` ranks */
-    else
+    else /* every finite token's (the others weigh nothing) */
       for (int64_t b = 0; b < NUM_BUCKETS; b++) mass += r->masses[b];
     const int64_t by_mass = rank_past_mass(r, vocab, (double)top_p * mass);
     keep = by_mass < keep ? by_mass : keep;
@@ -1404,7 +1440,7 @@ static Best race_part(const float* row, int64_t first, int64_t end, float temper
     const vec16 x = scaled16(logits, t);
     const uvec16 keys = order_keys(x);
     const ivec16 kept = (ivec16)(keys > cut_key) | ((ivec16)(keys == cut_key) & (index <= cut_index));
-    const vec16 weight = blend(~kept | (x == splat(-INFINITY)), splat(0.0f), vexp(x - m));
+    const vec16 weight = blend(~kept, splat(0.0f), weights16(x, m));
     const vec16 score = weight / noise16(key, v);
     const ivec16 greater = score > best;
     best = blend(greater, score, best);

@@ -296,13 +296,14 @@ def sample_tokens(
     ``sampled`` (bool) is true takes the token ``worker.sampler.torch_tokens`` draws with torch
     ops (x = finite_logits(finite_logits(logits) / temperature), its top-k (vocab_size or more:
     off), top-p (1 or more: off) and min-p (0: off) applied, ``argmax(softmax(x) /
-    exponential_noise(keys))``) but for scores within float32 rounding of one another, and
-    where the torch sort breaks ties in x (here the lower index ranks first); the other rows
-    their ``greedy_tokens`` token. -1 for a row whose logits are all -inf or NaN; a sampled row
+    exponential_noise(keys))``) but for scores within float32 rounding of one another, a
+    filter's mass or weight within rounding of its threshold, and where the torch sort breaks
+    ties in x (here the lower index ranks first, -0 equal to +0); the other rows their
+    ``greedy_tokens`` token. -1 for a row whose logits are all -inf or NaN; a sampled row
     whose x all came out -inf (finite logits divided by a tiny temperature) takes its greedy
     token. The filters rank the row through a histogram of its values instead of sorting it,
-    and the noise is made as it is used: at 64 rows of 49,152 logits about a tenth of the torch
-    ops' time, and a twentieth with top-p or top-k (docs/performance.md)."""
+    and the noise is made as it is used: at 64 rows of 49,152 logits about a ninth of the torch
+    ops' time, and a thirteenth with top-p or top-k (docs/performance.md)."""
     _check_float32(logits, temperatures, top_ps, min_ps)
     _check_int64(keys, top_ks)
     if keys.device.type != "cpu" or top_ks.device.type != "cpu" or sampled.device.type != "cpu":

@@ -19,7 +19,7 @@ batch of greedy rows from ``cpu_ops.greedy_tokens`` (one pass over the logits in
 64 rows of a 49,152-token vocabulary, 5.5 ms became 0.3), any other batch from
 ``cpu_ops.sample_tokens``, the race in one pass with each row's noise made as it is used and
 its filters found without a sort (64 rows at temperature 0.8: 46 ms became ~5; with top-p 0.95,
-167 became ~13). Both pick the tokens the torch ops (``torch_tokens``, the path elsewhere)
+167 became ~11). Both pick the tokens the torch ops (``torch_tokens``, the path elsewhere)
 pick, but for scores within float32 rounding of one another, a filter's mass or weight within
 rounding of its threshold, and ties in the logits at a filter's boundary.
 
@@ -257,7 +257,7 @@ def torch_tokens(
 def c_tokens(logits: torch.Tensor, batch: SamplingBatch, keys: torch.Tensor) -> torch.Tensor:
     """``torch_tokens`` by ``cpu_ops.sample_tokens`` for CPU float32 ``logits``: every row,
     its filters included, in one C task (docs/performance.md: 64 rows of 49,152 logits at
-    temperature 0.8, 46 ms by torch ops and ~5 in C; with top-p 0.95, 167 and ~13)."""
+    temperature 0.8, 46 ms by torch ops and ~5 in C; with top-p 0.95, 167 and ~11)."""
     return cpu_ops.sample_tokens(
         logits,
         batch.temperatures,

@@ -303,7 +303,7 @@ def sample_tokens(
     whose x all came out -inf (finite logits divided by a tiny temperature) takes its greedy
     token. The filters rank the row through a histogram of its values instead of sorting it,
     and the noise is made as it is used: at 64 rows of 49,152 logits about a ninth of the torch
-    ops' time, and a thirteenth with top-p or top-k (docs/performance.md)."""
+    ops' time, and a fifteenth with top-p or top-k (docs/performance.md)."""
     _check_float32(logits, temperatures, top_ps, min_ps)
     _check_int64(keys, top_ks)
     if keys.device.type != "cpu" or top_ks.device.type != "cpu" or sampled.device.type != "cpu":

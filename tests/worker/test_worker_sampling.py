@@ -21,7 +21,6 @@ from worker.logits_processors import (
     SamplingRow,
     build_logits_processors,
     edits_logits,
-    token_counts,
 )
 from worker.model_runner import ModelRunner
 from worker.models import cpu_ops, tile_gemm
@@ -89,9 +88,52 @@ def test_rows_without_processors_are_not_copied():
     assert processors.is_empty and processors.apply(logits) is logits
 
 
-def test_token_counts():
-    counts = token_counts([[1, 1, 4], [], [0]], VOCAB, CPU)
-    assert counts.tolist() == [[0, 2, 0, 0, 1, 0], [0] * 6, [1, 0, 0, 0, 0, 0]]
+def _dense_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The penalties over the whole vocabulary, as the worker applied them before they went
+    sparse: the reference the sparse form must equal to the bit."""
+    logits = logits.clone()
+    for r, row in enumerate(rows):
+        params = row.params
+        if not row.has_penalties:
+            continue
+        counts = torch.zeros(logits.shape[1])
+        for token in row.output_token_ids:
+            counts[token] += 1
+        seen = counts > 0
+        if params.repetition_penalty != 1.0:
+            seen[list(row.prompt_token_ids)] = True
+        rep = torch.tensor(float(params.repetition_penalty))
+        scaled = torch.where(logits[r] > 0, logits[r] / rep, logits[r] * rep)
+        logits[r] = torch.where(seen, scaled, logits[r])
+        logits[r] -= torch.tensor(float(params.frequency_penalty)) * counts
+        logits[r] -= torch.tensor(float(params.presence_penalty)) * (counts > 0).float()
+    return logits
+
+
+def test_sparse_penalties_equal_the_whole_vocabulary_arithmetic():
+    generator = torch.Generator().manual_seed(6)
+    vocab = 300
+    settings = [
+        {},
+        {"repetition_penalty": 1.3},
+        {"frequency_penalty": 0.7},
+        {"presence_penalty": -0.4},
+        {"repetition_penalty": 0.8, "frequency_penalty": -1.5, "presence_penalty": 2.0},
+    ]
+    rows = []
+    for index in range(40):
+        history = torch.randint(0, vocab, (60,), generator=generator).tolist()
+        split = index % 30  # some rows with no outputs yet, some with repeats
+        history[split + 1 : split + 5] = [history[split]] * 4
+        rows.append(SamplingRow(SamplingParams(**settings[index % 5]), history, 60 - split))
+    logits = 4 * torch.randn(40, vocab, generator=generator)
+    processed = build_logits_processors(rows, vocab, CPU).apply(logits)
+    assert torch.equal(processed, _dense_penalties(logits, rows))
+
+
+def test_penalties_refuse_token_ids_outside_the_vocabulary():
+    with pytest.raises(ValueError, match="outside the vocabulary of 6"):
+        build_logits_processors([_row([1], [6], frequency_penalty=0.5)], VOCAB, CPU)
 
 
 def test_logit_bias_forces_a_token_greedy_and_sampled():

@@ -127,8 +127,8 @@ class Penalties:
 
     Elsewhere the penalties change nothing (x - 0 is x), so touching only these positions gives
     the logits the whole-vocabulary arithmetic gives, at the cost of the rows' histories instead
-    of rows x vocabulary (64 rows of a 49,152-token vocabulary with 228-token histories: ~70 ms
-    a step before, docs/performance.md).
+    of rows x vocabulary (64 rows of a 49,152-token vocabulary with 228-token histories: 82-86 ms
+    a step before, 3-11 after; docs/performance.md).
     """
 
     positions: torch.Tensor

@@ -1201,20 +1201,22 @@ static inline vec16 weights16(vec16 x, vec16 m) {
   return blend(x == splat(-INFINITY), splat(0.0f), vexp(vmax(x - m, splat(-86.0f))));
 }
 
+/* The 16 logits of row from v on, those at or past end as -inf (they then neither win nor
+ * weigh). */
+static inline vec16 logits16(const float* row, int64_t v, int64_t end) {
+  if (v + LANES <= end) return load(row + v);
+  float part[LANES];
+  for (int lane = 0; lane < LANES; lane++) part[lane] = v + lane < end ? row[v + lane] : -INFINITY;
+  return load(part);
+}
+
 /* The largest x_v of row[first, end) (-inf: none finite). */
 static float max_part(const float* row, int64_t first, int64_t end, float temperature) {
   vec16 best = splat(-INFINITY);
   const vec16 t = splat(temperature);
-  int64_t v = first;
-  for (; v + LANES <= end; v += LANES) best = vmax(scaled16(load(row + v), t), best);
+  for (int64_t v = first; v < end; v += LANES) best = vmax(scaled16(logits16(row, v, end), t), best);
   float found = -INFINITY;
   for (int lane = 0; lane < LANES; lane++) found = best[lane] > found ? best[lane] : found;
-  for (; v < end; v++) {
-    float x = row[v] > FLT_MAX ? FLT_MAX : row[v] != row[v] ? -INFINITY : row[v];
-    x /= temperature;
-    x = x > FLT_MAX ? FLT_MAX : x;
-    found = x > found ? x : found;
-  }
   return found;
 }
 
@@ -1379,16 +1381,8 @@ static Cutoff filter_cutoff(const float* row, int64_t vocab, float temperature, 
   const vec16 t = splat(temperature), m = splat(top);
   int64_t above_min_p = 0, finite = 0;
   for (int64_t v = 0; v < vocab; v += LANES) {
-    vec16 logits;
     const int64_t lanes = vocab - v < LANES ? vocab - v : LANES;
-    if (lanes == LANES) {
-      logits = load(row + v);
-    } else {
-      float part[LANES];
-      for (int lane = 0; lane < LANES; lane++) part[lane] = lane < lanes ? row[v + lane] : -INFINITY;
-      logits = load(part);
-    }
-    const vec16 x = scaled16(logits, t);
+    const vec16 x = scaled16(logits16(row, v, vocab), t);
     const vec16 weight = weights16(x, m);
     const uvec16 keys = order_keys(x);
     for (int lane = 0; lane < lanes; lane++) {
@@ -1429,15 +1423,7 @@ static Best race_part(const float* row, int64_t first, int64_t end, float temper
   ivec16 at = (ivec16){0} - 1, index = (ivec16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   index += (int32_t)first;
   for (int64_t v = first; v < end; v += LANES) {
-    vec16 logits;
-    if (v + LANES <= end) {
-      logits = load(row + v);
-    } else { /* the tail: lanes past the row as -inf */
-      float part[LANES];
-      for (int lane = 0; lane < LANES; lane++) part[lane] = v + lane < end ? row[v + lane] : -INFINITY;
-      logits = load(part);
-    }
-    const vec16 x = scaled16(logits, t);
+    const vec16 x = scaled16(logits16(row, v, end), t);
     const uvec16 keys = order_keys(x);
     const ivec16 kept = (ivec16)(keys > cut_key) | ((ivec16)(keys == cut_key) & (index <= cut_index));
     const vec16 weight = blend(~kept, splat(0.0f), weights16(x, m));

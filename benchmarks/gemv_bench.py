@@ -18,7 +18,13 @@ and ``sum()`` of a 1 GiB tensor, the read bandwidth ``benchmarks/roofline.py`` r
 why the worker has its own kernel (docs/performance.md). The kernels take turns, one pass over
 all matrices each a round, so that the machine's drift falls on all of them alike.
 
-Run: ``python benchmarks/gemv_bench.py [--threads 2] [--rows 1 4 16 64 512] [--compare OLD.c]``.
+With ``--in-cache``, each row count also times every kernel over the 120 layer matrices from
+memory beside as many products over the first layer's four matrices (14 MB, which stay in the
+last-level cache): the same arithmetic, so the difference is the time the weights' read adds
+instead of overlapping it (docs/performance.md, "Measured and dropped (2026-11-28)").
+
+Run: ``python benchmarks/gemv_bench.py [--threads 2] [--rows 1 4 16 64 512] [--compare OLD.c]
+[--in-cache]``.
 """
 
 from __future__ import annotations
@@ -57,11 +63,46 @@ def medians_in_turns(fns: dict[str, Callable[[], object]], repeats: int = 15) ->
     return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
 
 
+def in_cache_order(num_layers: int = NUM_LAYERS) -> tuple[list[int], list[int]]:
+    """The layer matrices' indices in ``main``'s list, and the same number of products over the
+    first layer's matrices alone: the same arithmetic, with weights that stay in cache."""
+    from_memory = list(range(num_layers * len(LAYER_SHAPES)))
+    return from_memory, list(range(len(LAYER_SHAPES))) * num_layers
+
+
+def print_in_cache(
+    kernels: dict[str, Callable[[torch.Tensor, int], torch.Tensor]],
+    xs: list[torch.Tensor],
+    rows: int,
+) -> None:
+    """Each kernel over the layer matrices from memory and over the first layer's in cache,
+    in turns: where the first takes longer than both the second and the weights' read alone
+    (one row's pass), reading the weights does not overlap the arithmetic."""
+    from_memory, in_cache = in_cache_order()
+    flops = (
+        2 * rows * sum(xs[i].shape[1] * LAYER_SHAPES[i % len(LAYER_SHAPES)][0] for i in in_cache)
+    )
+    passes = {}
+    for name, kernel in kernels.items():
+        for label, order in (("layers", from_memory), ("in cache", in_cache)):
+            passes[f"{name}, {label}"] = lambda kernel=kernel, order=order: [
+                kernel(xs[i], i) for i in order
+            ]
+    for name, ms in medians_in_turns(passes).items():
+        print(f"{rows:4d} rows  {name:32s} {ms:7.1f} ms {flops / 1e6 / ms:4.0f} GFLOP/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=num_cores())
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--compare", type=Path, help="another panel_gemm.c to time beside this")
+    parser.add_argument(
+        "--in-cache",
+        action="store_true",
+        help="also time the 120 layer matrices from memory against as many products over the "
+        "first layer's four, in cache: the same arithmetic without the weights' read",
+    )
     args = parser.parse_args()
     if min(args.rows) < 1 or args.threads < 1:
         parser.error("--rows and --threads take positive numbers")
@@ -121,6 +162,8 @@ def main() -> None:
             gflop_per_s = 2 * parameters * rows / 1e6 / ms
             rates = f"{gb_per_s:5.1f} GB/s {gflop_per_s:4.0f} GFLOP/s"
             print(f"{rows:4d} rows  {name:22s} {ms:7.1f} ms {rates}")
+        if args.in_cache:
+            print_in_cache(kernels, xs, rows)
     big = torch.ones(1 << 28)  # 1 GiB
     sum_ms = median_ms(big.sum, repeats=10)
     print(f"sum() of 1 GiB: {sum_ms:.1f} ms, {big.numel() * 4 / 1e6 / sum_ms:.1f} GB/s")

@@ -38,3 +38,32 @@ def test_a_compared_build_of_the_same_source_gives_the_same_products():
     y = torch.empty(64, 96)
     compared.sy_panel_linear(x.data_ptr(), 64, 40, panels.data_ptr(), 96, None, y.data_ptr())
     assert torch.equal(y, panel_gemm.linear(x, panels, None, 96))
+
+
+def test_the_in_cache_pass_repeats_the_first_layer_for_the_same_arithmetic():
+    from_memory, in_cache = gemv_bench.in_cache_order()
+
+    def shapes(order: list[int]) -> list[tuple[int, int]]:
+        return sorted(gemv_bench.LAYER_SHAPES[i % len(gemv_bench.LAYER_SHAPES)] for i in order)
+
+    assert from_memory == list(range(gemv_bench.NUM_LAYERS * len(gemv_bench.LAYER_SHAPES)))
+    assert set(in_cache) == set(range(len(gemv_bench.LAYER_SHAPES)))  # one layer's matrices
+    assert shapes(in_cache) == shapes(from_memory)
+
+
+def test_the_in_cache_lines_time_both_orders_of_every_kernel(capsys):
+    calls: dict[str, list[int]] = {"a": [], "b": []}
+    kernels = {name: (lambda x, i, name=name: calls[name].append(i)) for name in calls}
+    from_memory, in_cache = gemv_bench.in_cache_order()
+    xs = [torch.zeros(2, gemv_bench.LAYER_SHAPES[i % 4][1]) for i in from_memory]
+    gemv_bench.print_in_cache(kernels, xs, rows=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" rows  ", 1)[1][:32].strip() for line in lines] == [
+        "a, layers",
+        "a, in cache",
+        "b, layers",
+        "b, in cache",
+    ]
+    assert all(line.endswith("GFLOP/s") for line in lines)
+    turns = 3 + 15  # warm-up turns, then the timed ones
+    assert calls["a"] == (from_memory + in_cache) * turns

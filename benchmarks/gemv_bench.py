@@ -79,9 +79,7 @@ def print_in_cache(
     in turns: where the first takes longer than both the second and the weights' read alone
     (one row's pass), reading the weights does not overlap the arithmetic."""
     from_memory, in_cache = in_cache_order()
-    flops = (
-        2 * rows * sum(xs[i].shape[1] * LAYER_SHAPES[i % len(LAYER_SHAPES)][0] for i in in_cache)
-    )
+    flops = 2 * rows * NUM_LAYERS * sum(n * k for n, k in LAYER_SHAPES)  # either order's
     passes = {}
     for name, kernel in kernels.items():
         for label, order in (("layers", from_memory), ("in cache", in_cache)):

@@ -7,9 +7,8 @@ the source, the compiler, these flags and this CPU's model and flags, so a later
 in milliseconds. ``-ffp-contract=fast`` (GCC's default in its GNU mode, spelled out for any
 compiler) makes each ``a += x * w`` of the kernels one fused multiply-add, which the greedy
 head's exact logits (``tile_gemm.c``, fused multiply-adds in the same order) repeat to the
-bit. Without a compiler, or if
-the build fails, ``load`` logs why once and returns None, and the callers fall back to torch's
-kernels.
+bit. Without a compiler, or if the build fails, ``load`` logs why once and returns None, and the
+callers fall back to torch's kernels.
 """
 
 from __future__ import annotations

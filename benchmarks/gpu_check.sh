@@ -9,9 +9,10 @@
 # random weights (benchmarks/random_model.py), so no weights need to travel. Wheels in .whl/
 # (for a machine without a package index) are installed first into /tmp/site. Every result
 # lands in OUT_DIR (default: $OUT, else gpu-results/). To fit a shorter run, set CONTEXTS and
-# BATCH_SIZES (context_bench.py's lists), CONCURRENCIES and SERVERS (of graphs, eager and
-# gathered: the server's default, every step eager, the gathered attention path) to fewer
-# values, or SKIP_TESTS=1.
+# BATCH_SIZES (context_bench.py's lists), CONCURRENCIES and SERVERS (of graphs, eager, gathered
+# and sampled: the server's default, every step eager, the gathered attention path, the
+# default server with requests sampled at temperature 1 and top-p 0.95) to fewer values, or
+# SKIP_TESTS=1 and SKIP_CONTEXTS=1.
 set -uo pipefail
 shape_dir=${1:?usage: gpu_check.sh SHAPE_DIR [OUT_DIR]}
 out=${2:-${OUT:-gpu-results}}
@@ -36,20 +37,25 @@ fi
 
 python3 benchmarks/random_model.py --shape-from "$shape_dir" --output /tmp/random-model \
     --dtype bfloat16 >/dev/null 2>&1 || exit 1
-TORCH_LOGS=recompiles timeout 200 python3 benchmarks/context_bench.py \
-    --model-path /tmp/random-model --device cuda --dtype bfloat16 --contexts "$contexts" \
-    --batch-sizes "$batch_sizes" --output-json "$out/context_cuda.json" 2>&1 \
-    | grep -v Warning | tee "$out/context_cuda.log"
+if [ -z "${SKIP_CONTEXTS:-}" ]; then
+    TORCH_LOGS=recompiles timeout 200 python3 benchmarks/context_bench.py \
+        --model-path /tmp/random-model --device cuda --dtype bfloat16 --contexts "$contexts" \
+        --batch-sizes "$batch_sizes" --output-json "$out/context_cuda.json" 2>&1 \
+        | grep -v Warning | tee "$out/context_cuda.log"
+fi
 declare -A serve_args=(
     [graphs]=""
     [eager]="--max-cudagraph-capture-size 0"
     [gathered]="--attention-backend gathered"
+    [sampled]=""
 )
+declare -A client_args=([sampled]="--temperature 1 --top-p 0.95")
 for concurrency in ${CONCURRENCIES:-16 64}; do
-    for server in ${SERVERS:-graphs eager gathered}; do
+    for server in ${SERVERS:-graphs eager gathered sampled}; do
         name="serve_c${concurrency}_$server"
         timeout 150 python3 benchmarks/serve_bench.py --launch --model-path /tmp/random-model \
-            --serve-args="${serve_args[$server]}" --concurrency "$concurrency" \
+            --serve-args="${serve_args[$server]}" ${client_args[$server]:-} \
+            --concurrency "$concurrency" \
             --num-prompts $((concurrency * 4)) --output-json "$out/$name.json" 2>&1 \
             | tail -25 | tee "$out/$name.log"
     done

@@ -66,13 +66,22 @@ async def served_model(client: httpx.AsyncClient) -> dict:
     return models[0]
 
 
-def completion_payload(model: str, prompt: list[int], output_len: int) -> dict:
+def completion_payload(
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+) -> dict:
+    """A streaming completion of ``prompt``, exactly ``output_len`` tokens; greedy unless
+    ``temperature`` (and ``top_p``, not sent when None) say otherwise."""
     return {
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
         "ignore_eos": True,
-        "temperature": 0,
+        "temperature": temperature,
+        **({} if top_p is None else {"top_p": top_p}),
         "stream": True,
         "stream_options": {"include_usage": True},
     }

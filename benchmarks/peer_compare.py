@@ -82,7 +82,9 @@ from serve_bench import code_version
 from server_process import LaunchedServer
 from workload import (
     BenchmarkError,
+    add_sampling_arguments,
     check_output_json,
+    check_sampling_arguments,
     docstring_parser,
     num_cores,
     resolve_model_dir,
@@ -193,15 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="more `switchyard serve` flags, as one shell-quoted string (default: none)",
     )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="every request's temperature (default: %(default)s, greedy)",
-    )
-    parser.add_argument(
-        "--top-p", type=float, help="every request's top_p (default: none sent, so 1)"
-    )
+    add_sampling_arguments(parser)
     parser.add_argument(
         "--result-dir",
         help="folder for the client's result JSONs and logs (default: a new temporary one)",
@@ -218,10 +212,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--num-prompts-scale must be positive")
     if not 1 <= args.rounds <= MAX_ROUNDS:
         parser.error(f"--rounds must be 1 to {MAX_ROUNDS}")
-    if not (math.isfinite(args.temperature) and 0 <= args.temperature <= 2):
-        parser.error("--temperature must be 0 to 2")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        parser.error("--top-p must be above 0 and at most 1")
+    check_sampling_arguments(parser, args)
     if "vllm" in args.servers and not Path(args.vllm_python).is_file():
         parser.error(f"--vllm-python: no file {args.vllm_python}")
     if args.model_dir is not None and not (Path(args.model_dir) / "config.json").is_file():

@@ -48,6 +48,14 @@ def comparison(result: dict) -> dict:
     return derived
 
 
+def _sampling_rows(config: dict) -> list[tuple[str, str]]:
+    """A row naming how requests sampled, where the run sent sampling settings."""
+    if not config.get("temperature"):
+        return [("Sampling", "greedy")] if "temperature" in config else []
+    top_p = config.get("top_p")
+    return [("Sampling", f"temperature {config['temperature']:g}, top-p {top_p or 1:g}")]
+
+
 def format_report(result: dict) -> str:
     """The human-readable table of one run (vLLM benchmark_serving's layout)."""
     config, serving = result["config"], result["serving"]
@@ -56,6 +64,7 @@ def format_report(result: dict) -> str:
         ("Server", f"{result['server']['model']} @ {result['server']['base_url']}"),
         ("Input / output tokens", f"{config['input_len']} / {config['output_len']}"),
         ("Concurrency / request rate", f"{config['concurrency']} / {config['request_rate']}"),
+        *_sampling_rows(config),
         ("Successful requests", serving["completed"]),
         ("Failed requests", serving["failed"]),
         ("Benchmark duration (s)", serving["duration_s"]),

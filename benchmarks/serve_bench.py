@@ -2,8 +2,9 @@
 
 Sends --num-prompts streaming completions of random token-id prompts (exactly
 --input-len tokens, ids in [100, vocab size)) with max_tokens=--output-len, ignore_eos,
-temperature=0, at most --concurrency at a time, and reports throughput and TTFT / TPOT /
-ITL / end-to-end latency. One warm-up request is sent first and not counted.
+greedy unless --temperature and --top-p say otherwise, at most --concurrency at a time, and
+reports throughput and TTFT / TPOT / ITL / end-to-end latency. One warm-up request (greedy) is
+sent first and not counted.
 
 --baseline and --roofline run first, each in a child process and before the server is
 started, so nothing competes for the cores: the transformers static-batch baseline on the same
@@ -39,7 +40,9 @@ from server_process import LaunchedServer
 from workload import (
     DEFAULT_VOCAB_SIZE,
     BenchmarkError,
+    add_sampling_arguments,
     check_output_json,
+    check_sampling_arguments,
     docstring_parser,
     num_cores,
     random_prompts,
@@ -81,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests per second, Poisson arrivals (default inf: all at once)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals")
+    add_sampling_arguments(parser)
     parser.add_argument(
         "--vocab-size",
         type=int,
@@ -103,6 +107,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--request-rate must be positive (inf: send all at once)")
     if args.vocab_size is not None and args.vocab_size <= 100:
         parser.error("--vocab-size must be above 100 (ids below 100 are left to special tokens)")
+    check_sampling_arguments(parser, args)
     check_output_json(parser, args.output_json)
     args.serve_args = split_serve_args(parser, args.serve_args)
     if args.base_url:  # accept the OpenAI client's form, http://host:port/v1, too
@@ -160,7 +165,9 @@ async def benchmark(args: argparse.Namespace, base_url: str, prompts: list[list[
         if not first.success:
             raise BenchmarkError(f"the warm-up request to {base_url} failed: {first.error}")
         payloads = [
-            load_generator.completion_payload(model, prompt, args.output_len)
+            load_generator.completion_payload(
+                model, prompt, args.output_len, args.temperature, args.top_p
+            )
             for prompt in prompts[:-1]
         ]
         print(f"benchmarking {base_url}: {len(payloads)} requests", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shlex
@@ -203,3 +204,24 @@ def split_serve_args(parser: argparse.ArgumentParser, serve_args: str) -> list[s
         return shlex.split(serve_args)
     except ValueError as error:
         parser.error(f"--serve-args: {error}")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--temperature`` and ``--top-p``, sent with every request."""
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature (default: %(default)s, greedy)",
+    )
+    parser.add_argument(
+        "--top-p", type=float, help="every request's top_p (default: none sent, so 1)"
+    )
+
+
+def check_sampling_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The range OpenAI's API accepts for each (``add_sampling_arguments``)."""
+    if not (math.isfinite(args.temperature) and 0 <= args.temperature <= 2):
+        parser.error("--temperature must be 0 to 2")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error("--top-p must be above 0 and at most 1")

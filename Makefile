@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PY := $(VENV)/bin/python
 
-.PHONY: install serve test lint format clean
+.PHONY: install serve test sanitize lint format clean
 
 install: $(VENV)/.installed
 
@@ -27,8 +27,30 @@ serve: install
 # The suite starts hundreds of Python processes (servers, schedulers, workers). Where the
 # environment sets PYTHONDONTWRITEBYTECODE, each of them would compile this project's modules
 # again (~0.4 s a process); the test run writes the bytecode caches (git-ignored __pycache__/).
+# Then the C kernels' tests again under the sanitizers (`make sanitize`), where gcc has them.
 test: install
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
+	@if [ -f "$$(gcc -print-file-name=libasan.so 2>/dev/null)" ]; then \
+		$(MAKE) --no-print-directory sanitize; \
+	else \
+		echo "make test: no gcc AddressSanitizer runtime (libasan), the sanitized run skipped"; \
+	fi
+
+# The C kernels' tests with the kernels built under AddressSanitizer and UBSan (gcc), in a
+# cache of their own; the first out-of-bounds access or undefined behaviour stops the run. The
+# test that caps the address space is left out: the sanitizers' shadow memory needs more.
+SANITIZED_TESTS := tests/worker/test_cpu_ops.py tests/worker/test_tile_gemm.py \
+	tests/worker/test_greedy_head.py tests/worker/test_sampler_draw.py \
+	tests/worker/test_worker_sampling.py tests/worker/test_worker_units.py
+sanitize: install
+	@test -f "$$(gcc -print-file-name=libasan.so 2>/dev/null)" || \
+		{ echo "make sanitize needs gcc with its AddressSanitizer runtime (libasan)"; exit 1; }
+	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
+	env -u PYTHONDONTWRITEBYTECODE SWITCHYARD_CACHE_DIR="$$cache" \
+	CC="$(CURDIR)/tests/support/sanitizing-cc" \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	$(PY) -m pytest -q -p no:cacheprovider $(SANITIZED_TESTS) -k "not without_memory"
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

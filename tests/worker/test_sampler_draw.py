@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -254,6 +255,63 @@ def test_the_c_race_keeps_what_is_not_finite_out():
         assert tokens[3] == NO_TOKEN and tokens[4] == tokens[6] == 39
         raced += [tokens[2], tokens[5]]
     assert set(raced) == {5, 30}
+
+
+def _hostile_logits(rows: int, vocab: int, generator: random.Random) -> torch.Tensor:
+    """Logits of one of several kinds a broken model, a processor or a grammar could leave:
+    NaN, +-inf, -0, subnormals and the float32 extremes sprinkled in, whole rows of -inf or
+    NaN, every row tied, or values so close that only rounding separates them."""
+    specials = [math.nan, math.inf, -math.inf, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38]
+    logits = torch.randn(rows, vocab) * generator.choice([0.01, 1.0, 1000.0])
+    kind = generator.choice(["plain", "close", "specials", "nothing", "infinite", "tied"])
+    if kind == "close":
+        logits = logits * 1e-6 + 5.0
+    elif kind == "specials":
+        for _ in range(rows * max(1, vocab // 3)):
+            logits[generator.randrange(rows), generator.randrange(vocab)] = generator.choice(
+                specials
+            )
+    elif kind == "nothing":
+        logits[generator.randrange(rows)] = generator.choice([-math.inf, math.nan])
+    elif kind == "infinite":
+        logits[:, : max(1, vocab // 2)] = math.inf
+    elif kind == "tied":
+        logits[:] = generator.choice([0.0, -0.0, 7.0])
+    return logits
+
+
+def test_hostile_rows_get_an_allowed_token_or_none():
+    """Random batches of such logits under every kind of setting (temperatures down to the
+    greedy bound and below, top-k 0 to far past the vocabulary, top-p down to 1e-9, min-p up
+    to 1, negative noise keys): every sampled and every greedy token is in the vocabulary and
+    not -inf or NaN there, and NO_TOKEN comes exactly for rows with nothing else. (Also run by
+    `make sanitize`, with the kernels built under AddressSanitizer and UBSan.)"""
+    generator = random.Random(0)
+    for _ in range(150):
+        rows = generator.choice([1, 2, 7, 16, 33, 64])
+        vocab = generator.choice([1, 2, 15, 16, 17, 257, 4099])
+        logits = _hostile_logits(rows, vocab, generator)
+
+        def column(choices: list, dtype: torch.dtype, rows: int = rows) -> torch.Tensor:
+            return torch.tensor([generator.choice(choices) for _ in range(rows)], dtype=dtype)
+
+        tokens = cpu_ops.sample_tokens(
+            logits,
+            column([1e-30, 1e-5, 0.1, 1.0, 2.0], torch.float32),
+            column([0, 1, 2, vocab - 1, vocab, vocab + 5, 2**40], torch.int64),
+            column([1e-9, 1e-3, 0.5, 0.95, 1.0, math.inf], torch.float32),
+            column([0.0, 1e-9, 0.1, 1.0], torch.float32),
+            column([-(2**63), -1, 0, 1, 2**63 - 1, generator.getrandbits(63)], torch.int64),
+            column([True, True, True, False], torch.bool),
+        )
+        greedy = cpu_ops.greedy_tokens(logits)
+        allowed = ~torch.isnan(logits) & ~torch.isneginf(logits)
+        for row in range(rows):
+            for token in (int(tokens[row]), int(greedy[row])):
+                if allowed[row].any():
+                    assert 0 <= token < vocab and allowed[row, token], (row, token)
+                else:
+                    assert token == NO_TOKEN
 
 
 def test_seeded_tokens_ignore_the_batch_and_the_row_order():

@@ -108,6 +108,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.vocab_size is not None and args.vocab_size <= 100:
         parser.error("--vocab-size must be above 100 (ids below 100 are left to special tokens)")
     check_sampling_arguments(parser, args)
+    if args.baseline and args.temperature > 0:
+        parser.error("--baseline decodes greedily: run it without --temperature")
     check_output_json(parser, args.output_json)
     args.serve_args = split_serve_args(parser, args.serve_args)
     if args.base_url:  # accept the OpenAI client's form, http://host:port/v1, too

@@ -1,6 +1,7 @@
 """benchmarks/serve_bench.py: requests sample as --temperature and --top-p say (greedy by
-default), out-of-range values are refused by name, and a launched run on the tiny model
-completes every request and names its sampling in the report."""
+default), out-of-range values (and the greedy transformers baseline beside sampled requests)
+are refused by name, and a launched run on the tiny model completes every request and names
+its sampling in the report."""
 
 from __future__ import annotations
 
@@ -39,8 +40,12 @@ def test_requests_sample_as_asked_and_greedily_by_default():
     assert (payload["temperature"], payload["top_p"]) == (1.0, 0.95)
 
 
-def test_sampling_out_of_range_is_refused_by_name():
-    refused = ((["--top-p", "1.5"], "--top-p"), (["--temperature", "-1"], "--temperature"))
+def test_sampling_it_cannot_run_is_refused_by_name():
+    refused = (
+        (["--top-p", "1.5"], "--top-p"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--temperature", "1", "--baseline"], "--baseline decodes greedily"),
+    )
     for flags, name in refused:
         completed = _script("--launch", *flags)
         assert completed.returncode == 2 and name in completed.stderr, completed.stderr

@@ -314,6 +314,32 @@ def test_hostile_rows_get_an_allowed_token_or_none():
                     assert token == NO_TOKEN
 
 
+def test_settings_the_c_race_cannot_honour_are_refused():
+    """A sampled row's temperature must be positive and finite (a negative one ranked the
+    padding lanes past the vocabulary first: token 29 of 17, found by fuzzing), and top-p and
+    min-p numbers; greedy rows' temperatures are not used."""
+    logits = torch.randn(2, 17)
+    ones, zeros = torch.ones(2), torch.zeros(2)
+    top_ks, keys = torch.zeros(2, dtype=torch.int64), torch.tensor([1, 2])
+
+    def tokens(temperatures, sampled, top_ps=ones, min_ps=zeros) -> torch.Tensor:
+        return cpu_ops.sample_tokens(
+            logits, temperatures, top_ks, top_ps, min_ps, keys, torch.tensor(sampled)
+        )
+
+    for temperature in (-1.0, -1e-5, 0.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="temperature must be positive and finite"):
+            tokens(torch.tensor([1.0, temperature]), [True, True])
+    greedy = tokens(torch.tensor([1.0, -1.0]), [True, False])
+    assert greedy[1] == logits[1].argmax()
+    for top_ps, min_ps in (
+        (torch.tensor([1.0, math.nan]), zeros),
+        (ones, torch.full((2,), math.nan)),
+    ):
+        with pytest.raises(ValueError, match="top_p and min_p"):
+            tokens(ones, [True, True], top_ps, min_ps)
+
+
 def test_seeded_tokens_ignore_the_batch_and_the_row_order():
     logits = 3 * torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
     params = [

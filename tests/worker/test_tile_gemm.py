@@ -98,6 +98,14 @@ def test_the_tile_kernel_refuses_mismatched_inputs():
     assert tile_gemm.linear(torch.empty(0, 64), tiles, None, 32, 64).shape == (0, 32)
 
 
+def test_a_weight_without_inputs_gives_its_bias():
+    """k = 0 (the kernel's pass size divided by zero there: SIGFPE, found under UBSan)."""
+    bias = torch.randn(7)
+    tiles = tile_gemm.pack(torch.zeros(7, 0))
+    assert torch.equal(tile_gemm.linear(torch.zeros(3, 0), tiles, bias, 7, 0), bias.expand(3, 7))
+    assert torch.equal(tile_gemm.linear(torch.zeros(3, 0), tiles, None, 7, 0), torch.zeros(3, 7))
+
+
 OUT_OF_MEMORY_SCRIPT = """
 import ctypes, resource, threading, torch
 from worker.models import tile_gemm

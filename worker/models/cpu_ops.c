@@ -1439,9 +1439,10 @@ static Best race_part(const float* row, int64_t first, int64_t end, float temper
   return found;
 }
 
-/* tokens[r] for every row r of logits (num_rows, vocab): row r samples with temperatures[r],
- * top_ks[r] (vocab or more: off), top_ps[r] (1 or more: off), min_ps[r] (0: off) and noise key
- * keys[r] where sampled[r], else takes its greedy token (greedy_part). A sampled
+/* tokens[r] for every row r of logits (num_rows, vocab): row r samples with temperatures[r]
+ * (finite and positive: cpu_ops.sample_tokens checks), top_ks[r] (vocab or more: off),
+ * top_ps[r] (1 or more: off), min_ps[r] (0: off) and noise key keys[r] where sampled[r], else
+ * takes its greedy token (greedy_part). A sampled
  * row whose logits are all -inf or NaN gets -1; one whose x_v all came out -inf (finite logits
  * so negative that dividing by a tiny temperature overflows) takes its greedy token, the
  * race's limit as the temperature falls. A batch of fewer rows than threads splits each row

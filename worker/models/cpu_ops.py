@@ -315,6 +315,13 @@ def sample_tokens(
         raise ValueError(f"{num_rows} rows need as many temperatures, filters and noise keys")
     if sampled.dtype != torch.bool or sampled.shape != (num_rows,) or not sampled.is_contiguous():
         raise TypeError("sampled must be a contiguous bool tensor, one entry a row")
+    # The kernel divides by the temperature (a negative one would rank the rows' padding lanes,
+    # past the vocabulary, first) and compares against the filters (NaN passes no comparison).
+    temperatures_of_sampled = temperatures[sampled]
+    if not bool(((temperatures_of_sampled > 0) & temperatures_of_sampled.isfinite()).all()):
+        raise ValueError("a sampled row's temperature must be positive and finite")
+    if bool(top_ps.isnan().any() or min_ps.isnan().any()):
+        raise ValueError("top_p and min_p must be numbers")
     tokens = torch.empty(num_rows, dtype=torch.int64)
     status = library().sy_sample_tokens(
         logits.data_ptr(), num_rows, vocab_size, temperatures.data_ptr(), top_ks.data_ptr(),

@@ -301,9 +301,14 @@ static void tile_pass(const float* x, int64_t m, int64_t k, const uint16_t* tile
 /* y (m, n) = x (m, k) W^T + bias (n, or NULL), W in tile form (sy_tile_pack); all row-major,
  * contiguous. In passes of as many rows as PASS_BYTES of split inputs hold. Returns 0, -1 when
  * out of memory, -2 where this process may not use the tile registers (callers check
- * tile_gemm.available first); y is then unset. */
+ * tile_gemm.available first); y is then unset. k = 0 (no inputs) gives the bias, or zeros. */
 int sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
                    const float* bias, float* y) {
+  if (k <= 0) { /* no split inputs to hold: a pass's row count would divide by zero */
+    for (int64_t r = 0; r < m; r++)
+      for (int64_t c = 0; c < n; c++) y[r * n + c] = bias != NULL ? bias[c] : 0.0f;
+    return 0;
+  }
   const int64_t steps = (k + TILE_K - 1) / TILE_K;
   const int64_t row_bytes = steps * 2 * TILE_K * sizeof(uint16_t);
   int64_t pass_rows = PASS_BYTES / row_bytes / (2 * TILE_ROWS) * (2 * TILE_ROWS);

@@ -7,6 +7,9 @@ TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PY := $(VENV)/bin/python
+# gcc's AddressSanitizer runtime, for `make sanitize` (a bare name where gcc has none)
+ASAN_RUNTIME = $(shell gcc -print-file-name=libasan.so 2>/dev/null)
+UBSAN_RUNTIME = $(shell gcc -print-file-name=libubsan.so 2>/dev/null)
 
 .PHONY: install serve test sanitize lint format clean
 
@@ -30,7 +33,7 @@ serve: install
 # Then the C kernels' tests again under the sanitizers (`make sanitize`), where gcc has them.
 test: install
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
-	@if [ -f "$$(gcc -print-file-name=libasan.so 2>/dev/null)" ]; then \
+	@if [ -f "$(ASAN_RUNTIME)" ]; then \
 		$(MAKE) --no-print-directory sanitize; \
 	else \
 		echo "make test: no gcc AddressSanitizer runtime (libasan), the sanitized run skipped"; \
@@ -43,12 +46,12 @@ SANITIZED_TESTS := tests/worker/test_cpu_ops.py tests/worker/test_tile_gemm.py \
 	tests/worker/test_greedy_head.py tests/worker/test_sampler_draw.py \
 	tests/worker/test_worker_sampling.py tests/worker/test_worker_units.py
 sanitize: install
-	@test -f "$$(gcc -print-file-name=libasan.so 2>/dev/null)" || \
+	@test -f "$(ASAN_RUNTIME)" || \
 		{ echo "make sanitize needs gcc with its AddressSanitizer runtime (libasan)"; exit 1; }
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
 	env -u PYTHONDONTWRITEBYTECODE SWITCHYARD_CACHE_DIR="$$cache" \
 	CC="$(CURDIR)/tests/support/sanitizing-cc" \
-	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
+	LD_PRELOAD="$(ASAN_RUNTIME):$(UBSAN_RUNTIME)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	$(PY) -m pytest -q -p no:cacheprovider $(SANITIZED_TESTS) -k "not without_memory"
 

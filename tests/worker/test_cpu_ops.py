@@ -412,6 +412,70 @@ def test_the_fused_layer_stack_gives_the_layer_modules_results_to_the_bit(
             assert torch.equal(fused_part, module_part)
 
 
+@pytest.mark.parametrize("path", ["fused", "modules", "gathered"])
+def test_the_last_layer_finishes_only_the_rows_whose_logits_are_taken(tiny_llama_dir, path):
+    """A step's last layer runs past its attention for the rows whose logits it takes (in any
+    order, named twice, or none at all), not for every prompt token: the same logits and the
+    same KV cache, to the bit, as a step that finishes every row, through the fused stack and
+    through the layer modules (in-place attention and gathered)."""
+    model = load_model(tiny_llama_dir, CPU, torch.float32)
+    assert model.fused_layers is not None
+    if path != "fused":
+        model.fused_layers = None
+    kind = AttentionKind.GATHERED if path == "gathered" else AttentionKind.IN_PLACE_CPU
+    block_size = 4
+    block_ids, num_blocks = shuffled_blocks([(0, 9), (6, 5), (12, 1)], block_size)
+    generator = torch.Generator().manual_seed(7)
+    prefix_ids = torch.randint(0, model.config.vocab_size, (18,), generator=generator)
+    input_ids = torch.randint(0, model.config.vocab_size, (15,), generator=generator)
+
+    def step(rows: list[int]) -> tuple[torch.Tensor, KVCache]:
+        cache = KVCache.for_model(model, num_blocks, block_size)
+        with torch.no_grad():
+            prefix = build_batch_layout(
+                [0, 0], [6, 12], block_ids[1:], block_size, CPU, kind, num_blocks
+            )
+            model(prefix_ids, prefix.positions, cache, prefix.metadata, torch.tensor([0]))
+            layout = build_batch_layout(
+                [0, 6, 12], [9, 5, 1], block_ids, block_size, CPU, kind, num_blocks
+            )
+            indices = torch.tensor(rows, dtype=torch.int64)
+            return model(input_ids, layout.positions, cache, layout.metadata, indices), cache
+
+    every_row, every_cache = step(list(range(15)))
+    for rows in ([8, 13, 14], [14, 3, 8, 3], [0], []):
+        logits, cache = step(rows)
+        assert logits.shape == (len(rows), model.config.vocab_size)
+        assert torch.equal(logits, every_row[rows]), rows
+        for part, expected in zip(
+            (*cache.key_caches, *cache.value_caches),
+            (*every_cache.key_caches, *every_cache.value_caches),
+            strict=True,
+        ):
+            assert torch.equal(part, expected)
+
+
+def test_the_fused_stack_refuses_kept_rows_it_cannot_move(tiny_llama_dir):
+    """The C stack moves the kept rows by their indices: the wrapper refuses any that are out
+    of order, repeated, out of range or not int64 before the kernel sees them."""
+    model = load_model(tiny_llama_dir, CPU, torch.float32)
+    fused = model.fused_layers
+    assert fused is not None
+    block_size = 4
+    block_ids, num_blocks = shuffled_blocks([(0, 5)], block_size)
+    cache = KVCache.for_model(model, num_blocks, block_size)
+    kind = AttentionKind.IN_PLACE_CPU
+    layout = build_batch_layout([0], [5], block_ids, block_size, CPU, kind, num_blocks)
+    input_ids = torch.arange(5)
+    for keep in ([3, 1], [1, 1], [-1, 2], [2, 5]):
+        x = model.embed(input_ids).contiguous()
+        cos_sin = model.rotary_emb.cos_sin(layout.positions, x.dtype)
+        with pytest.raises(ValueError, match="kept rows"):
+            fused(x, cos_sin, cache, layout.metadata, torch.tensor(keep))
+    with pytest.raises(TypeError, match="int64"):
+        fused(x, cos_sin, cache, layout.metadata, torch.tensor([1, 2], dtype=torch.int32))
+
+
 def test_decodes_sharing_a_prefix_through_the_fused_stack_equal_the_modules_and_gathered(
     tiny_llama_dir,
 ):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -459,6 +463,54 @@ def test_a_rows_panel_product_does_not_depend_on_how_many_rows_it_goes_with():
                         panel_gemm.linear(x[:rows], panels, bias, out_features),
                         everything[:rows],
                     ), (out_features, threads, rows)
+
+
+STOLEN_PRODUCTS = """
+import sys, torch
+from worker.models import panel_gemm
+torch.set_num_threads(3)  # three runs of tasks, for a team the thread limit holds to one
+generator = torch.Generator().manual_seed(2)
+results = []
+for out_features, in_features in [(96, 129), (160, 200), (50, 64)]:
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(130, in_features, generator=generator)
+    for rows in (1, 9, 32, 33, 130):
+        results.append(panel_gemm.linear(x[:rows], panel_gemm.pack(weight), bias, out_features))
+torch.save(results, sys.argv[1])
+"""
+
+
+def test_a_thread_that_never_starts_leaves_its_share_to_the_others(tmp_path):
+    """The threads share a product's tasks by taking them: the kernel splits the work into as
+    many runs as torch asks for threads, and a team that OpenMP holds to one thread (here by
+    OMP_THREAD_LIMIT, as a paused thread would be) takes every run itself, with the results
+    of one thread to the bit."""
+    if panel_gemm.library() is None:
+        pytest.skip("no C compiler for the panel kernel")
+    generator = torch.Generator().manual_seed(2)
+    expected = []
+    with _threads(1):
+        for out_features, in_features in [(96, 129), (160, 200), (50, 64)]:
+            weight = torch.randn(out_features, in_features, generator=generator)
+            bias = torch.randn(out_features, generator=generator)
+            x = torch.randn(130, in_features, generator=generator)
+            for rows in (1, 9, 32, 33, 130):
+                panels = panel_gemm.pack(weight)
+                expected.append(panel_gemm.linear(x[:rows], panels, bias, out_features))
+    output = tmp_path / "products.pt"
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    subprocess.run(
+        [sys.executable, "-c", STOLEN_PRODUCTS, str(output)],
+        cwd=Path(__file__).parents[2],
+        env=env,
+        check=True,
+        timeout=120,
+    )
+    results = torch.load(output)
+    assert len(results) == len(expected)
+    for result, wanted in zip(results, expected, strict=True):
+        assert torch.equal(result, wanted)
 
 
 def test_panel_kernel_refuses_mismatched_inputs():

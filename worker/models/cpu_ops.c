@@ -1537,8 +1537,12 @@ typedef struct {
 /* x_out (num_tokens, hidden) = the last layer's output, residual (num_tokens, hidden; the
  * embeddings on entry) the residual stream before it, as the module loop leaves them. The step
  * (cos, sin, slots, block tables, starts) is as sy_rope_write_kv and sy_paged_attention take
- * it. Returns 0, or -1 when out of memory or a product failed (x_out and residual are then
- * unset). */
+ * it. Where keep is not NULL, only its num_kept rows (strictly increasing, each below
+ * num_tokens) go on past the last layer's attention, and become rows 0 .. num_kept of x_out
+ * and residual: the rows whose logits the step takes. The others' keys and values are in the
+ * cache by then, and nothing else reads the rest of their last layer (a 512-token prompt chunk
+ * skips ~3 % of its products). Returns 0, or -1 when out of memory or a product failed (x_out
+ * and residual are then unset). */
 int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_layers,
                       int64_t num_tokens, int64_t hidden, int64_t inner, float eps,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -1546,7 +1550,8 @@ int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_l
                       const int64_t* block_tables, int64_t max_blocks,
                       const int64_t* query_starts, const int64_t* context_starts,
                       int64_t num_requests, int64_t block_size, float scale,
-                      int64_t num_threads, float* residual, float* x_out) {
+                      int64_t num_threads, const int64_t* keep, int64_t num_kept,
+                      float* residual, float* x_out) {
   if (num_tokens == 0) return 0; /* nothing to compute (and malloc(0) may return NULL) */
   const int64_t heads_width = num_heads * head_dim;
   const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -1581,13 +1586,22 @@ int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_l
       attend_planned(&c, &plan, q, block_tables, max_blocks, query_starts, context_starts,
                      attended);
     }
-    if (linear(attended, num_tokens, heads_width, w->o, hidden, w->o_bias, x_out) != 0) goto done;
-    sy_add_rms_norm(x_out, residual, w->post_norm, num_tokens, hidden, eps, normed);
-    if (linear(normed, num_tokens, hidden, w->gate_up, 2 * inner, w->gate_up_bias, gate_up) != 0)
+    int64_t rows = num_tokens;
+    if (keep && l == num_layers - 1) { /* the kept rows, moved to the front in order */
+      for (int64_t i = 0; i < num_kept; i++) {
+        memmove(attended + i * heads_width, attended + keep[i] * heads_width,
+                sizeof(float) * (size_t)heads_width);
+        memmove(residual + i * hidden, residual + keep[i] * hidden, sizeof(float) * (size_t)hidden);
+      }
+      rows = num_kept;
+      if (rows == 0) break; /* no row's logits this step */
+    }
+    if (linear(attended, rows, heads_width, w->o, hidden, w->o_bias, x_out) != 0) goto done;
+    sy_add_rms_norm(x_out, residual, w->post_norm, rows, hidden, eps, normed);
+    if (linear(normed, rows, hidden, w->gate_up, 2 * inner, w->gate_up_bias, gate_up) != 0)
       goto done;
-    sy_silu_mul(gate_up, num_tokens, inner, activated);
-    if (linear(activated, num_tokens, inner, w->down, hidden, w->down_bias, x_out) != 0)
-      goto done;
+    sy_silu_mul(gate_up, rows, inner, activated);
+    if (linear(activated, rows, inner, w->down, hidden, w->down_bias, x_out) != 0) goto done;
   }
   status = 0;
 done:

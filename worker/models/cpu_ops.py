@@ -66,6 +66,7 @@ _SIGNATURES = {
         + [_POINTER] * 2
         + [_INT] * 2
         + [_FLOAT, _INT]
+        + [_POINTER, _INT]
         + [_POINTER] * 2,
     ),
 }
@@ -346,13 +347,16 @@ def decoder_layers(
     shape: tuple[int, int, int, int, int],
     eps: float,
     scale: float,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer of ``layers`` (``LayerWeights``, whose addresses the caller keeps valid)
     over the embeddings ``x`` (num_tokens, hidden), which become the residual stream in place:
     returns (the last layer's output, the residual stream before it). ``linear`` is the
     address of panel_gemm's ``sy_panel_linear``; ``shape`` is (inner, num_heads,
     num_kv_heads, head_dim, block_size); the rest is as ``rope_write_kv`` and
-    ``paged_attention`` take it."""
+    ``paged_attention`` take it. With ``keep`` (int64 row indices, strictly increasing), the
+    last layer goes past its attention for those rows only, and both results hold just them,
+    in that order: (len(keep), hidden) each."""
     inner, num_heads, num_kv_heads, head_dim, block_size = shape
     num_tokens, hidden = x.shape
     _check_float32(x, cos, sin)
@@ -362,6 +366,12 @@ def decoder_layers(
     if slots.shape != (num_tokens,):
         raise ValueError(f"{num_tokens} tokens need as many slots")
     step = _step(block_tables, query_starts, context_starts, (num_heads, num_kv_heads, head_dim))
+    num_rows = num_tokens
+    if keep is not None:  # the kernel moves rows by these: check them here
+        _check_int64(keep)
+        num_rows = keep.numel()
+        if keep.dim() != 1 or not _strictly_increasing_below(keep, num_tokens):
+            raise ValueError(f"kept rows must be increasing indices below {num_tokens}")
     out = torch.empty_like(x)
     status = library().sy_decoder_layers(
         linear,
@@ -381,12 +391,20 @@ def decoder_layers(
         block_size,
         scale,
         torch.get_num_threads(),
+        None if keep is None else keep.data_ptr(),
+        num_rows,
         x.data_ptr(),
         out.data_ptr(),
     )
     if status != 0:
         raise MemoryError("the layer stack could not allocate its buffers or its products' inputs")
-    return out, x
+    return out[:num_rows], x[:num_rows]
+
+
+def _strictly_increasing_below(indices: torch.Tensor, bound: int) -> bool:
+    if indices.numel() == 0:
+        return True
+    return bool(indices[0] >= 0 and indices[-1] < bound and (indices[1:] > indices[:-1]).all())
 
 
 def _step(

@@ -128,10 +128,12 @@ class FusedLayers:
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over ``x`` (num_tokens, hidden; the embeddings, ours, contiguous, and the
         residual stream afterwards): (the last layer's output, the residual stream before it),
-        as the module loop returns them."""
+        as the module loop returns them; with ``keep`` (increasing row indices), for those
+        rows only (``DecoderLayer.forward``)."""
         if self._cache() is not kv_cache:
             self._point_at(kv_cache)
         return cpu_ops.decoder_layers(
@@ -146,6 +148,7 @@ class FusedLayers:
             (*self._shape, kv_cache.block_size),
             self._eps,
             self._scale,
+            keep,
         )
 
 

@@ -76,7 +76,10 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention over ``x`` (num_tokens, hidden), every row's keys and values written to the
+        cache: (num_tokens, hidden), or with ``keep`` (row indices) the rows it names only."""
         num_heads, num_kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
         key_cache, value_cache = kv_cache.layer(self.layer_index)
@@ -93,7 +96,7 @@ class Attention(nn.Module):
             write_kv(key_cache, value_cache, k, v, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, scale=head_dim**-0.5)
         out = out.flatten(1)  # (num_tokens, num_heads * head_dim)
-        return self.o_proj(out)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class MLP(nn.Module):
@@ -134,11 +137,18 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this block's output, the residual stream before it): their sum is the block's
-        result in the textbook form. The first block gets the embeddings and no residual."""
+        result in the textbook form. The first block gets the embeddings and no residual.
+
+        With ``keep`` (row indices), every row's keys and values still go to the cache, but
+        the rest of the block runs for the kept rows only, and both results hold just them:
+        the last block of a step needs no more than the rows whose logits it takes."""
         hidden, residual = self.input_layernorm(x, residual)
-        hidden = self.self_attn(hidden, cos_sin, kv_cache, metadata)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, metadata, keep)
+        if keep is not None:
+            residual = residual[keep]  # a copy: the norm below may add into it
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -291,15 +301,32 @@ class LlamaForCausalLM(nn.Module):
         else:
             x = input_embeddings.clone(memory_format=torch.contiguous_format)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        keep, logits_indices = self._kept_rows(logits_indices, x.shape[0])
         if self.fused_layers is not None and self.fused_layers.serves(metadata):
-            x, residual = self.fused_layers(x, cos_sin, kv_cache, metadata)
+            x, residual = self.fused_layers(x, cos_sin, kv_cache, metadata, keep)
         else:
             residual = None
-            for layer in self.model.layers:
-                x, residual = layer(x, residual, cos_sin, kv_cache, metadata)
+            last = len(self.model.layers) - 1
+            for index, layer in enumerate(self.model.layers):
+                rows = keep if index == last else None
+                x, residual = layer(x, residual, cos_sin, kv_cache, metadata, rows)
         # (num_sampled, hidden_size): x[i] + residual[i] are fresh rows, safe to add into
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return x
+
+    def _kept_rows(
+        self, logits_indices: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The rows the last layer must finish (sorted, once each), and ``logits_indices`` as
+        indices into them; (None, ``logits_indices``) where every row is needed anyway, or
+        where LoRA adapters run this step (their products index the whole batch's rows)."""
+        lora = self.model.layers[-1].self_attn.o_proj.lora
+        if lora is not None and lora.batch.groups:
+            return None, logits_indices
+        keep, positions = torch.unique(logits_indices, sorted=True, return_inverse=True)
+        if keep.numel() == num_tokens:
+            return None, logits_indices
+        return keep, positions
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (num_rows, vocab_size) of ``hidden_states`` rows."""

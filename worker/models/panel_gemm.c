@@ -257,56 +257,179 @@ static void rows_of_pair(const float* x, int64_t start, int64_t end, int64_t k, 
   }
 }
 
+/* Units [unit, to) of a product over pairs (see many_rows), within one task: two units are a
+ * pair's chunk, one a last odd panel's chunk or half of a pair's. A pair's first chunk fetches
+ * the next_panels (0 to 2) panels after the pair into L2. */
+static void run_units(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
+                      const float* bias, float* y, int64_t num_panels, int64_t num_chunks,
+                      int64_t unit, int64_t to, int64_t next_panels) {
+  const int64_t p = unit / (2 * num_chunks) * 2; /* the pair's first panel */
+  const int64_t width = num_panels - p < 2 ? 1 : 2;
+  const int64_t chunk = (unit - p * num_chunks) / width;
+  const int64_t half = (unit - p * num_chunks) % width; /* 1: the second panel alone */
+  const int64_t start = chunk * CHUNK, end = start + CHUNK < m ? start + CHUNK : m;
+  if (to - unit == 2) {
+    const int64_t cols = n - p * PANEL < 2 * PANEL ? n - p * PANEL : 2 * PANEL;
+    float pair_bias[2 * PANEL] = {0};
+    if (bias) memcpy(pair_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
+    if (chunk != 0) next_panels = 0; /* the pair's later chunks read it from L2 */
+    if (next_panels > 2) next_panels = 2;
+    if (next_panels > num_panels - p - 2) next_panels = num_panels - p - 2;
+    if (next_panels < 0) next_panels = 0;
+    const float* a = panels + p * k * PANEL;
+    rows_of_pair(x, start, end, k, a, a + k * PANEL, pair_bias, y + p * PANEL, n, cols,
+                 next_panels * k * LINES_PER_ROW);
+  } else {
+    const int64_t q = p + half;
+    const int64_t cols = n - q * PANEL < PANEL ? n - q * PANEL : PANEL;
+    float panel_bias[PANEL] = {0};
+    if (bias) memcpy(panel_bias, bias + q * PANEL, (size_t)cols * sizeof(float));
+    rows_of_panel(x, start, end, k, panels + q * k * PANEL, panel_bias, y + q * PANEL, n, cols,
+                  k * LINES_PER_ROW, 0);
+  }
+}
+
+/* Rows 0..m of y against panel p, fetching ahead through the `panels` panels from p on. */
+static void one_panel(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
+                      const float* bias, float* y, int64_t p, int64_t ahead) {
+  const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+  float panel_bias[PANEL] = {0};
+  if (bias) memcpy(panel_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
+  rows_of_panel(x, 0, m, k, panels + p * k * PANEL, panel_bias, y + p * PANEL, n, cols,
+                ahead * k * LINES_PER_ROW, 1);
+}
+
+/* How the threads share a product's tasks. Each starts with an equal run of units (panels,
+ * or panel-chunks), takes its tasks from the run's front in order, and then takes what is left
+ * of the other runs from their backs: on a machine whose cores other processes share, a
+ * thread that the kernel has paused no longer holds up the product (with a second process
+ * busy half of one core's time, 512-row products over the model's matrices took 1.2 times as
+ * long as with this sharing under a fixed split; docs/performance.md). Nor does a thread that
+ * starts late: a team smaller than expected takes the missing threads' runs. Which thread
+ * multiplies a task does not change its result. A run's two ends are one word, so each take
+ * is one compare-and-swap, and each run has a cache line of its own. */
+#define MAX_RUNS 64
+
+typedef struct {
+  /* front in the low 32 bits, back in the high (a product's units are fewer than 2^32: its
+   * output would be 2^43 floats first) */
+  uint64_t ends __attribute__((aligned(64)));
+} Run;
+
+typedef struct {
+  Run runs[MAX_RUNS];
+  int64_t num_runs;
+  int64_t num_panels, num_chunks; /* units: panel-chunks, a pair's chunk by chunk */
+  int pairs;                      /* tasks of two units (a pair's chunk), else of one */
+} Share;
+
+static inline uint64_t run_ends(int64_t front, int64_t back) {
+  return (uint64_t)front | (uint64_t)back << 32;
+}
+
+static void share_init(Share* s, int64_t num_panels, int64_t num_chunks, int pairs) {
+  const int64_t num_units = num_panels * num_chunks, threads = omp_get_max_threads();
+  s->num_runs = threads < 1 ? 1 : threads < MAX_RUNS ? threads : MAX_RUNS;
+  s->num_panels = num_panels;
+  s->num_chunks = num_chunks;
+  s->pairs = pairs;
+  for (int64_t t = 0; t < s->num_runs; t++)
+    s->runs[t].ends = run_ends(num_units * t / s->num_runs, num_units * (t + 1) / s->num_runs);
+}
+
+/* The first panel of the pair (or the panel) whose task holds unit u. */
+static inline int64_t task_panel(const Share* s, int64_t u) {
+  return s->pairs ? u / (2 * s->num_chunks) * 2 : u / s->num_chunks;
+}
+
+/* The units of the task that holds unit u: 2 for a pair's chunk, 1 otherwise. */
+static inline int64_t task_width(const Share* s, int64_t u) {
+  return s->pairs && s->num_panels - task_panel(s, u) >= 2 ? 2 : 1;
+}
+
+/* The end of the task that holds unit u. */
+static inline int64_t task_end(const Share* s, int64_t u) {
+  const int64_t first = task_panel(s, u) * s->num_chunks, width = task_width(s, u);
+  return first + ((u - first) / width + 1) * width;
+}
+
+/* The next task of the thread's own run, [*unit, *to), and what remains of the run after it
+ * ends at *back; 0 where the run is empty. */
+static int take_own(Share* s, int64_t thread, int64_t* unit, int64_t* to, int64_t* back) {
+  if (thread >= s->num_runs) return 0;
+  Run* run = &s->runs[thread];
+  uint64_t ends = __atomic_load_n(&run->ends, __ATOMIC_ACQUIRE);
+  for (;;) {
+    const int64_t front = (int64_t)(ends & 0xffffffffu), end = (int64_t)(ends >> 32);
+    if (front >= end) return 0;
+    const int64_t task = task_end(s, front), stop = task < end ? task : end;
+    if (__atomic_compare_exchange_n(&run->ends, &ends, run_ends(stop, end), 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE)) {
+      *unit = front;
+      *to = stop;
+      *back = end;
+      return 1;
+    }
+  }
+}
+
+/* The last task left in run `victim`, [*unit, *to); 0 where the run is empty. */
+static int take_last(Share* s, int64_t victim, int64_t* unit, int64_t* to) {
+  Run* run = &s->runs[victim];
+  uint64_t ends = __atomic_load_n(&run->ends, __ATOMIC_ACQUIRE);
+  for (;;) {
+    const int64_t front = (int64_t)(ends & 0xffffffffu), end = (int64_t)(ends >> 32);
+    if (front >= end) return 0;
+    const int64_t task = task_end(s, end - 1) - task_width(s, end - 1);
+    const int64_t start = task > front ? task : front;
+    if (__atomic_compare_exchange_n(&run->ends, &ends, run_ends(front, start), 0,
+                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+      *unit = start;
+      *to = end;
+      return 1;
+    }
+  }
+}
+
 /* y = x W^T + bias for more than PAIR_MIN rows: tasks of (two panels, CHUNK rows), pair by
  * pair (a pair's chunks one after another, so that it stays in L2 between them), a last odd
- * panel on its own. The threads share the tasks by their work, not by their number: each
- * takes an equal run of panel-chunks, and a pair that a run's end cuts goes as its two panels,
- * one to each side (shared by number, the 9 pairs of a 576-output product and the 15 of a
- * 960-output one left one thread a pair more than the other: 6-10 % slower for 48 or 64 rows).
- * A pair's first chunk fetches the panels the thread multiplies next. */
+ * panel on its own, shared as above. The runs are equal in work, not in tasks: a pair that a
+ * run's end cuts goes as its two panels, one to each side (shared by number, the 9 pairs of a
+ * 576-output product and the 15 of a 960-output one left one thread a pair more than the
+ * other: 6-10 % slower for 48 or 64 rows). A pair's first chunk fetches the panels its owner
+ * multiplies next. */
 static void many_rows(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
                       const float* bias, float* y) {
-  const int64_t num_panels = (n + PANEL - 1) / PANEL;
-  const int64_t num_chunks = (m + CHUNK - 1) / CHUNK;
-  const int64_t num_units = num_panels * num_chunks; /* panel-chunks */
+  Share share;
+  share_init(&share, (n + PANEL - 1) / PANEL, (m + CHUNK - 1) / CHUNK, 1);
 #pragma omp parallel
   {
-    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    const int64_t lo = num_units * thread / threads, hi = num_units * (thread + 1) / threads;
-    /* Units go pair by pair, and within a pair chunk by chunk: a pair's chunk is two units
-     * (its panels), a last odd panel's one. A run starts at a unit and ends before one, so its
-     * first and last tasks may be half a pair. */
-    for (int64_t unit = lo; unit < hi;) {
-      const int64_t p = unit / (2 * num_chunks) * 2; /* the pair's first panel */
-      const int64_t width = num_panels - p < 2 ? 1 : 2;
-      const int64_t chunk = (unit - p * num_chunks) / width;
-      const int64_t half = (unit - p * num_chunks) % width; /* 1: the run starts mid-pair */
-      const int64_t task_end = p * num_chunks + (chunk + 1) * width;
-      const int64_t to = task_end < hi ? task_end : hi;
-      const int64_t start = chunk * CHUNK, end = start + CHUNK < m ? start + CHUNK : m;
-      if (to - unit == 2) {
-        const int64_t cols = n - p * PANEL < 2 * PANEL ? n - p * PANEL : 2 * PANEL;
-        float pair_bias[2 * PANEL] = {0};
-        if (bias) memcpy(pair_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
-        /* the panels of the next pair that this run holds, fetched by the pair's first
-         * chunk (its later chunks read the pair from L2) */
-        int64_t next_panels = chunk == 0 ? hi - (p + 2) * num_chunks : 0;
-        if (next_panels > num_panels - p - 2) next_panels = num_panels - p - 2;
-        if (next_panels > 2) next_panels = 2;
-        if (next_panels < 0) next_panels = 0;
-        const float* a = panels + p * k * PANEL;
-        rows_of_pair(x, start, end, k, a, a + k * PANEL, pair_bias, y + p * PANEL, n, cols,
-                     next_panels * k * LINES_PER_ROW);
-      } else { /* a last odd panel, or the half of a pair that a run's end cuts */
-        const int64_t q = p + half;
-        const int64_t cols = n - q * PANEL < PANEL ? n - q * PANEL : PANEL;
-        float panel_bias[PANEL] = {0};
-        if (bias) memcpy(panel_bias, bias + q * PANEL, (size_t)cols * sizeof(float));
-        rows_of_panel(x, start, end, k, panels + q * k * PANEL, panel_bias, y + q * PANEL, n,
-                      cols, k * LINES_PER_ROW, 0);
-      }
-      unit = to;
-    }
+    const int64_t thread = omp_get_thread_num();
+    int64_t unit, to, back;
+    while (take_own(&share, thread, &unit, &to, &back)) /* the next pair's units in the run */
+      run_units(x, m, k, panels, n, bias, y, share.num_panels, share.num_chunks, unit, to,
+                back - (task_panel(&share, unit) + 2) * share.num_chunks);
+    for (int64_t i = 1; i <= share.num_runs; i++)
+      while (take_last(&share, (thread + i) % share.num_runs, &unit, &to))
+        run_units(x, m, k, panels, n, bias, y, share.num_panels, share.num_chunks, unit, to, 0);
+  }
+}
+
+/* y = x W^T + bias for up to PAIR_MIN rows: every row against one panel at a time, shared as
+ * above. The owner of a run fetches ahead through the panels its run still holds. */
+static void few_rows(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
+                     const float* bias, float* y) {
+  Share share;
+  share_init(&share, (n + PANEL - 1) / PANEL, 1, 0);
+#pragma omp parallel
+  {
+    const int64_t thread = omp_get_thread_num();
+    int64_t p, to, back;
+    while (take_own(&share, thread, &p, &to, &back))
+      one_panel(x, m, k, panels, n, bias, y, p, back - p);
+    for (int64_t i = 1; i <= share.num_runs; i++)
+      while (take_last(&share, (thread + i) % share.num_runs, &p, &to))
+        one_panel(x, m, k, panels, n, bias, y, p, 1);
   }
 }
 
@@ -319,14 +442,6 @@ int sy_panel_linear(const float* x, int64_t m, int64_t k, const float* panels, i
     many_rows(x, m, k, panels, n, bias, y);
     return 0;
   }
-  const int64_t num_panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < num_panels; p++) {
-    const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-    float panel_bias[PANEL] = {0};
-    if (bias) memcpy(panel_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
-    rows_of_panel(x, 0, m, k, panels + p * k * PANEL, panel_bias, y + p * PANEL, n, cols,
-                  (num_panels - p) * k * LINES_PER_ROW, 1);
-  }
+  few_rows(x, m, k, panels, n, bias, y);
   return 0;
 }

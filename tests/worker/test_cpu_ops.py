@@ -334,29 +334,37 @@ def test_the_model_gives_the_same_logits_in_place_flex_and_gathered(tiny_llama_d
     the kernels, with FlexAttention's mask (eager on the CPU) and with torch's ops."""
     model = load_model(tiny_llama_dir, CPU, torch.float32)
     assert model.attention_kind is AttentionKind.IN_PLACE_CPU
-    config = model.config
-    block_size = 4
-    block_ids, num_blocks = shuffled_blocks([(0, 9), (6, 5), (12, 1)], block_size)
-    generator = torch.Generator().manual_seed(3)
-    prefix_ids = torch.randint(0, config.vocab_size, (18,), generator=generator)
-    input_ids = torch.randint(0, config.vocab_size, (15,), generator=generator)
     logits = []
     for kind in AttentionKind:
-        cache = KVCache.for_model(model, num_blocks, block_size)
-        kernels = kind is AttentionKind.IN_PLACE_CPU
-        with torch.no_grad(), _kernels_enabled(kernels):
-            # the prefixes the chunk and the decode extend, computed the same way first
-            prefix = build_batch_layout(
-                [0, 0], [6, 12], block_ids[1:], block_size, CPU, kind, num_blocks
-            )
-            model(prefix_ids, prefix.positions, cache, prefix.metadata, torch.tensor([0]))
-            step = build_batch_layout(
-                [0, 6, 12], [9, 5, 1], block_ids, block_size, CPU, kind, num_blocks
-            )
-            logits.append(model(input_ids, step.positions, cache, step.metadata, torch.arange(15)))
+        with _kernels_enabled(kind is AttentionKind.IN_PLACE_CPU):
+            logits.append(_mixed_step(model, kind, 3, list(range(15)))[0])
     for other in logits[1:]:
         torch.testing.assert_close(other, logits[0], rtol=1e-4, atol=1e-4)
         assert torch.equal(other.argmax(-1), logits[0].argmax(-1))
+
+
+def _mixed_step(
+    model, kind: AttentionKind, seed: int, rows: list[int]
+) -> tuple[torch.Tensor, KVCache]:
+    """One mixed step of 15 tokens through ``model`` (a 9-token prompt, a 5-token chunk after
+    6 cached tokens, a decode after 12), its prefixes computed the same way first, in a fresh
+    cache of shuffled blocks: (the logits of flat-batch ``rows``, the cache)."""
+    block_size = 4
+    block_ids, num_blocks = shuffled_blocks([(0, 9), (6, 5), (12, 1)], block_size)
+    generator = torch.Generator().manual_seed(seed)
+    prefix_ids = torch.randint(0, model.config.vocab_size, (18,), generator=generator)
+    input_ids = torch.randint(0, model.config.vocab_size, (15,), generator=generator)
+    cache = KVCache.for_model(model, num_blocks, block_size)
+    with torch.no_grad():
+        prefix = build_batch_layout(
+            [0, 0], [6, 12], block_ids[1:], block_size, CPU, kind, num_blocks
+        )
+        model(prefix_ids, prefix.positions, cache, prefix.metadata, torch.tensor([0]))
+        step = build_batch_layout(
+            [0, 6, 12], [9, 5, 1], block_ids, block_size, CPU, kind, num_blocks
+        )
+        indices = torch.tensor(rows, dtype=torch.int64)
+        return model(input_ids, step.positions, cache, step.metadata, indices), cache
 
 
 @pytest.mark.parametrize("precision", ["highest", "high"])
@@ -383,26 +391,10 @@ def test_the_fused_layer_stack_gives_the_layer_modules_results_to_the_bit(
     assert packing == ("tiles" if precision == "high" else "panels")
     assert model.fused_layers is not None
     fused = model.fused_layers
-    block_size = 4
-    block_ids, num_blocks = shuffled_blocks([(0, 9), (6, 5), (12, 1)], block_size)
-    generator = torch.Generator().manual_seed(5)
-    prefix_ids = torch.randint(0, model.config.vocab_size, (18,), generator=generator)
-    input_ids = torch.randint(0, model.config.vocab_size, (15,), generator=generator)
     results = []
     for stack in (fused, None):
         model.fused_layers = stack
-        cache = KVCache.for_model(model, num_blocks, block_size)
-        kind = AttentionKind.IN_PLACE_CPU
-        with torch.no_grad():
-            prefix = build_batch_layout(
-                [0, 0], [6, 12], block_ids[1:], block_size, CPU, kind, num_blocks
-            )
-            model(prefix_ids, prefix.positions, cache, prefix.metadata, torch.tensor([0]))
-            step = build_batch_layout(
-                [0, 6, 12], [9, 5, 1], block_ids, block_size, CPU, kind, num_blocks
-            )
-            logits = model(input_ids, step.positions, cache, step.metadata, torch.arange(15))
-        results.append((logits, cache))
+        results.append(_mixed_step(model, AttentionKind.IN_PLACE_CPU, 5, list(range(15))))
     (fused_logits, fused_cache), (module_logits, module_cache) = results
     assert torch.equal(fused_logits, module_logits)
     for layer in range(model.config.num_hidden_layers):
@@ -423,28 +415,9 @@ def test_the_last_layer_finishes_only_the_rows_whose_logits_are_taken(tiny_llama
     if path != "fused":
         model.fused_layers = None
     kind = AttentionKind.GATHERED if path == "gathered" else AttentionKind.IN_PLACE_CPU
-    block_size = 4
-    block_ids, num_blocks = shuffled_blocks([(0, 9), (6, 5), (12, 1)], block_size)
-    generator = torch.Generator().manual_seed(7)
-    prefix_ids = torch.randint(0, model.config.vocab_size, (18,), generator=generator)
-    input_ids = torch.randint(0, model.config.vocab_size, (15,), generator=generator)
-
-    def step(rows: list[int]) -> tuple[torch.Tensor, KVCache]:
-        cache = KVCache.for_model(model, num_blocks, block_size)
-        with torch.no_grad():
-            prefix = build_batch_layout(
-                [0, 0], [6, 12], block_ids[1:], block_size, CPU, kind, num_blocks
-            )
-            model(prefix_ids, prefix.positions, cache, prefix.metadata, torch.tensor([0]))
-            layout = build_batch_layout(
-                [0, 6, 12], [9, 5, 1], block_ids, block_size, CPU, kind, num_blocks
-            )
-            indices = torch.tensor(rows, dtype=torch.int64)
-            return model(input_ids, layout.positions, cache, layout.metadata, indices), cache
-
-    every_row, every_cache = step(list(range(15)))
+    every_row, every_cache = _mixed_step(model, kind, 7, list(range(15)))
     for rows in ([8, 13, 14], [14, 3, 8, 3], [0], []):
-        logits, cache = step(rows)
+        logits, cache = _mixed_step(model, kind, 7, rows)
         assert logits.shape == (len(rows), model.config.vocab_size)
         assert torch.equal(logits, every_row[rows]), rows
         for part, expected in zip(

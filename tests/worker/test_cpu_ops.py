@@ -428,6 +428,36 @@ def test_the_last_layer_finishes_only_the_rows_whose_logits_are_taken(tiny_llama
             assert torch.equal(part, expected)
 
 
+def test_a_step_with_a_logit_for_every_token_never_waits_to_pick_rows(tiny_llama_dir, monkeypatch):
+    """Decode steps (a logit for each token) are the ones CUDA graphs capture, and a capture
+    may not wait for the device: such a step must not look for the rows to keep
+    (``torch.unique`` waits), on either path."""
+    model = load_model(tiny_llama_dir, CPU, torch.float32)
+
+    def waits(*args, **kwargs):
+        raise AssertionError("torch.unique in a step that keeps every row")
+
+    requests = [(5, 1), (9, 1), (2, 1)]
+    block_ids, num_blocks = shuffled_blocks(requests, 4)
+    starts, counts = zip(*requests, strict=True)
+    kind = AttentionKind.IN_PLACE_CPU
+    layout = build_batch_layout(starts, counts, block_ids, 4, CPU, kind, num_blocks)
+    cache = KVCache.for_model(model, num_blocks, 4)
+    generator = torch.Generator().manual_seed(9)
+    for part in (*cache.key_caches, *cache.value_caches):
+        part.copy_(torch.randn(part.shape, generator=generator))
+    monkeypatch.setattr(torch, "unique", waits)
+    results = []
+    for stack in (model.fused_layers, None):
+        model.fused_layers = stack
+        with torch.no_grad():
+            results.append(
+                model(torch.tensor([7, 8, 9]), layout.positions, cache, layout.metadata,
+                      torch.arange(3))
+            )  # fmt: skip
+    assert torch.equal(results[0], results[1])
+
+
 def test_the_fused_stack_refuses_kept_rows_it_cannot_move(tiny_llama_dir):
     """The C stack moves the kept rows by their indices: the wrapper refuses any that are out
     of order, repeated, out of range or not int64 before the kernel sees them."""

@@ -319,9 +319,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The rows the last layer must finish (sorted, once each), and ``logits_indices`` as
         indices into them; (None, ``logits_indices``) where every row is needed anyway, or
-        where LoRA adapters run this step (their products index the whole batch's rows)."""
+        where LoRA adapters run this step (their products index the whole batch's rows).
+
+        A step with as many logits as tokens (every decode step, and so every CUDA graph
+        capture, where ``torch.unique``'s wait for the device is not allowed) returns before
+        looking at the indices."""
         lora = self.model.layers[-1].self_attn.o_proj.lora
-        if lora is not None and lora.batch.groups:
+        if logits_indices.numel() >= num_tokens or (lora is not None and lora.batch.groups):
             return None, logits_indices
         keep, positions = torch.unique(logits_indices, sorted=True, return_inverse=True)
         if keep.numel() == num_tokens:

@@ -327,10 +327,7 @@ class LlamaForCausalLM(nn.Module):
         lora = self.model.layers[-1].self_attn.o_proj.lora
         if logits_indices.numel() >= num_tokens or (lora is not None and lora.batch.groups):
             return None, logits_indices
-        keep, positions = torch.unique(logits_indices, sorted=True, return_inverse=True)
-        if keep.numel() == num_tokens:
-            return None, logits_indices
-        return keep, positions
+        return torch.unique(logits_indices, sorted=True, return_inverse=True)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (num_rows, vocab_size) of ``hidden_states`` rows."""

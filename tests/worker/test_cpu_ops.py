@@ -460,7 +460,8 @@ def test_a_step_with_a_logit_for_every_token_never_waits_to_pick_rows(tiny_llama
 
 def test_the_fused_stack_refuses_kept_rows_it_cannot_move(tiny_llama_dir):
     """The C stack moves the kept rows by their indices: the wrapper refuses any that are out
-    of order, repeated, out of range or not int64 before the kernel sees them."""
+    of order, repeated, out of range, not int64 or not in host memory before the kernel sees
+    them."""
     model = load_model(tiny_llama_dir, CPU, torch.float32)
     fused = model.fused_layers
     assert fused is not None
@@ -477,6 +478,8 @@ def test_the_fused_stack_refuses_kept_rows_it_cannot_move(tiny_llama_dir):
             fused(x, cos_sin, cache, layout.metadata, torch.tensor(keep))
     with pytest.raises(TypeError, match="int64"):
         fused(x, cos_sin, cache, layout.metadata, torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="on the CPU"):
+        fused(x, cos_sin, cache, layout.metadata, torch.tensor([1, 2], device="meta"))
 
 
 def test_decodes_sharing_a_prefix_through_the_fused_stack_equal_the_modules_and_gathered(

@@ -370,6 +370,8 @@ def decoder_layers(
     if keep is not None:  # the kernel moves rows by these: check them here
         _check_int64(keep)
         num_rows = keep.numel()
+        if keep.device.type != "cpu":
+            raise ValueError(f"kept rows must be on the CPU, not {keep.device}")
         if keep.dim() != 1 or not _strictly_increasing_below(keep, num_tokens):
             raise ValueError(f"kept rows must be increasing indices below {num_tokens}")
     out = torch.empty_like(x)

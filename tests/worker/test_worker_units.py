@@ -465,19 +465,25 @@ def test_a_rows_panel_product_does_not_depend_on_how_many_rows_it_goes_with():
                     ), (out_features, threads, rows)
 
 
+def _seeded_products() -> list[torch.Tensor]:
+    """Panel products of seeded random operands: three weights, each at 1 to 130 rows."""
+    generator = torch.Generator().manual_seed(2)
+    products = []
+    for out_features, in_features in [(96, 129), (160, 200), (50, 64)]:
+        weight = torch.randn(out_features, in_features, generator=generator)
+        bias = torch.randn(out_features, generator=generator)
+        x = torch.randn(130, in_features, generator=generator)
+        panels = panel_gemm.pack(weight)
+        for rows in (1, 9, 32, 33, 130):
+            products.append(panel_gemm.linear(x[:rows], panels, bias, out_features))
+    return products
+
+
 STOLEN_PRODUCTS = """
 import sys, torch
-from worker.models import panel_gemm
+from tests.worker.test_worker_units import _seeded_products
 torch.set_num_threads(3)  # three runs of tasks, for a team the thread limit holds to one
-generator = torch.Generator().manual_seed(2)
-results = []
-for out_features, in_features in [(96, 129), (160, 200), (50, 64)]:
-    weight = torch.randn(out_features, in_features, generator=generator)
-    bias = torch.randn(out_features, generator=generator)
-    x = torch.randn(130, in_features, generator=generator)
-    for rows in (1, 9, 32, 33, 130):
-        results.append(panel_gemm.linear(x[:rows], panel_gemm.pack(weight), bias, out_features))
-torch.save(results, sys.argv[1])
+torch.save(_seeded_products(), sys.argv[1])
 """
 
 
@@ -488,16 +494,8 @@ def test_a_thread_that_never_starts_leaves_its_share_to_the_others(tmp_path):
     of one thread to the bit."""
     if panel_gemm.library() is None:
         pytest.skip("no C compiler for the panel kernel")
-    generator = torch.Generator().manual_seed(2)
-    expected = []
     with _threads(1):
-        for out_features, in_features in [(96, 129), (160, 200), (50, 64)]:
-            weight = torch.randn(out_features, in_features, generator=generator)
-            bias = torch.randn(out_features, generator=generator)
-            x = torch.randn(130, in_features, generator=generator)
-            for rows in (1, 9, 32, 33, 130):
-                panels = panel_gemm.pack(weight)
-                expected.append(panel_gemm.linear(x[:rows], panels, bias, out_features))
+        expected = _seeded_products()
     output = tmp_path / "products.pt"
     env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
     subprocess.run(

@@ -257,48 +257,6 @@ static void rows_of_pair(const float* x, int64_t start, int64_t end, int64_t k, 
   }
 }
 
-/* Units [unit, to) of a product over pairs (see many_rows), within one task: two units are a
- * pair's chunk, one a last odd panel's chunk or half of a pair's. A pair's first chunk fetches
- * the next_panels (0 to 2) panels after the pair into L2. */
-static void run_units(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
-                      const float* bias, float* y, int64_t num_panels, int64_t num_chunks,
-                      int64_t unit, int64_t to, int64_t next_panels) {
-  const int64_t p = unit / (2 * num_chunks) * 2; /* the pair's first panel */
-  const int64_t width = num_panels - p < 2 ? 1 : 2;
-  const int64_t chunk = (unit - p * num_chunks) / width;
-  const int64_t half = (unit - p * num_chunks) % width; /* 1: the second panel alone */
-  const int64_t start = chunk * CHUNK, end = start + CHUNK < m ? start + CHUNK : m;
-  if (to - unit == 2) {
-    const int64_t cols = n - p * PANEL < 2 * PANEL ? n - p * PANEL : 2 * PANEL;
-    float pair_bias[2 * PANEL] = {0};
-    if (bias) memcpy(pair_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
-    if (chunk != 0) next_panels = 0; /* the pair's later chunks read it from L2 */
-    if (next_panels > 2) next_panels = 2;
-    if (next_panels > num_panels - p - 2) next_panels = num_panels - p - 2;
-    if (next_panels < 0) next_panels = 0;
-    const float* a = panels + p * k * PANEL;
-    rows_of_pair(x, start, end, k, a, a + k * PANEL, pair_bias, y + p * PANEL, n, cols,
-                 next_panels * k * LINES_PER_ROW);
-  } else {
-    const int64_t q = p + half;
-    const int64_t cols = n - q * PANEL < PANEL ? n - q * PANEL : PANEL;
-    float panel_bias[PANEL] = {0};
-    if (bias) memcpy(panel_bias, bias + q * PANEL, (size_t)cols * sizeof(float));
-    rows_of_panel(x, start, end, k, panels + q * k * PANEL, panel_bias, y + q * PANEL, n, cols,
-                  k * LINES_PER_ROW, 0);
-  }
-}
-
-/* Rows 0..m of y against panel p, fetching ahead through the `panels` panels from p on. */
-static void one_panel(const float* x, int64_t m, int64_t k, const float* panels, int64_t n,
-                      const float* bias, float* y, int64_t p, int64_t ahead) {
-  const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-  float panel_bias[PANEL] = {0};
-  if (bias) memcpy(panel_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
-  rows_of_panel(x, 0, m, k, panels + p * k * PANEL, panel_bias, y + p * PANEL, n, cols,
-                ahead * k * LINES_PER_ROW, 1);
-}
-
 /* How the threads share a product's tasks. Each starts with an equal run of units (panels,
  * or panel-chunks), takes its tasks from the run's front in order, and then takes what is left
  * of the other runs from their backs: on a machine whose cores other processes share, a
@@ -391,6 +349,44 @@ static int take_last(Share* s, int64_t victim, int64_t* unit, int64_t* to) {
   }
 }
 
+/* Rows [start, end) of y against panel p (see rows_of_panel), fetching ahead through the
+ * `ahead` panels from p on. */
+static void one_panel(const float* x, int64_t start, int64_t end, int64_t k, const float* panels,
+                      int64_t n, const float* bias, float* y, int64_t p, int64_t ahead,
+                      int chunked) {
+  const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+  float panel_bias[PANEL] = {0};
+  if (bias) memcpy(panel_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
+  rows_of_panel(x, start, end, k, panels + p * k * PANEL, panel_bias, y + p * PANEL, n, cols,
+                ahead * k * LINES_PER_ROW, chunked);
+}
+
+/* Units [unit, to) of a product over pairs (see many_rows), within one task: two units are a
+ * pair's chunk, one a last odd panel's chunk or half of a pair's. A pair's first chunk fetches
+ * the next_panels (0 to 2) panels after the pair into L2. */
+static void run_units(const Share* s, const float* x, int64_t m, int64_t k, const float* panels,
+                      int64_t n, const float* bias, float* y, int64_t unit, int64_t to,
+                      int64_t next_panels) {
+  const int64_t p = task_panel(s, unit), width = task_width(s, unit);
+  const int64_t chunk = (unit - p * s->num_chunks) / width;
+  const int64_t half = (unit - p * s->num_chunks) % width; /* 1: the second panel alone */
+  const int64_t start = chunk * CHUNK, end = start + CHUNK < m ? start + CHUNK : m;
+  if (to - unit == 1) {
+    one_panel(x, start, end, k, panels, n, bias, y, p + half, 1, 0);
+    return;
+  }
+  const int64_t cols = n - p * PANEL < 2 * PANEL ? n - p * PANEL : 2 * PANEL;
+  float pair_bias[2 * PANEL] = {0};
+  if (bias) memcpy(pair_bias, bias + p * PANEL, (size_t)cols * sizeof(float));
+  if (chunk != 0) next_panels = 0; /* the pair's later chunks read it from L2 */
+  if (next_panels > 2) next_panels = 2;
+  if (next_panels > s->num_panels - p - 2) next_panels = s->num_panels - p - 2;
+  if (next_panels < 0) next_panels = 0;
+  const float* a = panels + p * k * PANEL;
+  rows_of_pair(x, start, end, k, a, a + k * PANEL, pair_bias, y + p * PANEL, n, cols,
+               next_panels * k * LINES_PER_ROW);
+}
+
 /* y = x W^T + bias for more than PAIR_MIN rows: tasks of (two panels, CHUNK rows), pair by
  * pair (a pair's chunks one after another, so that it stays in L2 between them), a last odd
  * panel on its own, shared as above. The runs are equal in work, not in tasks: a pair that a
@@ -407,11 +403,11 @@ static void many_rows(const float* x, int64_t m, int64_t k, const float* panels,
     const int64_t thread = omp_get_thread_num();
     int64_t unit, to, back;
     while (take_own(&share, thread, &unit, &to, &back)) /* the next pair's units in the run */
-      run_units(x, m, k, panels, n, bias, y, share.num_panels, share.num_chunks, unit, to,
+      run_units(&share, x, m, k, panels, n, bias, y, unit, to,
                 back - (task_panel(&share, unit) + 2) * share.num_chunks);
     for (int64_t i = 1; i <= share.num_runs; i++)
       while (take_last(&share, (thread + i) % share.num_runs, &unit, &to))
-        run_units(x, m, k, panels, n, bias, y, share.num_panels, share.num_chunks, unit, to, 0);
+        run_units(&share, x, m, k, panels, n, bias, y, unit, to, 0);
   }
 }
 
@@ -426,10 +422,10 @@ static void few_rows(const float* x, int64_t m, int64_t k, const float* panels, 
     const int64_t thread = omp_get_thread_num();
     int64_t p, to, back;
     while (take_own(&share, thread, &p, &to, &back))
-      one_panel(x, m, k, panels, n, bias, y, p, back - p);
+      one_panel(x, 0, m, k, panels, n, bias, y, p, back - p, 1);
     for (int64_t i = 1; i <= share.num_runs; i++)
       while (take_last(&share, (thread + i) % share.num_runs, &p, &to))
-        one_panel(x, m, k, panels, n, bias, y, p, 1);
+        one_panel(x, 0, m, k, panels, n, bias, y, p, 1, 1);
   }
 }
 

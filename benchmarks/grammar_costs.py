@@ -12,8 +12,8 @@ Each spec's matchers walk one output: at every step a token is drawn (seeded) fr
 mask allows, preferring tokens without ``"`` or ``}`` so the walk goes deep into strings, where
 the masks of length-bounded rules are dearest; up to ``--steps`` steps.
 
-Run: ``python benchmarks/grammar_costs.py [--threads 2] [--rows 16] [--steps 300]``;
-``--quick`` skips the specs that compile for more than a few seconds.
+Run: ``python benchmarks/grammar_costs.py [--threads 2] [--rows 16] [--steps 300]
+[--spec NAME ...]``; ``--quick`` skips the specs that compile for more than a few seconds.
 """
 
 from __future__ import annotations
@@ -92,15 +92,19 @@ def walk(
     return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="compile threads (xgrammar's)")
     parser.add_argument("--rows", type=int, default=16, help="requests in a step's batch")
     parser.add_argument("--steps", type=int, default=300, help="steps to walk per spec")
     parser.add_argument("--quick", action="store_true", help="skip the slow compiles")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--spec", action="append", choices=SPECS, help="only these specs (repeatable)"
+    )
+    parser.add_argument("--model-path", help="a model directory (default: the default model)")
+    args = parser.parse_args(argv)
 
-    model_dir = resolve_model(None)
+    model_dir = resolve_model(args.model_path)
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     token_texts = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
@@ -110,7 +114,7 @@ def main() -> None:
     compiler = GrammarCompiler(model_dir, vocab_size, num_threads=args.threads)
     compiler.compile(StructuredOutput("regex", "warm-up"))  # loads the tokenizer, untimed
     for name, (structured, slow) in SPECS.items():
-        if slow and args.quick:
+        if (slow and args.quick) or (args.spec and name not in args.spec):
             continue
         started = time.perf_counter()
         compiled = compiler.compile(structured)
@@ -126,7 +130,8 @@ def main() -> None:
             flush=True,
         )
     compiler.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,7 +1,8 @@
 """What structured output costs a worker, spec by spec, with the installed xgrammar: the compile
 (on ``worker.grammar_compiler.GrammarCompiler``, the worker's own compiler over the default
-model's tokenizer, loaded before the first timed compile) and the per-step mask (``worker.structured_output.allowed_token_mask`` for a
-batch of ``--rows`` requests that follow the same spec, each with its own matcher).
+model's tokenizer, loaded before the first timed compile) and the per-step mask
+(``worker.structured_output.allowed_token_mask`` for a batch of ``--rows`` requests that follow
+the same spec, each with its own matcher).
 
 Compile costs are what the grammar limits and the hostile-grammar tests are built on
 (``tests/e2e/test_hostile_sampling.py`` needs a small spec that compiles for well over 10 s),
@@ -49,6 +50,7 @@ def optional_letters(count: int) -> StructuredOutput:
     return schema({"p0": {"type": "string", "pattern": "^" + "[a-z]?" * count + "$"}})
 
 
+PATTERN = "[a-z]{3,40}[0-9]{2,9}"
 SPECS = {
     "json_object": (StructuredOutput("json_object", None), False),
     "1 string, maxLength 12": (max_length_strings(1, 12), False),
@@ -59,7 +61,7 @@ SPECS = {
         False,
     ),
     "10 patterns": (
-        schema({f"q{i}": {"type": "string", "pattern": "[a-z]{3,40}[0-9]{2,9}"} for i in range(10)}),
+        schema({f"q{i}": {"type": "string", "pattern": PATTERN} for i in range(10)}),
         False,
     ),
     "60 optional letters": (optional_letters(60), False),

@@ -142,9 +142,9 @@ def test_a_slow_compile_does_not_stall_the_batch_and_its_request_waits(serve, in
 def test_a_compile_past_the_time_limit_fails_alone_with_a_400(serve, innocent_alone):
     """Three hundred optional letters compile for well over the limit (48-57 s on an idle 2-core
     machine against the limit of 10 s: a margin that a fast machine does not eat; the server is
-    stopped after this module, compile and all): the innocent stream finishes long before the grammar request hears
-    anything, /health stays 200 meanwhile, and the grammar request gets a 400 naming the
-    limit."""
+    stopped after this module, compile and all): the innocent stream finishes long before the
+    grammar request hears anything, /health stays 200 meanwhile, and the grammar request gets a
+    400 naming the limit."""
     schema = slow_schema(300)
     body = chat("Fill in the form.", max_tokens=16, response_format=json_schema_format(schema))
     started = time.monotonic()

@@ -4,20 +4,13 @@ does."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.support.benchmark_scripts import import_scripts
 from worker.models import panel_gemm
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
-try:
-    import gemv_bench
-finally:
-    sys.path.remove(str(BENCHMARKS))
+(gemv_bench,) = import_scripts("gemv_bench")
 
 
 def test_kernels_take_turns_after_three_warm_up_turns():

@@ -3,17 +3,11 @@ asked for gets a row with its compile time and a walk that its masks allowed."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
-try:
-    import grammar_costs
-finally:
-    sys.path.remove(str(BENCHMARKS))
+from tests.support.benchmark_scripts import import_scripts
+
+(grammar_costs,) = import_scripts("grammar_costs")
 
 
 def test_each_spec_asked_for_compiles_and_walks(default_model_dir, capsys):

@@ -3,19 +3,12 @@ head gives the float32 logits' tokens; steps it cannot take are refused."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.support.benchmark_scripts import import_scripts
 from worker.models import cpu_ops, tile_gemm
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
-try:
-    import greedy_head_bench
-finally:
-    sys.path.remove(str(BENCHMARKS))
+(greedy_head_bench,) = import_scripts("greedy_head_bench")
 
 
 def test_each_step_times_both_heads_and_they_agree(tiny_llama_dir, capsys):

@@ -4,20 +4,15 @@ bit, and the swapped-in builds are undone after; steps it cannot take are refuse
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.benchmark_scripts import import_scripts
 from worker.models import cpu_ops, panel_gemm
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SOURCE = Path(cpu_ops.__file__).with_name("cpu_ops.c")
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
-try:
-    import kernel_ab
-finally:
-    sys.path.remove(str(BENCHMARKS))
+(kernel_ab,) = import_scripts("kernel_ab")
 
 
 @pytest.mark.parametrize("kernel", [cpu_ops, panel_gemm], ids=["cpu_ops", "panel_gemm"])

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
-try:
-    import machine_probe
-finally:
-    sys.path.remove(str(BENCHMARKS))
+from tests.support.benchmark_scripts import import_scripts
+
+(machine_probe,) = import_scripts("machine_probe")
 
 
 def test_it_reports_the_peak_and_every_way_of_reading_a_small_pool(capsys):

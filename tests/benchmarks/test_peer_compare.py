@@ -10,12 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
-try:
-    import peer_compare
-finally:
-    sys.path.remove(str(BENCHMARKS))
+from tests.support.benchmark_scripts import BENCHMARKS, import_scripts
+
+(peer_compare,) = import_scripts("peer_compare")
 
 
 def _metrics(throughput: float, ttft: float, tpot: float, prompt_tokens: int = 2048) -> dict:

@@ -6,19 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
-try:
-    import placement_bench
-    import placement_report
-    from workload import ENGLISH_WORDS, random_words
-finally:
-    sys.path.remove(str(BENCHMARKS))
+from tests.support.benchmark_scripts import import_scripts
+
+placement_bench, placement_report, workload = import_scripts(
+    "placement_bench", "placement_report", "workload"
+)
 
 METRICS_PAGE = """\
 # HELP switchyard:prefix_cache_hits_total Prompt tokens found cached.
@@ -107,14 +103,15 @@ def test_random_words_fit_the_token_count_and_repeat_for_a_seed():
     def count_characters(text: str) -> int:  # a stand-in tokenizer: one token per character
         return len(text)
 
-    text = random_words(random.Random(3), 40, count_characters)
+    text = workload.random_words(random.Random(3), 40, count_characters)
     assert len(text) <= 40
-    longer = random_words(random.Random(3), 80)  # the same draws: the fitted text starts it
+    # the same draws: the fitted text starts it
+    longer = workload.random_words(random.Random(3), 80)
     assert longer.startswith(text + " ")
     assert len(text + " " + longer.split()[len(text.split())]) > 40
     assert len(longer.split()) == 80
-    assert set(longer.split()) <= set(ENGLISH_WORDS)
-    assert random_words(random.Random(3), 80) == longer
+    assert set(longer.split()) <= set(workload.ENGLISH_WORDS)
+    assert workload.random_words(random.Random(3), 80) == longer
 
 
 def test_the_chat_trace_is_the_same_for_a_seed_and_its_turns_are_fresh():

@@ -14,12 +14,9 @@ import textwrap
 import time
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
-try:
-    import workload
-finally:
-    sys.path.remove(str(BENCHMARKS))
+from tests.support.benchmark_scripts import BENCHMARKS, import_scripts
+
+(workload,) = import_scripts("workload")
 
 SCRIPT = textwrap.dedent(
     """

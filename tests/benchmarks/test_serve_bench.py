@@ -8,17 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
-try:
-    import load_generator
-    import serve_bench
-finally:
-    sys.path.remove(str(BENCHMARKS))
+from tests.support.benchmark_scripts import BENCHMARKS, import_scripts
+
+load_generator, serve_bench = import_scripts("load_generator", "serve_bench")
 
 
 def _script(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:

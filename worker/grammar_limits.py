@@ -4,13 +4,17 @@ Compiling a grammar costs time superlinear in its size (a 1.1 MB choice list too
 spec is checked against ``max_spec_bytes`` and ``max_alternatives`` when its request arrives
 (refused alone, an HTTP 400), compiles off the step for at most ``compile_timeout_s`` (then the
 request fails alone, a 400 naming the limit) and compiled grammars are cached up to
-``cache_bytes``. No torch here: ``switchyard serve`` takes the same flags (declared on the fields,
+``cache_bytes``. Following a grammar costs time every step too, and an ambiguous one costs more
+with every token (seconds a token after a few dozen): a step waits at most ``mask_timeout_s``
+for a request's next-token mask, and that request then fails alone (a 400 naming the limit).
+No torch here: ``switchyard serve`` takes the same flags (declared on the fields,
 ``interfaces.settings``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from interfaces import StructuredOutput
@@ -30,6 +34,13 @@ class GrammarLimits:
         "--grammar-compile-timeout",
         "fail a request (400) whose grammar takes longer than this to compile; other requests "
         "keep running meanwhile",
+        metavar="SECONDS",
+    )
+    mask_timeout_s: float = setting(
+        0.5,
+        "--grammar-mask-timeout",
+        "fail a request (400) whose grammar takes longer than this to say which tokens may come "
+        "next (an ambiguous grammar can take seconds a token); the step waits for it no longer",
         metavar="SECONDS",
     )
     max_spec_bytes: int = setting(
@@ -53,9 +64,20 @@ class GrammarLimits:
             raise ValueError(
                 f"grammar compile timeout must be positive, got {self.compile_timeout_s}"
             )
+        if not (math.isfinite(self.mask_timeout_s) and self.mask_timeout_s > 0):
+            raise ValueError(
+                f"grammar mask timeout must be positive and finite, got {self.mask_timeout_s}"
+            )
         for name in ("max_spec_bytes", "max_alternatives", "cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def mask_timeout_error(self) -> str:
+        return (
+            "the grammar for structured output took longer than the limit of "
+            f"{self.mask_timeout_s:g} s (--grammar-mask-timeout) to give the tokens that may "
+            "come next"
+        )
 
     def timeout_error(self, kind: str) -> str:
         return (

@@ -62,6 +62,7 @@ from worker.prompt_logprobs import plan_prompt_logprob_rows, record_prompt_logpr
 from worker.request_sampler import RequestSampler
 from worker.request_state import RequestState
 from worker.sampler import Sampler, check_supported
+from worker.structured_output import MaskFiller
 from worker.user_processors import check_processor_names, load_user_processors
 
 logger = logging.getLogger(__name__)
@@ -132,8 +133,13 @@ class ModelRunner:
             )
         self.requests: dict[RequestID, RequestState] = {}
         self._refusals: dict[RequestID, str] = {}
+        limits = config.grammar_limits
         self.request_sampler = RequestSampler(
-            self.sampler, self.model_config.vocab_size, self.device, self.user_processors
+            self.sampler,
+            self.model_config.vocab_size,
+            self.device,
+            self.user_processors,
+            MaskFiller(limits.mask_timeout_s, limits.mask_timeout_error()),
         )
         logger.info(
             "loaded %s on %s (%s), rank %d of %d: %d KV blocks of %d tokens, max_model_len %d, "

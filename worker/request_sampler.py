@@ -22,7 +22,7 @@ from worker.logits_processors import build_logits_processors
 from worker.logprobs import as_log_probabilities, token_logprobs
 from worker.request_state import RequestState
 from worker.sampler import NO_TOKEN, Sampler, SamplingBatch
-from worker.structured_output import RequestGrammar, allowed_token_mask
+from worker.structured_output import MaskFiller, RequestGrammar, allowed_token_mask
 from worker.user_processors import UserProcessor
 
 logger = logging.getLogger(__name__)
@@ -38,12 +38,16 @@ class RequestSampler:
         vocab_size: int,
         device: torch.device,
         user_processors: Mapping[str, UserProcessor] | None = None,
+        mask_filler: MaskFiller | None = None,
     ) -> None:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.device = device
         self.user_processors = user_processors or {}
         """The user logits processors the worker loaded, by name."""
+        self.mask_filler = mask_filler
+        """Fills the grammar rows' masks, each within its time limit (None: one by one here,
+        unbounded)."""
         self._failures: dict[RequestID, RequestFailure] = {}
         self._deferred: list[RequestID] = []
         self._parked: set[RequestID] = set()
@@ -257,7 +261,9 @@ class RequestSampler:
     ) -> SamplingBatch:
         vocab_size = self.vocab_size
         grammars = [state.grammar for state in states]
-        allowed = allowed_token_mask(grammars, vocab_size, self.device, grammar_failures)
+        allowed = allowed_token_mask(
+            grammars, vocab_size, self.device, grammar_failures, self.mask_filler
+        )
         processors = build_logits_processors(
             [state.sampling_row() for state in states],
             vocab_size,

@@ -6,11 +6,22 @@ A request's ``StructuredOutput`` (JSON object, JSON schema, regex or EBNF gramma
 matcher in the batch for its next-token bitmask and unpacks them into one boolean mask with torch
 ops. Once a grammar has ended, only end-of-sequence ids are allowed, so the request stops.
 xgrammar is imported on first use: it takes seconds to import and most workers never need it.
+
+A bitmask usually takes well under a millisecond, but an ambiguous grammar (``root ::= (a | b)*``
+with ``a ::= [a-z] | [a-z] a`` and ``b ::= [a-z]* b?``: 0.5 ms at the first token, 0.6 s at the
+25th, more after) keeps ever more parses alive, and xgrammar's fill cannot be interrupted. So a
+``MaskFiller`` fills the rows on threads of its own (xgrammar releases the GIL meanwhile) and the
+step waits at most its limit (``--grammar-mask-timeout``) for each: a row past it fails its
+request alone, and its thread, left to finish that fill, is replaced.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +41,9 @@ class RequestGrammar:
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.eos_token_ids = list(eos_token_ids)
+        self.abandoned = False
+        """Set when a fill of its mask outlasted the limit: a MaskFiller thread may still be
+        inside the matcher, so nothing touches it again (its request has failed)."""
 
     @property
     def is_terminated(self) -> bool:
@@ -57,20 +71,28 @@ def allowed_token_mask(
     vocab_size: int,
     device: torch.device,
     failures: dict[int, str] | None = None,
+    filler: MaskFiller | None = None,
 ) -> torch.Tensor | None:
     """The batch's structured-output mask: bool (num_rows, vocab_size), True = may be sampled.
 
     Rows without a grammar allow everything; rows whose grammar ended allow only their
-    end-of-sequence ids. A row whose matcher raises allows nothing, and ``failures`` gets the
-    reason by row index. None when no row has a grammar.
+    end-of-sequence ids. A row whose matcher raises, or (with ``filler``) outlasts its limit,
+    allows nothing, and ``failures`` gets the reason by row index. Without a filler the rows
+    are filled here, one after another (tests and tools). None when no row has a grammar.
     """
     if all(grammar is None for grammar in grammars):
         return None
     num_words = -(-vocab_size // 32)
     bitmask = torch.full((len(grammars), num_words), -1, dtype=torch.int32)  # all bits set
+    failures = {} if failures is None else failures
     eos_edits = []
+    to_fill = []
     for row, grammar in enumerate(grammars):
         if grammar is None:
+            continue
+        if grammar.abandoned:  # only a filler abandons a grammar
+            bitmask[row] = 0
+            failures[row] = filler.failure if filler is not None else "the grammar was abandoned"
             continue
         try:
             if grammar.is_terminated:
@@ -79,17 +101,123 @@ def allowed_token_mask(
                     token_id for token_id in grammar.eos_token_ids if 0 <= token_id < vocab_size
                 ]
                 eos_edits += [(row, token_id) for token_id in eos_ids]
-            else:
+            elif filler is None:
                 grammar.matcher.fill_next_token_bitmask(bitmask, row)
+            else:
+                to_fill.append((row, grammar))
         except Exception as error:  # this row's grammar alone; the batch samples on
             bitmask[row] = 0
-            if failures is not None:
-                failures[row] = f"the grammar failed: {error}"
+            failures[row] = f"the grammar failed: {error}"
+    if to_fill:
+        filler.fill(to_fill, bitmask, failures)
     allowed = unpack_bitmask(bitmask.to(device), vocab_size)
     if eos_edits:
         rows_and_ids = torch.tensor(eos_edits, dtype=torch.int64, device=device)  # (num_edits, 2)
         allowed[rows_and_ids[:, 0], rows_and_ids[:, 1]] = True
     return allowed
+
+
+@dataclass(eq=False)
+class _Fill:
+    """One row's fill: its grammar, and a bitmask row of its own (a fill that outlasted its
+    limit writes there, not into a later step's mask)."""
+
+    grammar: RequestGrammar
+    words: torch.Tensor
+    started_at: float | None = None
+    error: Exception | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    retire: bool = False
+    """Its thread was replaced while it filled: it exits after this fill."""
+
+
+class MaskFiller:
+    """Fills rows of a step's grammar mask on ``num_threads`` threads of its own, each row's
+    fill bounded by ``timeout_s`` of its own thread time (counted from when a thread takes it,
+    so rows queued behind others are not charged for them). A row past the limit fails
+    (``failure`` names it); its grammar is marked abandoned, and its thread, which cannot be
+    stopped inside xgrammar, finishes that fill, writes it to the row's own buffer, and exits,
+    a new thread taking its place at once. Called from one thread (the model runner's)."""
+
+    def __init__(self, timeout_s: float, failure: str, num_threads: int = 2) -> None:
+        self.timeout_s = timeout_s
+        self.failure = failure
+        self.num_threads = num_threads
+        self._fills: SimpleQueue[_Fill | None] = SimpleQueue()
+        self._lock = threading.Lock()  # a fill's done and retire change together
+        self._threads = 0  # those not retired
+
+    def fill(
+        self,
+        rows: list[tuple[int, RequestGrammar]],
+        bitmask: torch.Tensor,
+        failures: dict[int, str],
+    ) -> None:
+        """Fill ``bitmask``'s ``rows``, each by its grammar; a row that fails gets 0 (nothing
+        allowed) and its reason in ``failures``."""
+        fills = []
+        for row, grammar in rows:
+            fill = _Fill(grammar, torch.empty((1, bitmask.shape[1]), dtype=torch.int32))
+            fills.append((row, fill))
+            self._fills.put(fill)
+        while self._threads < self.num_threads:
+            self._start_thread()
+        for row, fill in fills:
+            if self._wait(fill):
+                if fill.error is None:
+                    bitmask[row] = fill.words[0]
+                    continue
+                failures[row] = f"the grammar failed: {fill.error}"
+            else:
+                failures[row] = self.failure
+            bitmask[row] = 0
+
+    def _wait(self, fill: _Fill) -> bool:
+        """Whether ``fill`` finished within its limit; if not, it is abandoned."""
+        while True:
+            started_at = fill.started_at
+            if started_at is None:  # still queued: a thread takes it soon
+                if fill.done.wait(min(self.timeout_s, 0.005)):
+                    return True
+                continue
+            left = started_at + self.timeout_s - time.monotonic()
+            if fill.done.wait(max(left, 0.0)):
+                return True
+            with self._lock:
+                if fill.done.is_set():
+                    return True
+                fill.retire = True
+                fill.grammar.abandoned = True
+                self._threads -= 1
+            self._start_thread()
+            return False
+
+    def close(self) -> None:
+        """Let its idle threads go (one busy with a fill exits after it)."""
+        with self._lock:
+            threads, self._threads = self._threads, 0
+        for _ in range(threads):
+            self._fills.put(None)
+
+    def _start_thread(self) -> None:
+        with self._lock:
+            self._threads += 1
+        threading.Thread(target=self._serve, name="grammar-mask", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fill = self._fills.get()
+            if fill is None:
+                return
+            fill.started_at = time.monotonic()
+            try:
+                fill.grammar.matcher.fill_next_token_bitmask(fill.words, 0)
+            except Exception as error:  # that row's alone
+                fill.error = error
+            with self._lock:
+                fill.done.set()
+                if fill.retire:
+                    return
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -9,15 +9,21 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.serve_process import COMPILE_TIMEOUT_S, MAX_STREAM_BACKLOG, SharedServe
+from tests.support.serve_process import (
+    COMPILE_TIMEOUT_S,
+    MASK_TIMEOUT_S,
+    MAX_STREAM_BACKLOG,
+    SharedServe,
+)
 
 
 @pytest.fixture(scope="session")
 def hostile_serve(default_model_dir) -> Iterator[SharedServe]:
-    """The hostile-input modules' server: the default model with their two limits set."""
+    """The hostile-input modules' server: the default model with their limits set."""
     shared = SharedServe(
         *("--max-stream-backlog", str(MAX_STREAM_BACKLOG)),
         *("--grammar-compile-timeout", str(COMPILE_TIMEOUT_S)),
+        *("--grammar-mask-timeout", str(MASK_TIMEOUT_S)),
     )
     yield shared
     shared.stop()

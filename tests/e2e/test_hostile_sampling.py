@@ -23,6 +23,7 @@ from tests.support.clients import health_status, in_background
 from tests.support.serve_process import (
     COMPILE_TIMEOUT_S,
     DEFAULT_MODEL_NAME,
+    MASK_TIMEOUT_S,
     ServeProcess,
     chat_messages,
 )
@@ -37,6 +38,11 @@ INNOCENT = {
     "ignore_eos": True,
     "stream": True,
 }
+
+
+AMBIGUOUS_GRAMMAR = "root ::= (a | b)*\na ::= ([a-z] | [a-z] a)\nb ::= ([a-z]* b?)"
+"""Letters, each string of them parsed in ever more ways: xgrammar keeps every parse alive, so
+its next-token mask costs more at every token (0.5 ms at the first, 0.6 s at the 25th)."""
 
 
 def slow_schema(num_letters: int) -> dict:
@@ -137,6 +143,32 @@ def test_a_slow_compile_does_not_stall_the_batch_and_its_request_waits(serve, in
     choice = grammar.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert re.fullmatch("[a-z]{0,60}", json.loads(choice["message"]["content"])["p0"])
+
+
+def test_a_grammar_whose_masks_grow_slow_fails_alone_with_a_400(serve, innocent_alone):
+    """The ambiguous grammar's masks grow past ``--grammar-mask-timeout`` within a few dozen
+    tokens (min_tokens keeps the model writing letters); the step waits no longer than the
+    limit for that row, the grammar request gets a 400 naming the limit, and the innocent
+    stream sent meanwhile gets the tokens it gets alone. Before the limit, one such request
+    made every step of its batch wait seconds, longer with each token."""
+    body = chat(
+        "Write a very long word.",
+        max_tokens=200,
+        min_tokens=200,
+        temperature=0,
+        guided_grammar=AMBIGUOUS_GRAMMAR,
+    )
+    grammar, grammar_thread = in_background(serve.base_url, {**body, "stream": False})
+    innocent, thread = in_background(serve.base_url, INNOCENT)
+    thread.join(60)
+    grammar_thread.join(120)
+    assert _text(innocent) == innocent_alone
+    assert grammar.status == 400, grammar
+    assert grammar.body["error"]["message"] == (
+        "the grammar for structured output took longer than the limit of "
+        f"{MASK_TIMEOUT_S:g} s (--grammar-mask-timeout) to give the tokens that may come next"
+    )
+    assert health_status(serve.base_url) == 200
 
 
 def test_a_compile_past_the_time_limit_fails_alone_with_a_400(serve, innocent_alone):

@@ -175,9 +175,12 @@ def gauges_settle(serve: ServeProcess, timeout_s: float = 10) -> dict[str, float
 MAX_STREAM_BACKLOG = 16
 """``--max-stream-backlog``: a client that never reads is found within a few steps."""
 COMPILE_TIMEOUT_S = 10
-"""``--grammar-compile-timeout``: a slow grammar fails within seconds (test_hostile_sampling).
+"""``--grammar-compile-timeout``: a slow grammar fails within seconds (test_hostile_sampling)."""
+MASK_TIMEOUT_S = 0.2
+"""``--grammar-mask-timeout``: a grammar whose masks grow slow fails within a few tokens
+(test_hostile_sampling).
 
-Both are the limits of the hostile-input modules' shared server (tests/e2e/conftest.py)."""
+All three are the limits of the hostile-input modules' shared server (tests/e2e/conftest.py)."""
 
 
 class SharedServe:

@@ -23,7 +23,7 @@ from tests.support.step_driver import EOS, DrivenRequest, StepDriver, context, s
 from worker.grammar_compiler import GrammarCompiler
 from worker.grammar_limits import GrammarLimits
 from worker.model_runner import ModelRunner
-from worker.structured_output import unpack_bitmask
+from worker.structured_output import MaskFiller, RequestGrammar, allowed_token_mask, unpack_bitmask
 
 SCHEMA = {
     "type": "object",
@@ -67,6 +67,113 @@ def test_unpack_bitmask():
     assert allowed[0].nonzero().flatten().tolist() == [0, 2, *range(32, 40)]
     assert allowed[1].nonzero().flatten().tolist() == [32]
     assert allowed.shape == (2, 40)
+
+
+class TimedMatcher:
+    """A matcher whose fill takes ``seconds`` (asleep, as xgrammar's fill runs without the
+    GIL), then allows ``allowed`` (ids below 31) or raises ``error``."""
+
+    def __init__(self, seconds: float, allowed: tuple[int, ...] = (), error: str | None = None):
+        self.seconds, self.allowed, self.error = seconds, allowed, error
+        self.fills = 0
+        self.finished = threading.Event()
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.fills += 1
+        time.sleep(self.seconds)
+        self.finished.set()
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        bitmask[row] = 0
+        bitmask[row, 0] = sum(1 << token for token in self.allowed)
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def grammar_with(runner):
+    """A RequestGrammar that follows a TimedMatcher."""
+    compiled = runner.grammars.compile(StructuredOutput("regex", "[a-z]+"))
+
+    def make(matcher: TimedMatcher) -> RequestGrammar:
+        grammar = RequestGrammar(compiled, [EOS])
+        grammar.matcher = matcher
+        return grammar
+
+    return make
+
+
+def _allowed_ids(allowed: torch.Tensor, row: int) -> list[int]:
+    return allowed[row].nonzero().flatten().tolist()
+
+
+def _mask_threads() -> int:
+    return sum(thread.name == "grammar-mask" for thread in threading.enumerate())
+
+
+def test_a_mask_past_its_time_limit_fails_its_row_alone_and_is_never_asked_again(grammar_with):
+    """The step does not wait for a fill past the limit: its row allows nothing and fails with
+    the limit's message, the other rows get their masks, and the abandoned grammar is not
+    touched again (its thread may still be inside it). The stuck thread is replaced at once
+    and exits after its fill."""
+    before = _mask_threads()
+    filler = MaskFiller(0.2, "too slow", num_threads=2)
+    slow = TimedMatcher(3.0, allowed=(1,))
+    grammars = [grammar_with(TimedMatcher(0.01, (3, 5))), grammar_with(slow), None]
+    failures: dict[int, str] = {}
+    allowed = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, filler)
+    assert not slow.finished.is_set()  # the step went on while the slow fill ran
+    assert failures == {1: "too slow"}
+    assert _allowed_ids(allowed, 0) == [3, 5]
+    assert _allowed_ids(allowed, 1) == []
+    assert _allowed_ids(allowed, 2) == list(range(40))
+    assert grammars[1].abandoned and _mask_threads() == before + 3
+    failures = {}
+    again = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, filler)
+    assert slow.fills == 1 and _allowed_ids(again, 1) == [] and failures == {1: "too slow"}
+    slow.finished.wait(10)
+    deadline = time.monotonic() + 10
+    while _mask_threads() > before + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _mask_threads() == before + 2  # the replaced thread left after its fill
+    filler.close()
+
+
+def test_rows_waiting_for_a_thread_are_not_charged_for_the_rows_before_them(grammar_with):
+    """One thread, three fills of 0.15 s under a limit of 0.4 s: 0.45 s in all, and each row
+    within its own limit."""
+    filler = MaskFiller(0.4, "too slow", num_threads=1)
+    grammars = [grammar_with(TimedMatcher(0.15, (row,))) for row in range(3)]
+    failures: dict[int, str] = {}
+    allowed = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, filler)
+    assert failures == {}
+    assert [_allowed_ids(allowed, row) for row in range(3)] == [[0], [1], [2]]
+    filler.close()
+
+
+def test_a_fill_that_raises_fails_its_row_alone(grammar_with):
+    filler = MaskFiller(1.0, "too slow")
+    grammars = [
+        grammar_with(TimedMatcher(0.0, error="broken")),
+        grammar_with(TimedMatcher(0.0, (7,))),
+    ]
+    failures: dict[int, str] = {}
+    allowed = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, filler)
+    assert failures == {0: "the grammar failed: broken"}
+    assert _allowed_ids(allowed, 0) == [] and _allowed_ids(allowed, 1) == [7]
+    assert not grammars[0].abandoned
+    filler.close()
+
+
+def test_the_mask_limit_must_be_positive_and_finite():
+    for value in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="grammar mask timeout"):
+            GrammarLimits(mask_timeout_s=value)
+    assert GrammarLimits(mask_timeout_s=0.2).mask_timeout_error() == (
+        "the grammar for structured output took longer than the limit of 0.2 s "
+        "(--grammar-mask-timeout) to give the tokens that may come next"
+    )
 
 
 def test_json_schema_greedy_output_parses_and_validates(runner, tokenizer, chat):

@@ -17,6 +17,8 @@ request alone, and its thread, left to finish that fill, is replaced.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -48,14 +50,19 @@ class RequestGrammar:
     @property
     def is_terminated(self) -> bool:
         """True once the grammar accepted a stop token: nothing but end-of-sequence may follow."""
+        self._check_not_abandoned()
         return self.matcher.is_terminated()
+
+    def _check_not_abandoned(self) -> None:
+        if self.abandoned:  # a thread may still be inside the matcher: never touch it again
+            raise RuntimeError("the grammar was abandoned after its mask's time limit")
 
     def accept(self, token_id: int) -> None:
         """Advance by a sampled token; ``RuntimeError`` if the grammar forbids it (a masking bug).
 
         After the grammar has ended the token is an end-of-sequence id and is not fed to it.
         """
-        if self.is_terminated:
+        if self.is_terminated:  # (raises for an abandoned grammar)
             return
         if not self.matcher.accept_token(token_id):
             raise RuntimeError(f"the grammar rejected sampled token {token_id}")
@@ -125,10 +132,18 @@ class _Fill:
     grammar: RequestGrammar
     words: torch.Tensor
     started_at: float | None = None
+    thread_id: int | None = None
+    """The native id of the thread that took it."""
     error: Exception | None = None
     done: threading.Event = field(default_factory=threading.Event)
     retire: bool = False
     """Its thread was replaced while it filled: it exits after this fill."""
+    cancelled: bool = False
+    """Nobody waits for it any more (the step raised): a thread that takes it skips it."""
+
+
+RETIRED_NICENESS = 19
+"""A thread left to finish a fill past its limit gets only the CPU time nothing else wants."""
 
 
 class MaskFiller:
@@ -136,8 +151,9 @@ class MaskFiller:
     fill bounded by ``timeout_s`` of its own thread time (counted from when a thread takes it,
     so rows queued behind others are not charged for them). A row past the limit fails
     (``failure`` names it); its grammar is marked abandoned, and its thread, which cannot be
-    stopped inside xgrammar, finishes that fill, writes it to the row's own buffer, and exits,
-    a new thread taking its place at once. Called from one thread (the model runner's)."""
+    stopped inside xgrammar, finishes that fill at the lowest CPU priority, writes it to the
+    row's own buffer, and exits, a new thread taking its place at once. Called from one thread
+    (the model runner's)."""
 
     def __init__(self, timeout_s: float, failure: str, num_threads: int = 2) -> None:
         self.timeout_s = timeout_s
@@ -156,21 +172,36 @@ class MaskFiller:
         """Fill ``bitmask``'s ``rows``, each by its grammar; a row that fails gets 0 (nothing
         allowed) and its reason in ``failures``."""
         fills = []
-        for row, grammar in rows:
-            fill = _Fill(grammar, torch.empty((1, bitmask.shape[1]), dtype=torch.int32))
-            fills.append((row, fill))
-            self._fills.put(fill)
-        while self._threads < self.num_threads:
-            self._start_thread()
-        for row, fill in fills:
-            if self._wait(fill):
-                if fill.error is None:
-                    bitmask[row] = fill.words[0]
-                    continue
-                failures[row] = f"the grammar failed: {fill.error}"
-            else:
-                failures[row] = self.failure
-            bitmask[row] = 0
+        try:
+            for row, grammar in rows:
+                fill = _Fill(grammar, torch.empty((1, bitmask.shape[1]), dtype=torch.int32))
+                fills.append((row, fill))
+                self._fills.put(fill)
+            while self._threads < self.num_threads:
+                self._start_thread()
+            for row, fill in fills:
+                if self._wait(fill):
+                    if fill.error is None:
+                        bitmask[row] = fill.words[0]
+                        continue
+                    failures[row] = f"the grammar failed: {fill.error}"
+                else:
+                    failures[row] = self.failure
+                bitmask[row] = 0
+        except BaseException:  # e.g. no thread could start: no fill is left running unwatched
+            self._give_up([fill for _, fill in fills])
+            raise
+
+    def _give_up(self, fills: list[_Fill]) -> None:
+        """Cancel those of ``fills`` not yet taken, and abandon those still running."""
+        with self._lock:
+            for fill in fills:
+                if fill.started_at is None:
+                    fill.cancelled = True
+                elif not fill.done.is_set() and not fill.retire:
+                    fill.retire = True
+                    fill.grammar.abandoned = True
+                    self._threads -= 1
 
     def _wait(self, fill: _Fill) -> bool:
         """Whether ``fill`` finished within its limit; if not, it is abandoned."""
@@ -189,6 +220,8 @@ class MaskFiller:
                 fill.retire = True
                 fill.grammar.abandoned = True
                 self._threads -= 1
+            with contextlib.suppress(AttributeError, OSError):  # Linux: one thread's niceness
+                os.setpriority(os.PRIO_PROCESS, fill.thread_id, RETIRED_NICENESS)
             self._start_thread()
             return False
 
@@ -200,16 +233,20 @@ class MaskFiller:
             self._fills.put(None)
 
     def _start_thread(self) -> None:
-        with self._lock:
-            self._threads += 1
         threading.Thread(target=self._serve, name="grammar-mask", daemon=True).start()
+        with self._lock:  # counted once started: a thread that could not start is not one
+            self._threads += 1
 
     def _serve(self) -> None:
         while True:
             fill = self._fills.get()
             if fill is None:
                 return
-            fill.started_at = time.monotonic()
+            with self._lock:
+                if fill.cancelled:
+                    continue
+                fill.thread_id = threading.get_native_id()
+                fill.started_at = time.monotonic()
             try:
                 fill.grammar.matcher.fill_next_token_bitmask(fill.words, 0)
             except Exception as error:  # that row's alone

@@ -75,7 +75,7 @@ class TimedMatcher:
 
     def __init__(self, seconds: float, allowed: tuple[int, ...] = (), error: str | None = None):
         self.seconds, self.allowed, self.error = seconds, allowed, error
-        self.fills = 0
+        self.fills = self.questions = 0
         self.finished = threading.Event()
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -88,7 +88,22 @@ class TimedMatcher:
         bitmask[row, 0] = sum(1 << token for token in self.allowed)
 
     def is_terminated(self) -> bool:
+        self.questions += 1
         return False
+
+
+@pytest.fixture
+def fillers():
+    """MaskFillers made by ``make(timeout_s, num_threads)``, closed after the test."""
+    made = []
+
+    def make(timeout_s: float, num_threads: int = 2) -> MaskFiller:
+        made.append(MaskFiller(timeout_s, "too slow", num_threads))
+        return made[-1]
+
+    yield make
+    for filler in made:
+        filler.close()
 
 
 @pytest.fixture
@@ -112,14 +127,16 @@ def _mask_threads() -> int:
     return sum(thread.name == "grammar-mask" for thread in threading.enumerate())
 
 
-def test_a_mask_past_its_time_limit_fails_its_row_alone_and_is_never_asked_again(grammar_with):
+def test_a_mask_past_its_time_limit_fails_its_row_alone_and_is_never_asked_again(
+    grammar_with, fillers
+):
     """The step does not wait for a fill past the limit: its row allows nothing and fails with
     the limit's message, the other rows get their masks, and the abandoned grammar is not
     touched again (its thread may still be inside it). The stuck thread is replaced at once
     and exits after its fill."""
     before = _mask_threads()
-    filler = MaskFiller(0.2, "too slow", num_threads=2)
-    slow = TimedMatcher(3.0, allowed=(1,))
+    filler = fillers(0.5)
+    slow = TimedMatcher(2.5, allowed=(1,))
     grammars = [grammar_with(TimedMatcher(0.01, (3, 5))), grammar_with(slow), None]
     failures: dict[int, str] = {}
     allowed = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, filler)
@@ -129,41 +146,62 @@ def test_a_mask_past_its_time_limit_fails_its_row_alone_and_is_never_asked_again
     assert _allowed_ids(allowed, 1) == []
     assert _allowed_ids(allowed, 2) == list(range(40))
     assert grammars[1].abandoned and _mask_threads() == before + 3
+    questions = slow.questions
     failures = {}
     again = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, filler)
-    assert slow.fills == 1 and _allowed_ids(again, 1) == [] and failures == {1: "too slow"}
+    assert (slow.fills, slow.questions) == (1, questions)
+    assert _allowed_ids(again, 1) == [] and failures == {1: "too slow"}
+    with pytest.raises(RuntimeError, match="abandoned"):
+        grammars[1].accept(1)
     slow.finished.wait(10)
     deadline = time.monotonic() + 10
     while _mask_threads() > before + 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _mask_threads() == before + 2  # the replaced thread left after its fill
-    filler.close()
 
 
-def test_rows_waiting_for_a_thread_are_not_charged_for_the_rows_before_them(grammar_with):
+def test_rows_waiting_for_a_thread_are_not_charged_for_the_rows_before_them(grammar_with, fillers):
     """One thread, three fills of 0.15 s under a limit of 0.4 s: 0.45 s in all, and each row
     within its own limit."""
-    filler = MaskFiller(0.4, "too slow", num_threads=1)
+    filler = fillers(0.4, num_threads=1)
     grammars = [grammar_with(TimedMatcher(0.15, (row,))) for row in range(3)]
     failures: dict[int, str] = {}
     allowed = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, filler)
     assert failures == {}
     assert [_allowed_ids(allowed, row) for row in range(3)] == [[0], [1], [2]]
-    filler.close()
 
 
-def test_a_fill_that_raises_fails_its_row_alone(grammar_with):
-    filler = MaskFiller(1.0, "too slow")
+def test_a_fill_that_raises_fails_its_row_alone(grammar_with, fillers):
     grammars = [
         grammar_with(TimedMatcher(0.0, error="broken")),
         grammar_with(TimedMatcher(0.0, (7,))),
     ]
     failures: dict[int, str] = {}
-    allowed = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, filler)
+    allowed = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, fillers(1.0))
     assert failures == {0: "the grammar failed: broken"}
     assert _allowed_ids(allowed, 0) == [] and _allowed_ids(allowed, 1) == [7]
     assert not grammars[0].abandoned
-    filler.close()
+
+
+def test_a_filler_that_cannot_start_a_thread_raises_and_leaves_no_fill_behind(
+    grammar_with, fillers, monkeypatch
+):
+    """Its step raises (the sampler then samples row by row, each row failing alone); the
+    fills it queued are never run, and once threads start again it fills as before."""
+    filler = fillers(1.0)
+    queued = TimedMatcher(0.0, (2,))
+
+    def refuse(thread):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        allowed_token_mask([grammar_with(queued)], 40, torch.device("cpu"), {}, filler)
+    monkeypatch.undo()
+    fresh = TimedMatcher(0.0, (4,))
+    allowed = allowed_token_mask([grammar_with(fresh)], 40, torch.device("cpu"), {}, filler)
+    assert _allowed_ids(allowed, 0) == [4]
+    assert (queued.fills, fresh.fills) == (0, 1)
 
 
 def test_the_mask_limit_must_be_positive_and_finite():

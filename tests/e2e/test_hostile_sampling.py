@@ -147,10 +147,11 @@ def test_a_slow_compile_does_not_stall_the_batch_and_its_request_waits(serve, in
 
 def test_a_grammar_whose_masks_grow_slow_fails_alone_with_a_400(serve, innocent_alone):
     """The ambiguous grammar's masks grow past ``--grammar-mask-timeout`` within a few dozen
-    tokens (min_tokens keeps the model writing letters); the step waits no longer than the
-    limit for that row, the grammar request gets a 400 naming the limit, and the innocent
-    stream sent meanwhile gets the tokens it gets alone. Before the limit, one such request
-    made every step of its batch wait seconds, longer with each token."""
+    tokens (min_tokens keeps the model writing letters): the grammar request gets a 400 naming
+    the limit, the innocent stream sent meanwhile gets the tokens it gets alone, and /health
+    stays 200. Without the limit this request would run for minutes, every step of its batch
+    waiting seconds for its mask, longer with each token (the waits themselves are bounded in
+    test_structured_output.py)."""
     body = chat(
         "Write a very long word.",
         max_tokens=200,

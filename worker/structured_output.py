@@ -148,8 +148,8 @@ RETIRED_NICENESS = 19
 
 class MaskFiller:
     """Fills rows of a step's grammar mask on ``num_threads`` threads of its own, each row's
-    fill bounded by ``timeout_s`` of its own thread time (counted from when a thread takes it,
-    so rows queued behind others are not charged for them). A row past the limit fails
+    fill bounded by ``timeout_s`` (counted from when a thread takes it, so rows queued behind
+    others are not charged for them). A row past the limit fails
     (``failure`` names it); its grammar is marked abandoned, and its thread, which cannot be
     stopped inside xgrammar, finishes that fill at the lowest CPU priority, writes it to the
     row's own buffer, and exits, a new thread taking its place at once. Called from one thread
@@ -199,9 +199,16 @@ class MaskFiller:
                 if fill.started_at is None:
                     fill.cancelled = True
                 elif not fill.done.is_set() and not fill.retire:
-                    fill.retire = True
-                    fill.grammar.abandoned = True
-                    self._threads -= 1
+                    self._retire(fill)
+
+    def _retire(self, fill: _Fill) -> None:
+        """Abandon running ``fill`` (under the lock): its thread exits after it, at the lowest
+        CPU priority meanwhile, and is no longer counted."""
+        fill.retire = True
+        fill.grammar.abandoned = True
+        self._threads -= 1
+        with contextlib.suppress(AttributeError, OSError):  # Linux: one thread's niceness
+            os.setpriority(os.PRIO_PROCESS, fill.thread_id, RETIRED_NICENESS)
 
     def _wait(self, fill: _Fill) -> bool:
         """Whether ``fill`` finished within its limit; if not, it is abandoned."""
@@ -217,11 +224,7 @@ class MaskFiller:
             with self._lock:
                 if fill.done.is_set():
                     return True
-                fill.retire = True
-                fill.grammar.abandoned = True
-                self._threads -= 1
-            with contextlib.suppress(AttributeError, OSError):  # Linux: one thread's niceness
-                os.setpriority(os.PRIO_PROCESS, fill.thread_id, RETIRED_NICENESS)
+                self._retire(fill)
             self._start_thread()
             return False
 

@@ -18,6 +18,11 @@ fixed --seed, the same for both servers, so that no workload hits the prefix cac
   short-c64    128 in / 64 out, concurrency 64, 128 prompts
   prefix-c16   one 512-token prefix shared by all, then 128 in / 64 out, concurrency 16, 64
   long-c8      1536 in / 128 out, concurrency 8, 24 prompts
+and, run only when named, two that time prefill alone (one output token each: "out tok/s" is
+prompts a second, so the ratio is that of prefill throughputs, and at concurrency 1 the median
+TTFT is one prompt's prefill):
+  prefill-c1   1536 in / 1 out, concurrency 1, 8 prompts
+  prefill-c64  128 in / 1 out, concurrency 64, 256 prompts
 --num-prompts-scale multiplies the prompt counts (at least 1 each), e.g. 0.1 for a smoke test.
 
 vLLM runs as `python -m vllm.entrypoints.openai.api_server` with OMP_NUM_THREADS set to the
@@ -144,8 +149,12 @@ WORKLOADS = (
     Workload("short-c64", 128, 64, 64, 128),
     Workload("prefix-c16", 128, 64, 16, 64, prefix_len=512),
     Workload("long-c8", 1536, 128, 8, 24),
+    Workload("prefill-c1", 1536, 1, 1, 8),
+    Workload("prefill-c64", 128, 1, 64, 256),
 )
 WORKLOAD_NAMES = tuple(workload.name for workload in WORKLOADS)
+DEFAULT_WORKLOADS = WORKLOAD_NAMES[:5]
+"""The comparison's workloads; the prefill-only ones after them are diagnostics, run when named."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--workloads",
-        default=",".join(WORKLOAD_NAMES),
-        help="comma-separated workload names (default: all)",
+        default=",".join(DEFAULT_WORKLOADS),
+        help="comma-separated workload names (default: all but the prefill-only ones)",
     )
     parser.add_argument(
         "--servers",

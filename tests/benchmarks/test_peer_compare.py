@@ -156,3 +156,16 @@ def test_sampling_out_of_range_is_refused_by_name():
             timeout=60,
         )
         assert completed.returncode == 2 and name in completed.stderr, completed.stderr
+
+
+def test_the_prefill_only_workloads_run_only_when_named():
+    parser = peer_compare.build_parser()
+    default = parser.parse_args(["--servers", "switchyard"])  # no vLLM needed to parse
+    peer_compare.check_args(parser, default)
+    assert default.workloads == ["short-c1", "short-c16", "short-c64", "prefix-c16", "long-c8"]
+    named = parser.parse_args(["--servers", "switchyard", "--workloads", "prefill-c1,long-c8"])
+    peer_compare.check_args(parser, named)
+    chosen = peer_compare.selected_workloads(named)
+    assert [(w.name, w.output_len) for w in chosen] == [("long-c8", 128), ("prefill-c1", 1)]
+    # the workloads keep their seeds (each workload's is fixed by its place)
+    assert peer_compare.workload_seed(chosen[0]) == peer_compare.BASE_SEED + 4

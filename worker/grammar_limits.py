@@ -6,7 +6,9 @@ spec is checked against ``max_spec_bytes`` and ``max_alternatives`` when its req
 request fails alone, a 400 naming the limit) and compiled grammars are cached up to
 ``cache_bytes``. Following a grammar costs time every step too, and an ambiguous one costs more
 with every token (seconds a token after a few dozen): a step waits at most ``mask_timeout_s``
-for a request's next-token mask, and that request then fails alone (a 400 naming the limit).
+for a request's next-token mask, and that request then fails alone (a 400 naming the limit);
+a grammar whose masks each stay under it fails alone too once they take more than
+``mask_time_per_token_s`` a token on average (with a burst of up to ``mask_timeout_s`` beyond).
 No torch here: ``switchyard serve`` takes the same flags (declared on the fields,
 ``interfaces.settings``).
 """
@@ -43,6 +45,14 @@ class GrammarLimits:
         "next (an ambiguous grammar can take seconds a token); the step waits for it no longer",
         metavar="SECONDS",
     )
+    mask_time_per_token_s: float = setting(
+        0.02,
+        "--grammar-mask-time-per-token",
+        "fail a request (400) whose grammar takes longer than this on average, a token, to say "
+        "which tokens may come next (beyond a burst of one --grammar-mask-timeout); each step "
+        "of its batch waits for it",
+        metavar="SECONDS",
+    )
     max_spec_bytes: int = setting(
         1 << 20,
         "--max-grammar-bytes",
@@ -68,6 +78,11 @@ class GrammarLimits:
             raise ValueError(
                 f"grammar mask timeout must be positive and finite, got {self.mask_timeout_s}"
             )
+        if not (math.isfinite(self.mask_time_per_token_s) and self.mask_time_per_token_s > 0):
+            raise ValueError(
+                "grammar mask time per token must be positive and finite, got "
+                f"{self.mask_time_per_token_s}"
+            )
         for name in ("max_spec_bytes", "max_alternatives", "cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -77,6 +92,13 @@ class GrammarLimits:
             "the grammar for structured output took longer than the limit of "
             f"{self.mask_timeout_s:g} s (--grammar-mask-timeout) to give the tokens that may "
             "come next"
+        )
+
+    def mask_budget_error(self) -> str:
+        return (
+            "the grammar for structured output took longer than the limit of "
+            f"{self.mask_time_per_token_s:g} s a token on average "
+            "(--grammar-mask-time-per-token) to give the tokens that may come next"
         )
 
     def timeout_error(self, kind: str) -> str:

@@ -139,7 +139,12 @@ class ModelRunner:
             self.model_config.vocab_size,
             self.device,
             self.user_processors,
-            MaskFiller(limits.mask_timeout_s, limits.mask_timeout_error()),
+            MaskFiller(
+                limits.mask_timeout_s,
+                limits.mask_timeout_error(),
+                per_token_s=limits.mask_time_per_token_s,
+                budget_failure=limits.mask_budget_error(),
+            ),
         )
         logger.info(
             "loaded %s on %s (%s), rank %d of %d: %d KV blocks of %d tokens, max_model_len %d, "

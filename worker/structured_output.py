@@ -12,7 +12,10 @@ with ``a ::= [a-z] | [a-z] a`` and ``b ::= [a-z]* b?``: 0.5 ms at the first toke
 25th, more after) keeps ever more parses alive, and xgrammar's fill cannot be interrupted. So a
 ``MaskFiller`` fills the rows on threads of its own (xgrammar releases the GIL meanwhile) and the
 step waits at most its limit (``--grammar-mask-timeout``) for each: a row past it fails its
-request alone, and its thread, left to finish that fill, is replaced.
+request alone, and its thread, left to finish that fill, is replaced. A grammar whose masks each
+stay under that limit but together cost the batch more than ``--grammar-mask-time-per-token`` a
+step on average (with a burst of up to one limit beyond it) fails its request too: every step
+of its batch waits for its mask.
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ class RequestGrammar:
         self.abandoned = False
         """Set when a fill of its mask outlasted the limit: a MaskFiller thread may still be
         inside the matcher, so nothing touches it again (its request has failed)."""
+        self.mask_credit_s: float | None = None
+        """The seconds of mask filling its MaskFiller still allows it (None: not yet charged);
+        below 0 its request has failed."""
+
+    @property
+    def over_budget(self) -> bool:
+        """Its masks took more time than its MaskFiller's budget allows: its request fails."""
+        return self.mask_credit_s is not None and self.mask_credit_s < 0
 
     @property
     def is_terminated(self) -> bool:
@@ -83,9 +94,10 @@ def allowed_token_mask(
     """The batch's structured-output mask: bool (num_rows, vocab_size), True = may be sampled.
 
     Rows without a grammar allow everything; rows whose grammar ended allow only their
-    end-of-sequence ids. A row whose matcher raises, or (with ``filler``) outlasts its limit,
-    allows nothing, and ``failures`` gets the reason by row index. Without a filler the rows
-    are filled here, one after another (tests and tools). None when no row has a grammar.
+    end-of-sequence ids. A row whose matcher raises, or (with ``filler``) outlasts its limit
+    or its time budget, allows nothing, and ``failures`` gets the reason by row index. Without
+    a filler the rows are filled here, one after another (tests and tools). None when no row
+    has a grammar.
     """
     if all(grammar is None for grammar in grammars):
         return None
@@ -97,9 +109,11 @@ def allowed_token_mask(
     for row, grammar in enumerate(grammars):
         if grammar is None:
             continue
-        if grammar.abandoned:  # only a filler abandons a grammar
+        if grammar.abandoned or grammar.over_budget:  # only a filler does either
             bitmask[row] = 0
-            failures[row] = filler.failure if filler is not None else "the grammar was abandoned"
+            failures[row] = (
+                filler.failure_of(grammar) if filler is not None else "the grammar was abandoned"
+            )
             continue
         try:
             if grammar.is_terminated:
@@ -132,6 +146,7 @@ class _Fill:
     grammar: RequestGrammar
     words: torch.Tensor
     started_at: float | None = None
+    finished_at: float | None = None
     thread_id: int | None = None
     """The native id of the thread that took it."""
     error: Exception | None = None
@@ -153,11 +168,26 @@ class MaskFiller:
     (``failure`` names it); its grammar is marked abandoned, and its thread, which cannot be
     stopped inside xgrammar, finishes that fill at the lowest CPU priority, writes it to the
     row's own buffer, and exits, a new thread taking its place at once. Called from one thread
-    (the model runner's)."""
+    (the model runner's).
 
-    def __init__(self, timeout_s: float, failure: str, num_threads: int = 2) -> None:
+    With ``per_token_s``, each grammar's fills are also held to that many seconds a fill on
+    average, as a token bucket: a grammar starts with ``timeout_s`` of credit, each fill adds
+    ``per_token_s`` (up to ``timeout_s``) and takes its own time, and a grammar whose credit
+    falls below 0 fails its row (``budget_failure`` names the limit) and every later one. So a
+    grammar may cost its batch one slow mask, but not many that each stay under the limit."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        failure: str,
+        num_threads: int = 2,
+        per_token_s: float | None = None,
+        budget_failure: str = "",
+    ) -> None:
         self.timeout_s = timeout_s
         self.failure = failure
+        self.per_token_s = per_token_s
+        self.budget_failure = budget_failure
         self.num_threads = num_threads
         self._fills: SimpleQueue[_Fill | None] = SimpleQueue()
         self._lock = threading.Lock()  # a fill's done and retire change together
@@ -181,16 +211,34 @@ class MaskFiller:
                 self._start_thread()
             for row, fill in fills:
                 if self._wait(fill):
-                    if fill.error is None:
+                    if fill.error is None and self._charge(fill):
                         bitmask[row] = fill.words[0]
                         continue
-                    failures[row] = f"the grammar failed: {fill.error}"
+                    failures[row] = (
+                        self.budget_failure
+                        if fill.error is None
+                        else f"the grammar failed: {fill.error}"
+                    )
                 else:
                     failures[row] = self.failure
                 bitmask[row] = 0
         except BaseException:  # e.g. no thread could start: no fill is left running unwatched
             self._give_up([fill for _, fill in fills])
             raise
+
+    def failure_of(self, grammar: RequestGrammar) -> str:
+        """Why an abandoned or over-budget ``grammar``'s request failed."""
+        return self.failure if grammar.abandoned else self.budget_failure
+
+    def _charge(self, fill: _Fill) -> bool:
+        """Take finished ``fill``'s time from its grammar's credit; whether any is left."""
+        if self.per_token_s is None:
+            return True
+        grammar = fill.grammar
+        credit = self.timeout_s if grammar.mask_credit_s is None else grammar.mask_credit_s
+        credit = min(self.timeout_s, credit + self.per_token_s)
+        grammar.mask_credit_s = credit - (fill.finished_at - fill.started_at)
+        return not grammar.over_budget
 
     def _give_up(self, fills: list[_Fill]) -> None:
         """Cancel those of ``fills`` not yet taken, and abandon those still running."""
@@ -254,6 +302,7 @@ class MaskFiller:
                 fill.grammar.matcher.fill_next_token_bitmask(fill.words, 0)
             except Exception as error:  # that row's alone
                 fill.error = error
+            fill.finished_at = time.monotonic()
             with self._lock:
                 fill.done.set()
                 if fill.retire:

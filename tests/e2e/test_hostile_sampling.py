@@ -27,6 +27,7 @@ from tests.support.serve_process import (
     ServeProcess,
     chat_messages,
 )
+from worker.grammar_limits import GrammarLimits
 
 pytestmark = pytest.mark.slow
 
@@ -146,12 +147,15 @@ def test_a_slow_compile_does_not_stall_the_batch_and_its_request_waits(serve, in
 
 
 def test_a_grammar_whose_masks_grow_slow_fails_alone_with_a_400(serve, innocent_alone):
-    """The ambiguous grammar's masks grow past ``--grammar-mask-timeout`` within a few dozen
-    tokens (min_tokens keeps the model writing letters): the grammar request gets a 400 naming
-    the limit, the innocent stream sent meanwhile gets the tokens it gets alone, and /health
-    stays 200. Without the limit this request would run for minutes, every step of its batch
-    waiting seconds for its mask, longer with each token (the waits themselves are bounded in
-    test_structured_output.py)."""
+    """The ambiguous grammar's masks grow slower with every token (min_tokens keeps the model
+    writing letters): the grammar request gets a 400 naming the limit it ran into, the innocent
+    stream sent meanwhile gets the tokens it gets alone, and /health stays 200. Without the
+    limits this request would run for minutes, every step of its batch waiting seconds for its
+    mask, longer with each token. Measured on this grammar, its masks average more than
+    ``--grammar-mask-time-per-token`` (0.02 s) by about the 23rd token, before any one of them
+    takes ``--grammar-mask-timeout`` (0.2 s, about the 35th): the budget is the limit it runs
+    into unless one mask is three times slower than usual, so either message is right (each
+    limit's own behaviour is pinned in test_structured_output.py)."""
     body = chat(
         "Write a very long word.",
         max_tokens=200,
@@ -165,9 +169,10 @@ def test_a_grammar_whose_masks_grow_slow_fails_alone_with_a_400(serve, innocent_
     grammar_thread.join(120)
     assert _text(innocent) == innocent_alone
     assert grammar.status == 400, grammar
-    assert grammar.body["error"]["message"] == (
-        "the grammar for structured output took longer than the limit of "
-        f"{MASK_TIMEOUT_S:g} s (--grammar-mask-timeout) to give the tokens that may come next"
+    limits = GrammarLimits(mask_timeout_s=MASK_TIMEOUT_S)
+    assert grammar.body["error"]["message"] in (
+        limits.mask_budget_error(),
+        limits.mask_timeout_error(),
     )
     assert health_status(serve.base_url) == 200
 

@@ -124,7 +124,7 @@ def serve_argv(tmp_path: Path) -> list[str]:
         *("--attention-backend", "gathered", "--max-cudagraph-capture-size", "16"),
         *("--float32-matmul-precision", "high"),
         *("--tensor-parallel-size", "2", "--grammar-compile-timeout", "3.5"),
-        *("--grammar-mask-timeout", "0.25"),
+        *("--grammar-mask-timeout", "0.25", "--grammar-mask-time-per-token", "0.03"),
         *("--max-grammar-bytes", "1000", "--max-grammar-alternatives", "10"),
         *("--grammar-cache-bytes", "4096", "--api-key", "secret", "--allowed-origins", "a,b"),
         *("--shutdown-timeout", "4.5", "--max-request-body-bytes", "1000"),
@@ -227,7 +227,7 @@ def test_the_values_given_to_serve_reach_the_roles(served):
         for field in SERVE_WORKER_SETTINGS:
             assert getattr(worker, field) == getattr(config.worker, field), field
     assert (worker.role, worker.group, worker.rank) == (WorkerRole.DECODE, "decode-1", 1)
-    assert config.worker.grammar_limits == GrammarLimits(3.5, 0.25, 1000, 10, 4096)
+    assert config.worker.grammar_limits == GrammarLimits(3.5, 0.25, 0.03, 1000, 10, 4096)
     api_server = from_args(
         ApiServerSettings, api_server_parser().parse_args(commands["api-server"][1:])
     )
@@ -292,7 +292,7 @@ def role_samples(media_dir: Path) -> dict[str, object]:
             *("cuda:1", 0.5, "float16", 32, "gathered", "high", 16, 3, 2),
             *(2, 1, "10.0.0.1", 1234, WorkerRole.DECODE, "decode-0", "tcp://10.0.0.1:7"),
             "/tmp/worker.alive",
-            GrammarLimits(3.5, 0.25, 1000, 10, 4096),
+            GrammarLimits(3.5, 0.25, 0.03, 1000, 10, 4096),
             LogitsProcessorSettings(("pkg.bans:Ban", "pkg.force:Force")),
             LoRASettings(True, 3, 8),
         ),

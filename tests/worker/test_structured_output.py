@@ -97,8 +97,10 @@ def fillers():
     """MaskFillers made by ``make(timeout_s, num_threads)``, closed after the test."""
     made = []
 
-    def make(timeout_s: float, num_threads: int = 2) -> MaskFiller:
-        made.append(MaskFiller(timeout_s, "too slow", num_threads))
+    def make(
+        timeout_s: float, num_threads: int = 2, per_token_s: float | None = None
+    ) -> MaskFiller:
+        made.append(MaskFiller(timeout_s, "too slow", num_threads, per_token_s, "too dear"))
         return made[-1]
 
     yield make
@@ -204,13 +206,47 @@ def test_a_filler_that_cannot_start_a_thread_raises_and_leaves_no_fill_behind(
     assert (queued.fills, fresh.fills) == (0, 1)
 
 
-def test_the_mask_limit_must_be_positive_and_finite():
+def test_masks_that_each_come_in_time_but_cost_too_much_together_fail_their_row_alone(
+    grammar_with, fillers
+):
+    """Every fill of 0.1 s is within the limit of 0.5 s, but at 0.01 s a token on average the
+    grammar's credit (0.5 s to start, 0.01 s more a fill) runs out at its 6th fill (its 5th
+    where this machine adds 0.02 s a fill): that row fails with the budget's message, and is
+    never filled again; a grammar beside it whose masks are quick is untouched throughout."""
+    filler = fillers(0.5, per_token_s=0.01)
+    dear = TimedMatcher(0.1, allowed=(1,))
+    cheap = TimedMatcher(0.0, allowed=(2,))
+    grammars = [grammar_with(dear), grammar_with(cheap)]
+    failed_at = None
+    for step in range(1, 9):
+        failures: dict[int, str] = {}
+        allowed = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, filler)
+        assert _allowed_ids(allowed, 1) == [2]
+        if failed_at is None and failures:
+            failed_at = step
+        if failed_at is None:
+            assert failures == {} and _allowed_ids(allowed, 0) == [1]
+        else:
+            assert failures == {0: "too dear"} and _allowed_ids(allowed, 0) == []
+    assert failed_at in (5, 6)
+    assert dear.fills == failed_at and cheap.fills == 8
+    assert not grammars[0].abandoned and not grammars[1].over_budget
+
+
+def test_the_mask_limits_must_be_positive_and_finite():
     for value in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="grammar mask timeout"):
             GrammarLimits(mask_timeout_s=value)
-    assert GrammarLimits(mask_timeout_s=0.2).mask_timeout_error() == (
+        with pytest.raises(ValueError, match="grammar mask time per token"):
+            GrammarLimits(mask_time_per_token_s=value)
+    limits = GrammarLimits(mask_timeout_s=0.2, mask_time_per_token_s=0.03)
+    assert limits.mask_timeout_error() == (
         "the grammar for structured output took longer than the limit of 0.2 s "
         "(--grammar-mask-timeout) to give the tokens that may come next"
+    )
+    assert limits.mask_budget_error() == (
+        "the grammar for structured output took longer than the limit of 0.03 s a token on "
+        "average (--grammar-mask-time-per-token) to give the tokens that may come next"
     )
 
 

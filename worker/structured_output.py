@@ -184,6 +184,8 @@ class MaskFiller:
         per_token_s: float | None = None,
         budget_failure: str = "",
     ) -> None:
+        if per_token_s is not None and not budget_failure:
+            raise ValueError("a MaskFiller with per_token_s needs its budget_failure message")
         self.timeout_s = timeout_s
         self.failure = failure
         self.per_token_s = per_token_s

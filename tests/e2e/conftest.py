@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.serve_process import (
     COMPILE_TIMEOUT_S,
+    MASK_TIME_PER_TOKEN_S,
     MASK_TIMEOUT_S,
     MAX_STREAM_BACKLOG,
     SharedServe,
@@ -24,6 +25,7 @@ def hostile_serve(default_model_dir) -> Iterator[SharedServe]:
         *("--max-stream-backlog", str(MAX_STREAM_BACKLOG)),
         *("--grammar-compile-timeout", str(COMPILE_TIMEOUT_S)),
         *("--grammar-mask-timeout", str(MASK_TIMEOUT_S)),
+        *("--grammar-mask-time-per-token", str(MASK_TIME_PER_TOKEN_S)),
     )
     yield shared
     shared.stop()

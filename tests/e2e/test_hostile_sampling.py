@@ -23,6 +23,7 @@ from tests.support.clients import health_status, in_background
 from tests.support.serve_process import (
     COMPILE_TIMEOUT_S,
     DEFAULT_MODEL_NAME,
+    MASK_TIME_PER_TOKEN_S,
     MASK_TIMEOUT_S,
     ServeProcess,
     chat_messages,
@@ -148,14 +149,14 @@ def test_a_slow_compile_does_not_stall_the_batch_and_its_request_waits(serve, in
 
 def test_a_grammar_whose_masks_grow_slow_fails_alone_with_a_400(serve, innocent_alone):
     """The ambiguous grammar's masks grow slower with every token (min_tokens keeps the model
-    writing letters): the grammar request gets a 400 naming the limit it ran into, the innocent
-    stream sent meanwhile gets the tokens it gets alone, and /health stays 200. Without the
-    limits this request would run for minutes, every step of its batch waiting seconds for its
-    mask, longer with each token. Measured on this grammar, its masks average more than
-    ``--grammar-mask-time-per-token`` (0.02 s) by about the 23rd token, before any one of them
-    takes ``--grammar-mask-timeout`` (0.2 s, about the 35th): the budget is the limit it runs
-    into unless one mask is three times slower than usual, so either message is right (each
-    limit's own behaviour is pinned in test_structured_output.py)."""
+    writing letters): the grammar request gets a 400 naming ``--grammar-mask-time-per-token``,
+    the innocent stream sent meanwhile gets the tokens it gets alone, and /health stays 200.
+    Without the limits this request would run for minutes, every step of its batch waiting
+    seconds for its mask, longer with each token. Its masks spend the budget (0.2 s of credit,
+    0.005 s more a token) while they take ~40 ms each (walked with tokens of one to three
+    letters: about the 19th token), where the mask limit of 0.2 s would take a single mask
+    five times slower (the mask limit's own behaviour is pinned in
+    test_structured_output.py)."""
     body = chat(
         "Write a very long word.",
         max_tokens=200,
@@ -169,11 +170,10 @@ def test_a_grammar_whose_masks_grow_slow_fails_alone_with_a_400(serve, innocent_
     grammar_thread.join(120)
     assert _text(innocent) == innocent_alone
     assert grammar.status == 400, grammar
-    limits = GrammarLimits(mask_timeout_s=MASK_TIMEOUT_S)
-    assert grammar.body["error"]["message"] in (
-        limits.mask_budget_error(),
-        limits.mask_timeout_error(),
+    limits = GrammarLimits(
+        mask_timeout_s=MASK_TIMEOUT_S, mask_time_per_token_s=MASK_TIME_PER_TOKEN_S
     )
+    assert grammar.body["error"]["message"] == limits.mask_budget_error()
     assert health_status(serve.base_url) == 200
 
 

@@ -178,9 +178,12 @@ COMPILE_TIMEOUT_S = 10
 """``--grammar-compile-timeout``: a slow grammar fails within seconds (test_hostile_sampling)."""
 MASK_TIMEOUT_S = 0.2
 """``--grammar-mask-timeout``: a grammar whose masks grow slow fails within a few tokens
-(test_hostile_sampling).
+(test_hostile_sampling)."""
+MASK_TIME_PER_TOKEN_S = 0.005
+"""``--grammar-mask-time-per-token``: such a grammar's masks, each well under the limit above,
+spend the request's budget first (test_hostile_sampling).
 
-All three are the limits of the hostile-input modules' shared server (tests/e2e/conftest.py)."""
+All four are the limits of the hostile-input modules' shared server (tests/e2e/conftest.py)."""
 
 
 class SharedServe:

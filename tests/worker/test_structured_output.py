@@ -210,27 +210,36 @@ def test_masks_that_each_come_in_time_but_cost_too_much_together_fail_their_row_
     grammar_with, fillers
 ):
     """Every fill of 0.1 s is within the limit of 0.5 s, but at 0.01 s a token on average the
-    grammar's credit (0.5 s to start, 0.01 s more a fill) runs out at its 6th fill (its 5th
-    where this machine adds 0.02 s a fill): that row fails with the budget's message, and is
-    never filled again; a grammar beside it whose masks are quick is untouched throughout."""
+    grammar's credit (0.5 s to start, 0.01 s more a fill, never above 0.5 s) loses at least
+    0.09 s a fill: its row works while credit is left and fails with the budget's message at
+    the fill that overdraws it (the 6th at the latest; sooner where this machine adds to the
+    sleeps), and is never filled again; a grammar beside it whose masks are quick is untouched
+    throughout."""
     filler = fillers(0.5, per_token_s=0.01)
     dear = TimedMatcher(0.1, allowed=(1,))
     cheap = TimedMatcher(0.0, allowed=(2,))
     grammars = [grammar_with(dear), grammar_with(cheap)]
-    failed_at = None
+    credit, failed_at = 0.5, None
     for step in range(1, 9):
         failures: dict[int, str] = {}
         allowed = allowed_token_mask(grammars, 40, torch.device("cpu"), failures, filler)
         assert _allowed_ids(allowed, 1) == [2]
-        if failed_at is None and failures:
-            failed_at = step
         if failed_at is None:
-            assert failures == {} and _allowed_ids(allowed, 0) == [1]
-        else:
-            assert failures == {0: "too dear"} and _allowed_ids(allowed, 0) == []
-    assert failed_at in (5, 6)
+            assert grammars[0].mask_credit_s <= min(0.5, credit + 0.01) - 0.1
+            credit = grammars[0].mask_credit_s
+            if credit >= 0:
+                assert failures == {} and _allowed_ids(allowed, 0) == [1]
+                continue
+            failed_at = step
+        assert failures == {0: "too dear"} and _allowed_ids(allowed, 0) == []
+    assert failed_at is not None and failed_at <= 6
     assert dear.fills == failed_at and cheap.fills == 8
     assert not grammars[0].abandoned and not grammars[1].over_budget
+
+
+def test_a_budget_without_its_message_is_refused():
+    with pytest.raises(ValueError, match="budget_failure"):
+        MaskFiller(0.5, "too slow", per_token_s=0.01)
 
 
 def test_the_mask_limits_must_be_positive_and_finite():

@@ -212,17 +212,15 @@ class MaskFiller:
             while self._threads < self.num_threads:
                 self._start_thread()
             for row, fill in fills:
-                if self._wait(fill):
-                    if fill.error is None and self._charge(fill):
-                        bitmask[row] = fill.words[0]
-                        continue
-                    failures[row] = (
-                        self.budget_failure
-                        if fill.error is None
-                        else f"the grammar failed: {fill.error}"
-                    )
-                else:
+                if not self._wait(fill):
                     failures[row] = self.failure
+                elif fill.error is not None:
+                    failures[row] = f"the grammar failed: {fill.error}"
+                elif not self._charge(fill):
+                    failures[row] = self.budget_failure
+                else:
+                    bitmask[row] = fill.words[0]
+                    continue
                 bitmask[row] = 0
         except BaseException:  # e.g. no thread could start: no fill is left running unwatched
             self._give_up([fill for _, fill in fills])

@@ -20,6 +20,7 @@ from api_server.config import ApiServerConfig
 from api_server.embeddings import EmbeddingModel, EmbeddingRequest, create_embeddings
 from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.errors import install_error_handlers, service_unavailable
+from api_server.json_body import JsonRoute
 from api_server.limits import RequestLimitsMiddleware
 from api_server.lora_routes import adapter_cards
 from api_server.metrics import METRICS_CONTENT_TYPE, ServerMetrics
@@ -44,7 +45,7 @@ from interfaces.scheduler_to_api import WORKER_STALLED, GroupAway, SchedulerStat
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499
-router = APIRouter()
+router = APIRouter(route_class=JsonRoute)
 responses_router = APIRouter(route_class=ResponsesRoute)
 
 
@@ -88,11 +89,14 @@ def create_app(config: ApiServerConfig, bind_host: str | None = None) -> FastAPI
     install_security(app, config.api_key, config.allowed_origins, bind_host)
     app.add_middleware(RequestIdMiddleware)
     metrics.instrument(app)  # outermost: refusals (400, 401, 413, 415, 431) are counted too
-    app.include_router(router)
-    app.include_router(responses_router)
-    app.include_router(utility_routes.router)
-    app.include_router(lora_routes.router)
+    for routes in routers():
+        app.include_router(routes)
     return app
+
+
+def routers() -> tuple[APIRouter, ...]:
+    """Every router of the app, the OpenAI routes first."""
+    return (router, responses_router, utility_routes.router, lora_routes.router)
 
 
 def _state(request: Request) -> ServerState:

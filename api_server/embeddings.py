@@ -14,16 +14,16 @@ import base64
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi.responses import JSONResponse
-from pydantic import Field, StrictInt
+from pydantic import Field, StrictInt, field_validator
 from tokenizers import Tokenizer
 
 from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.errors import invalid_request, model_not_found, service_unavailable
-from api_server.protocol import OpenAIBaseModel
+from api_server.protocol import FAIL_FAST, OpenAIBaseModel, at_most_items
 from api_server.serving import as_openai_error
 from api_server.text_stream import RequestFailed
 from interfaces import SchedulerStatus
@@ -39,10 +39,21 @@ MIN_INPUT_BYTES = 64 * 1024
 
 class EmbeddingRequest(OpenAIBaseModel):
     model: str
-    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    input: (
+        str
+        | Annotated[list[str], FAIL_FAST]
+        | Annotated[list[StrictInt], FAIL_FAST]
+        | Annotated[list[Annotated[list[StrictInt], FAIL_FAST]], FAIL_FAST]
+    )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _few_inputs(cls, inputs: Any) -> Any:
+        """Counted before the inputs are validated (a list of ints is one input)."""
+        return at_most_items(inputs, MAX_INPUTS, "inputs")
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,6 @@ class EmbeddingModel:
             inputs = [inputs]
         if not inputs:
             raise invalid_request("input must not be empty", param="input")
-        if len(inputs) > MAX_INPUTS:
-            raise invalid_request(f"at most {MAX_INPUTS} inputs per request", param="input")
         vocab_size = self.vocab_size  # the model's embedding table, not the tokenizer's
         result = []
         for index, item in enumerate(inputs):

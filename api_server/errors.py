@@ -19,6 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 logger = logging.getLogger(__name__)
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+MAX_ERRORS_DESCRIBED = 8
+"""A 400 for a body pydantic rejected describes this many of its errors, then counts the rest."""
+TOO_MANY_UNKNOWN_FIELDS = "too_many_unknown_fields"
+"""The validation error of an object with more unknown fields than
+``api_server.protocol.MAX_UNKNOWN_FIELDS_NAMED``: its ``ctx`` holds the first ``names`` and the
+``count``."""
 
 
 class OpenAIError(Exception):
@@ -148,11 +154,11 @@ def server_error(message: str) -> OpenAIError:
 def validation_error(error: RequestValidationError) -> OpenAIError:
     """400 for a body pydantic rejected: malformed JSON, missing, mistyped or unknown fields."""
     details = list(error.errors())
-    unknown = [
-        _field_path(detail["loc"]) for detail in details if detail["type"] == "extra_forbidden"
-    ]
+    unknown, count = unknown_fields(details)
     if unknown:
-        return invalid_request(f"Unrecognized request argument supplied: {', '.join(unknown)}")
+        names = ", ".join(_field_path(loc) for loc in unknown)
+        more = f" ({count} in all)" if count > len(unknown) else ""
+        return invalid_request(f"Unrecognized request argument supplied: {names}{more}")
     for detail in details:
         if detail["type"] == "json_invalid":
             reason = detail.get("ctx", {}).get("error", detail.get("msg"))
@@ -171,8 +177,27 @@ def validation_error(error: RequestValidationError) -> OpenAIError:
                 "The request body must be a JSON object sent as Content-Type: application/json"
             )
     messages = list(dict.fromkeys(_describe(detail) for detail in details))
+    more = len(messages) - MAX_ERRORS_DESCRIBED
+    if more > 0:
+        messages = [*messages[:MAX_ERRORS_DESCRIBED], f"and {more} more"]
     param = _field_path(details[0]["loc"]) if details else None
     return invalid_request("; ".join(messages), param=param or None)
+
+
+def unknown_fields(details: list[Any]) -> tuple[list[tuple[Any, ...]], int]:
+    """The locations of the unknown fields that validation ``details`` name, and how many
+    there were in all: each ``extra_forbidden`` error names one; an object with too many
+    (``api_server.protocol.OpenAIBaseModel``) names its first few and counts them all."""
+    locations: list[tuple[Any, ...]] = []
+    count = 0
+    for detail in details:
+        if detail["type"] == "extra_forbidden":
+            locations.append(tuple(detail["loc"]))
+            count += 1
+        elif detail["type"] == TOO_MANY_UNKNOWN_FIELDS:
+            locations += [(*detail["loc"], name) for name in detail["ctx"]["names"]]
+            count += detail["ctx"]["count"]
+    return locations, count
 
 
 def _describe(detail: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from pydantic import Field
 
 from api_server.engine_client import SchedulerUnavailable
 from api_server.errors import OpenAIError, invalid_request, service_unavailable
+from api_server.json_body import JsonRoute
 from api_server.protocol import OpenAIBaseModel
 from api_server.responses import ModelCard
 from api_server.serving import ServerState
@@ -34,7 +35,7 @@ from interfaces.lora import (
     lora_name_problem,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=JsonRoute)
 
 LORA_OPERATION_TIMEOUT_S = 120.0
 """How long a load or unload may take on the slowest group before the client gets 503 (a large

@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 
 from api_server.choices import ChoiceDelta, Generation
@@ -36,9 +35,11 @@ from api_server.errors import (
     invalid_request,
     server_error,
     service_unavailable,
+    unknown_fields,
     validation_error,
 )
 from api_server.formats import ChatFormat
+from api_server.json_body import JsonRoute
 from api_server.protocol import ChatCompletionRequest
 from api_server.response_store import ResponseStore, StoredResponse, StoreUnavailable
 from api_server.responses import FinishReason
@@ -361,9 +362,9 @@ def responses_validation_error(error: RequestValidationError) -> OpenAIError:
     unknown field is "Unknown parameter" naming it in ``param``; of the errors of a union
     (``input`` as text or items), the deepest is the one that says what is wrong."""
     details = list(error.errors())
-    unknown = [detail for detail in details if detail["type"] == "extra_forbidden"]
+    unknown, _ = unknown_fields(details)
     if unknown:
-        param = _param(unknown[0]["loc"])
+        param = _param(unknown[0])
         return invalid_request(
             f"Unknown parameter: '{param}'.", param=param, code="unknown_parameter"
         )
@@ -395,7 +396,7 @@ def _param(loc: tuple[Any, ...]) -> str:
     return path
 
 
-class ResponsesRoute(APIRoute):
+class ResponsesRoute(JsonRoute):
     """A route whose body errors are answered by ``responses_validation_error``."""
 
     def get_route_handler(self) -> Callable[[Request], Any]:

@@ -13,10 +13,20 @@ an operator sets (prompt text, schemas, choices x tokens) are checked by
 from __future__ import annotations
 
 import json
+from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
+from api_server.errors import TOO_MANY_UNKNOWN_FIELDS
 from interfaces.requests import MAX_LOGPROBS
 from interfaces.sampling import MAX_LOGITS_PROCESSOR_NAME_CHARS, MAX_LOGITS_PROCESSORS
 
@@ -32,6 +42,8 @@ MAX_GUIDED_CHOICES = 1000
 """Alternatives of a choice constraint: OpenAI's bound on the values of a schema's enums."""
 MAX_MESSAGES = 2048
 """OpenAI's bound on the messages of one chat request."""
+MAX_METADATA_KEYS = 16
+"""OpenAI's bound on ``metadata`` pairs."""
 MAX_CACHE_SALT_CHARS = 1024
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
 """A penalty divides or multiplies logits: below 0.01 it is no longer finite in float32 at
@@ -51,6 +63,23 @@ CHAT_TEMPLATE_RESERVED = frozenset(
 """Template variables the server sets from the request itself, and the template's functions."""
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_MESSAGE_PARTS = 16384
+"""Content parts and earlier tool calls in all the messages of one request, counted before any
+is validated: each costs a few microseconds to validate, so 32 MiB of empty tool calls took
+5 s of the event loop (2,048 messages of 8 parts each are within it)."""
+MAX_PROMPTS = 2048
+"""Prompts of one completions request (a list of texts or of token-id lists), as OpenAI bounds
+the inputs of one embeddings request; ``--max-choices-per-request`` (prompts x n) is smaller
+unless an operator raises it."""
+MAX_UNKNOWN_FIELDS_NAMED = 16
+"""An object with more unknown fields than this is one error (``TOO_MANY_UNKNOWN_FIELDS``)
+naming the first of them."""
+
+FAIL_FAST = Field(fail_fast=True)
+"""Every list and dict of a request body validates with this: it stops at its first bad item.
+Without it, pydantic makes one error per bad item (for each member of a union), each with its
+path and message, on the event loop: a 2 MB ``prompt`` of a million ints and one string took
+~10 s and 2 GB to refuse. tests/api_server/test_api_errors.py checks every request model."""
 
 
 def bounded_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -87,6 +116,58 @@ class OpenAIBaseModel(BaseModel):
     """Unknown fields are errors (OpenAI: "Unrecognized request argument supplied: X")."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_fields(cls, data: Any) -> Any:
+        """More than ``MAX_UNKNOWN_FIELDS_NAMED`` unknown fields are one error (pydantic
+        would make one each: a million took 7 s to refuse)."""
+        if not isinstance(data, dict) or len(data) <= MAX_UNKNOWN_FIELDS_NAMED:
+            return data
+        accepted = _accepted_names(cls)
+        unknown = [name for name in data if name not in accepted]
+        if len(unknown) > MAX_UNKNOWN_FIELDS_NAMED:
+            raise PydanticCustomError(
+                TOO_MANY_UNKNOWN_FIELDS,
+                "{count} unknown fields",
+                {"names": unknown[:MAX_UNKNOWN_FIELDS_NAMED], "count": len(unknown)},
+            )
+        return data
+
+
+def few_message_parts(messages: Any, keys: tuple[str, ...] = ("content", "tool_calls")) -> Any:
+    """``messages`` as received, or a ``ValueError`` if the lists under ``keys`` in its items
+    hold more than ``MAX_MESSAGE_PARTS`` in all, before pydantic validates any."""
+    if isinstance(messages, list) and len(messages) <= MAX_MESSAGES:
+        count = sum(
+            len(message[key])
+            for message in messages
+            if isinstance(message, dict)
+            for key in keys
+            if isinstance(message.get(key), list)
+        )
+        if count > MAX_MESSAGE_PARTS:
+            raise ValueError(
+                f"the messages hold {count} content parts and tool calls; the limit is "
+                f"{MAX_MESSAGE_PARTS}"
+            )
+    return messages
+
+
+def at_most_items(items: Any, limit: int, what: str) -> Any:
+    """``items`` as received, or a ``ValueError`` for a list of more than ``limit`` texts or
+    lists, before pydantic validates each (a list of token ids is one item, bounded later)."""
+    if isinstance(items, list) and len(items) > limit and not isinstance(items[0], int):
+        raise ValueError(f"at most {limit} {what} are allowed; this request has {len(items)}")
+    return items
+
+
+@cache
+def _accepted_names(model: type[BaseModel]) -> frozenset[str]:
+    """The keys ``model`` takes: its fields' names and aliases."""
+    fields = model.model_fields
+    aliases = {field.alias for field in fields.values() if field.alias}
+    return frozenset(fields) | aliases
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -131,9 +212,9 @@ class ToolCall(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], FAIL_FAST] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, fail_fast=True)
     tool_call_id: str | None = None
     refusal: str | None = None
     audio: dict[str, Any] | None = None
@@ -186,7 +267,7 @@ class StructuredOutputsParams(OpenAIBaseModel):
     regex: str | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    choice: list[str] | None = Field(default=None, max_length=MAX_GUIDED_CHOICES)
+    choice: list[str] | None = Field(default=None, max_length=MAX_GUIDED_CHOICES, fail_fast=True)
 
 
 ProcessorName = Annotated[str, Field(min_length=1, max_length=MAX_LOGITS_PROCESSOR_NAME_CHARS)]
@@ -208,10 +289,12 @@ class SamplingFields(OpenAIBaseModel):
     """None means the served model (as vLLM allows)."""
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[str, float] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS, fail_fast=True
+    )
     n: int | None = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], FAIL_FAST] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -228,24 +311,34 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     """Keep the matched stop string (or stop token's text) at the end of the text (vLLM)."""
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[int] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS, fail_fast=True
+    )
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     """Only requests with the same salt share prefix-cache entries (vLLM's extension)."""
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: str | dict[str, Any] | bool | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
-    guided_choice: list[str] | None = Field(default=None, max_length=MAX_GUIDED_CHOICES)
+    guided_choice: list[str] | None = Field(
+        default=None, max_length=MAX_GUIDED_CHOICES, fail_fast=True
+    )
     logits_processors: list[ProcessorName | LogitsProcessorUse] | None = Field(
-        default=None, max_length=MAX_LOGITS_PROCESSORS
+        default=None, max_length=MAX_LOGITS_PROCESSORS, fail_fast=True
     )
     """User logits processors to apply, by name, in the order the server loaded them."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _few_stop_strings(cls, stop: Any) -> Any:
+        """Counted before the strings are validated."""
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        return stop
 
     @field_validator("stop")
     @classmethod
     def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         strings = [stop] if isinstance(stop, str) else stop or []
         if any(len(string) > MAX_STOP_STRING_CHARS for string in strings):
             raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
@@ -274,23 +367,27 @@ class SamplingFields(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[ChatCompletionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[ChatCompletionTool] | None = Field(
+        default=None, max_length=MAX_TOOLS, fail_fast=True
+    )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = Field(default=None, fail_fast=True)
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
-    modalities: list[str] | None = None
+    modalities: list[str] | None = Field(default=None, fail_fast=True)
     prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(
+        default=None, max_length=MAX_METADATA_KEYS, fail_fast=True
+    )
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
@@ -299,6 +396,11 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: ChatTemplateKwargs = None
     """Extra variables for the chat template, e.g. ``{"enable_thinking": false}`` (vLLM's
     extension); names are identifiers, at most ``MAX_CHAT_TEMPLATE_KWARGS_BYTES`` as JSON."""
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_message_parts(cls, messages: Any) -> Any:
+        return few_message_parts(messages)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -317,12 +419,23 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``max_tokens`` defaults to 16 as in OpenAI's API (and vLLM);
     0 is allowed only with ``echo`` (score the prompt without generating)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: (
+        str
+        | Annotated[list[int], FAIL_FAST]
+        | Annotated[list[str], FAIL_FAST]
+        | Annotated[list[Annotated[list[int], FAIL_FAST]], FAIL_FAST]
+    )
     max_tokens: int | None = Field(default=16, ge=0)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _few_prompts(cls, prompt: Any) -> Any:
+        """Counted before the prompts are validated (a list of ints is one prompt)."""
+        return at_most_items(prompt, MAX_PROMPTS, "prompts")
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -62,32 +62,53 @@ def check_unicode(request: BaseModel) -> None:
     """400 naming the first string in ``request`` that is not valid Unicode: a lone UTF-16
     surrogate, which JSON's ``\\ud800`` escapes let through but neither the tokenizer nor the
     wire encoder can take."""
-    path = _invalid_string_path(request.model_dump(by_alias=True), "")
-    if path is not None:
+    parts = _invalid_string_path(request.model_dump(by_alias=True))
+    if parts is not None:
+        path = "".join(
+            f"[{part}]" if isinstance(part, int) else f".{part}" if index else str(part)
+            for index, part in enumerate(parts)
+        )
         raise invalid_request(
             f"{path or 'A key'} is not valid Unicode: it holds a lone surrogate",
             param=path or None,
         )
 
 
-def _invalid_string_path(value: Any, path: str) -> str | None:
+_WALKED = frozenset({str, dict, list})
+"""The types the walk looks into (``model_dump`` gives plain ones)."""
+
+
+def _invalid_string_path(value: Any) -> list[str | int] | None:
+    """The keys and indexes down to the first string in ``value`` that is not valid Unicode
+    (an invalid key is named by its object's path), or None. Paths are built on the way back
+    from that string only, and a list of numbers is passed over in C: a valid prompt of a
+    million token ids took 0.7 s and 135 MB of paths, now 0.07 s with its ``model_dump``."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items: list[tuple[Any, str]] = []
+        return None if _is_unicode(value) else []
     if isinstance(value, dict):
-        items = [(key, path) for key in value]
-        items += [(item, f"{path}.{key}" if path else str(key)) for key, item in value.items()]
-    elif isinstance(value, list):
-        items = [(item, f"{path}[{index}]") for index, item in enumerate(value)]
-    for item, item_path in items:
-        found = _invalid_string_path(item, item_path)
-        if found is not None:
-            return found
+        if not all(_is_unicode(key) for key in value if isinstance(key, str)):
+            return []
+        items = value.items()
+    elif isinstance(value, list) and not _WALKED.isdisjoint(map(type, value)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if type(item) in _WALKED:
+            found = _invalid_string_path(item)
+            if found is not None:
+                return [key, *found]
     return None
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:

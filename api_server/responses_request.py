@@ -22,6 +22,7 @@ from api_server.protocol import (
     FUNCTION_NAME_PATTERN,
     INT32_MAX,
     MAX_MESSAGES,
+    MAX_METADATA_KEYS,
     MAX_TOOLS,
     ChatCompletionRequest,
     ChatCompletionTool,
@@ -36,11 +37,12 @@ from api_server.protocol import (
     OpenAIBaseModel,
     ResponseFormat,
     ToolCall,
+    few_message_parts,
 )
 from api_server.request_builder import check_unicode
 
-MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
-"""OpenAI's bounds on ``metadata``."""
+MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
+"""OpenAI's bounds on ``metadata`` (and ``MAX_METADATA_KEYS``)."""
 MAX_ID_CHARS = 256
 """Ids and names a client sends (``call_id``, item ids, ``user``)."""
 MAX_PARTS = 256
@@ -97,7 +99,7 @@ MessagePart = Annotated[
 class MessageItem(OpenAIBaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | Annotated[list[MessagePart], Field(max_length=MAX_PARTS)]
+    content: str | Annotated[list[MessagePart], Field(max_length=MAX_PARTS, fail_fast=True)]
     id: Id | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
@@ -117,7 +119,7 @@ class FunctionCallItem(OpenAIBaseModel):
 class FunctionCallOutputItem(OpenAIBaseModel):
     type: Literal["function_call_output"]
     call_id: Id
-    output: str | Annotated[list[InputText], Field(max_length=MAX_PARTS)]
+    output: str | Annotated[list[InputText], Field(max_length=MAX_PARTS, fail_fast=True)]
     id: Id | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
@@ -125,8 +127,10 @@ class FunctionCallOutputItem(OpenAIBaseModel):
 class ReasoningItem(OpenAIBaseModel):
     type: Literal["reasoning"]
     id: Id | None = None
-    summary: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_PARTS)
-    content: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_PARTS)
+    summary: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=MAX_PARTS, fail_fast=True
+    )
+    content: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_PARTS, fail_fast=True)
     encrypted_content: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
@@ -219,13 +223,13 @@ class ResponsesRequest(OpenAIBaseModel):
 
     model: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     """None means the served model (as for chat)."""
-    input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)]
+    input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES, fail_fast=True)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     text: TextConfig | None = None
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS, fail_fast=True)
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | _LooseModel | None = (
         None
     )
@@ -234,10 +238,12 @@ class ResponsesRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     store: bool | None = True
     previous_response_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
-    metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA_KEYS)
+    metadata: dict[str, str] | None = Field(
+        default=None, max_length=MAX_METADATA_KEYS, fail_fast=True
+    )
     user: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     reasoning: ReasoningConfig | None = None
-    include: list[str] | None = Field(default=None, max_length=MAX_INCLUDE)
+    include: list[str] | None = Field(default=None, max_length=MAX_INCLUDE, fail_fast=True)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None
@@ -245,6 +251,11 @@ class ResponsesRequest(OpenAIBaseModel):
     """Accepted and ignored, as for chat."""
     safety_identifier: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     prompt_cache_key: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _few_message_parts(cls, items: Any) -> Any:
+        return few_message_parts(items, ("content", "output", "summary"))
 
     @field_validator("metadata")
     @classmethod

@@ -150,21 +150,32 @@ class NamedToolParser(_StreamParser):
 class RequiredToolParser(_StreamParser):
     """The text is a JSON array of ``{"name": ..., "parameters": {...}}`` (generation was
     constrained to it); each element becomes a call as soon as it is complete. Anything that
-    does not parse (the text was cut by max_tokens) is returned as content at the end."""
+    does not parse (the text was cut by max_tokens) is returned as content at the end.
+
+    Each new character is scanned once for brackets outside strings, and an element is parsed
+    only when a ``}`` closes it (back to the array's depth): parsing the growing element at
+    every delta was quadratic (an 8k-token argument took 1.7 s)."""
 
     def __init__(self) -> None:
         self._text = ""
         self._position = 0
         self._num_calls = 0
         self._decoder = json.JSONDecoder()
+        self._scanned = 0
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._closed = False
 
     def parse_delta(self, delta: str) -> list[ParsedToolCallDelta]:
         self._text += delta
+        self._scan()
         deltas = []
-        while (call := self._next_call()) is not None:
+        while self._closed and (call := self._next_call()) is not None:
             name, arguments = call
             deltas.append(ParsedToolCallDelta(self._num_calls, new_tool_call_id(), name, arguments))
             self._num_calls += 1
+        self._closed = False
         return deltas
 
     def finish(self) -> list[ParsedToolCallDelta]:
@@ -172,6 +183,26 @@ class RequiredToolParser(_StreamParser):
         if self._num_calls and not rest.strip(_SEPARATORS + "]"):
             return []
         return [ParsedToolCallDelta(content=rest)] if rest else []
+
+    def _scan(self) -> None:
+        """Follow the brackets of the new text; ``_closed`` once an object ends at the array's
+        depth (or at the top, for text that is not an array)."""
+        for char in self._text[self._scanned :]:
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "[{":
+                self._depth += 1
+            elif char in "]}":
+                self._depth -= 1
+                self._closed |= char == "}" and self._depth <= 1
+        self._scanned = len(self._text)
 
     def _next_call(self) -> tuple[str, str] | None:
         """The next array element as a call once it is complete (and moves past it); None

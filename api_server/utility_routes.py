@@ -13,18 +13,26 @@ text, special tokens included. Neither talks to the scheduler.
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, field_validator
 
 from api_server.errors import invalid_request
 from api_server.images import check_images_accepted, image_inputs
-from api_server.protocol import ChatMessage, ChatTemplateKwargs, OpenAIBaseModel
+from api_server.json_body import JsonRoute
+from api_server.protocol import (
+    MAX_MESSAGES,
+    ChatMessage,
+    ChatTemplateKwargs,
+    OpenAIBaseModel,
+    few_message_parts,
+)
 from api_server.request_builder import check_message, check_unicode, generation_message
 from api_server.request_limits import check_prompt_bytes, messages_bytes, text_bytes
 from api_server.tokenizer import HuggingFaceTokenizer
 
-router = APIRouter()
+router = APIRouter(route_class=JsonRoute)
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -32,13 +40,20 @@ class TokenizeRequest(OpenAIBaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(
+        default=None, max_length=MAX_MESSAGES, fail_fast=True
+    )
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     """None: True for a prompt, False for messages (the template adds what it needs)."""
     chat_template_kwargs: ChatTemplateKwargs = None
     """Variables for the chat template of ``messages``, bounded as a chat completion's."""
     return_token_strs: bool = False
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_message_parts(cls, messages: Any) -> Any:
+        return few_message_parts(messages)
 
 
 class TokenizeResponse(BaseModel):
@@ -50,7 +65,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(fail_fast=True)
 
 
 class DetokenizeResponse(BaseModel):

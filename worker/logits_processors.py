@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from interfaces import SamplingParams
@@ -36,6 +37,9 @@ class RequestEdits:
     bias_token_ids: torch.Tensor
     bias_values: torch.Tensor
     min_tokens_blocked_ids: torch.Tensor
+    prompt_seen_ids: np.ndarray | None = None
+    """With a repetition penalty, the prompt's distinct token ids (sorted int64): the penalty
+    reads them each step, and the prompt never changes. None without one (or not given)."""
 
     @classmethod
     def build(
@@ -44,6 +48,7 @@ class RequestEdits:
         eos_token_ids: Sequence[int],
         vocab_size: int,
         device: torch.device,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> RequestEdits:
         bias = params.logit_bias or {}
         blocked = set()
@@ -56,6 +61,11 @@ class RequestEdits:
             bias_token_ids=torch.tensor(list(bias), dtype=torch.int64, device=device),
             bias_values=torch.tensor(list(bias.values()), dtype=torch.float32, device=device),
             min_tokens_blocked_ids=torch.tensor(sorted(blocked), dtype=torch.int64, device=device),
+            prompt_seen_ids=(
+                np.unique(np.asarray(prompt_token_ids, dtype=np.int64))
+                if prompt_token_ids is not None and params.repetition_penalty != 1.0
+                else None
+            ),
         )
 
 
@@ -85,6 +95,13 @@ class SamplingRow:
     @property
     def output_token_ids(self) -> Sequence[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def prompt_seen_ids(self) -> np.ndarray:
+        """The prompt's distinct token ids as int64: the request's, built once, or from
+        ``token_ids``."""
+        if self.edits is not None and self.edits.prompt_seen_ids is not None:
+            return self.edits.prompt_seen_ids
+        return np.unique(np.asarray(self.prompt_token_ids, dtype=np.int64))
 
     @property
     def has_penalties(self) -> bool:
@@ -255,8 +272,14 @@ def _penalties(
 ) -> Penalties | None:
     if not any(row.has_penalties for row in rows):
         return None
-    outputs = [row.output_token_ids if row.has_penalties else () for row in rows]
-    prompts = [row.prompt_token_ids if row.params.repetition_penalty != 1.0 else () for row in rows]
+    outputs = [
+        np.asarray(row.output_token_ids if row.has_penalties else (), dtype=np.int64)
+        for row in rows
+    ]
+    prompts = [
+        row.prompt_seen_ids() if row.params.repetition_penalty != 1.0 else _NO_TOKENS
+        for row in rows
+    ]
     output_positions = _flat_positions(outputs, vocab_size, device)
     seen = torch.cat([output_positions, _flat_positions(prompts, vocab_size, device)])
     positions, which = torch.unique(seen, return_inverse=True)
@@ -274,18 +297,21 @@ def _penalties(
     )
 
 
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
 def _flat_positions(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+    token_ids: Sequence[np.ndarray], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
-    """``row * vocab_size + token`` for every token of every row, in order: int64. A token
-    outside the vocabulary (which the scheduler's admission and the sampler never let in) is a
-    ``ValueError``, not a position in another row."""
-    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
-    tokens = torch.tensor([token for ids in token_ids for token in ids], dtype=torch.int64)
+    """``row * vocab_size + token`` for every token of every row (int64 arrays), in order.
+    Built in numpy: from Python lists it took ~130 ns a token a step (64 rows of 8k-token
+    histories: 50 ms a step). A token outside the vocabulary (which the scheduler's admission
+    and the sampler never let in) is a ``ValueError``, not a position in another row."""
+    tokens = np.concatenate([*token_ids, _NO_TOKENS])
     if len(tokens) and not (int(tokens.min()) >= 0 and int(tokens.max()) < vocab_size):
         raise ValueError(f"token ids outside the vocabulary of {vocab_size}")
-    rows = torch.repeat_interleave(torch.arange(len(token_ids), dtype=torch.int64), lengths)
-    return (rows * vocab_size + tokens).to(device)
+    rows = np.repeat(np.arange(len(token_ids), dtype=np.int64), [len(ids) for ids in token_ids])
+    return torch.from_numpy(rows * vocab_size + tokens).to(device)
 
 
 def _row_values(rows: Sequence[SamplingRow], name: str, device: torch.device) -> torch.Tensor:

@@ -99,7 +99,9 @@ class RequestState:
             logprobs=context.logprobs,
             prompt_logprobs=prompt_logprobs,
             pending_grammar=grammar,
-            edits=RequestEdits.build(params, context.eos_token_ids, vocab_size, device),
+            edits=RequestEdits.build(
+                params, context.eos_token_ids, vocab_size, device, context.prompt_token_ids
+            ),
             images=images or [],
             lora_id=new.context.lora_id,
         )

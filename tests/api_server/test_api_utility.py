@@ -121,6 +121,21 @@ SURROGATE = "is not valid Unicode: it holds a lone surrogate"
             None,
             f"A field name {SURROGATE}",
         ),
+        (
+            "/v1/chat/completions",
+            rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
+            rb'{"type": "text", "text": "\udfff"}]}]}',
+            "messages[0].content[1].text",
+            f"messages[0].content[1].text {SURROGATE}",
+        ),
+        (
+            "/v1/chat/completions",
+            rb'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+            rb'"json_schema", "json_schema": {"name": "n", "schema": {"properties": '
+            rb'{"ok": {}, "\ud800": {}}}}}}',
+            "response_format.json_schema.schema.properties",
+            f"response_format.json_schema.schema.properties {SURROGATE}",
+        ),
     ],
 )
 def test_lone_surrogates_are_400s(

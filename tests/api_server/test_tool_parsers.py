@@ -122,6 +122,25 @@ def test_required_calls_are_sent_as_each_element_completes() -> None:
     assert parser.finish() == []
 
 
+def test_required_calls_streamed_char_by_char_are_parsed_once_each(monkeypatch) -> None:
+    """The growing element was parsed at every delta: quadratic in a long argument. Brackets
+    and braces inside strings (escaped quotes too) do not end an element."""
+    arguments = {"code": 'if (a) { b["}"] = "\\"}"; }' * 400, "nested": {"list": [{"a": [1]}]}}
+    calls = [{"name": "edit", "parameters": arguments}, {"name": "get_time", "parameters": {}}]
+    text = json.dumps(calls)
+    parser = RequiredToolParser()
+    parses = []
+    decode = parser._decoder.raw_decode
+    monkeypatch.setattr(parser._decoder, "raw_decode", lambda *a: parses.append(a) or decode(*a))
+    deltas = [delta for char in text for delta in parser.parse_delta(char)]
+    assert [(delta.index, delta.name, json.loads(delta.arguments)) for delta in deltas] == [
+        (0, "edit", arguments),
+        (1, "get_time", {}),
+    ]
+    assert len(parses) == 4  # each call once, then once more finding the next incomplete
+    assert parser.finish() == []
+
+
 def test_required_output_cut_short_keeps_its_text() -> None:
     text = '[{"name": "get_time", "parameters": {}}, {"name": "get_we'
     response = RequiredToolParser().parse_complete(text)

@@ -193,6 +193,10 @@ def test_hostile_requests_get_400s_naming_their_limits(serve, alone, max_model_l
         many_prompts = error_of(post(serve, completions, "/v1/completions"))
         unbounded = {"messages": chat_messages("Hi"), "n": 128, "ignore_eos": True}
         many_contexts = error_of(post(serve, unbounded))
+        # A quarter of the context echoed by 128 choices: 32 contexts of prefill and response.
+        echoed_prompt = "hello " * (max_model_len // 4)
+        echoes = {"prompt": echoed_prompt, "echo": True, "logprobs": 5, "n": 128, "max_tokens": 1}
+        many_echoes = error_of(post(serve, echoes, "/v1/completions"))
     for case, (_, param, message) in HOSTILE.items():
         expected = {"message": message, "type": "invalid_request_error", "param": param}
         assert errors[case] == {**expected, "code": None}, case
@@ -211,6 +215,50 @@ def test_hostile_requests_get_400s_naming_their_limits(serve, alone, max_model_l
     assert 0 < num_prompt_tokens < 64 and int(match.group(1)) % 128 == 0
     assert int(match.group(2)) == 16 * max_model_len
     assert many_contexts["param"] == "max_tokens"
+    # Each choice prefilled its prompt for itself (cached blocks hold no logprobs) and answered
+    # each token with 5 alternatives: counted now, as generated tokens are.
+    num_echoed = post(serve, {"prompt": echoes["prompt"]}, "/tokenize").json()["count"]
+    assert many_echoes["message"].startswith(
+        f"This request's choices may generate {128 * (num_echoed + 1)} tokens in all (choices "
+        "x max_tokens, "
+        "a choice without max_tokens counting the rest of the context, and a choice that "
+        "echoes its prompt with logprobs its prompt too)"
+    )
+
+
+MILLION = 1_000_000
+BAD_ITEMS = {
+    "a million token ids and one string": (
+        "/v1/completions",
+        {"prompt": [1] * MILLION + ["a"], "max_tokens": 4},
+        "prompt: Input should be a valid string; prompt[1000000]: Input should be a valid "
+        "integer, unable to parse string as an integer; prompt[0]: Input should be a valid "
+        "string; prompt[0]: Input should be a valid list",
+    ),
+    "a million unknown fields": (
+        "/v1/chat/completions",
+        {**chat(), **{f"k{i}": 1 for i in range(MILLION)}},
+        "Unrecognized request argument supplied: "
+        + ", ".join(f"k{i}" for i in range(16))
+        + " (1000000 in all)",
+    ),
+    "a million logit_bias values that are not numbers": (
+        "/v1/chat/completions",
+        chat(logit_bias={str(i): "x" for i in range(MILLION)}),
+        "logit_bias.0: Input should be a valid number, unable to parse string as a number",
+    ),
+}
+
+
+def test_bodies_of_a_million_bad_items_get_one_short_400_each(serve, alone) -> None:
+    """Pydantic made one error per bad item (seconds of the event loop and GBs per body);
+    now each list stops at its first bad item and unknown fields are counted, not listed."""
+    with InnocentStream(serve, alone):
+        errors = {
+            case: error_of(post(serve, body, path)) for case, (path, body, _) in BAD_ITEMS.items()
+        }
+    for case, (_, _, message) in BAD_ITEMS.items():
+        assert errors[case]["message"] == message, case
 
 
 def test_a_temperature_of_1e_300_is_greedy(serve, alone) -> None:

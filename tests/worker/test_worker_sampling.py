@@ -7,6 +7,7 @@ logprobs and structured-output tests).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -129,11 +130,24 @@ def test_sparse_penalties_equal_the_whole_vocabulary_arithmetic():
     logits = 4 * torch.randn(40, vocab, generator=generator)
     processed = build_logits_processors(rows, vocab, CPU).apply(logits)
     assert torch.equal(processed, _dense_penalties(logits, rows))
+    # The same with each request's prebuilt edits, which hold its prompt's distinct ids.
+    prebuilt = [
+        dataclasses.replace(
+            row,
+            edits=RequestEdits.build(row.params, [EOS], vocab, CPU, row.prompt_token_ids),
+        )
+        for row in rows
+    ]
+    assert torch.equal(build_logits_processors(prebuilt, vocab, CPU).apply(logits), processed)
 
 
 def test_penalties_refuse_token_ids_outside_the_vocabulary():
     with pytest.raises(ValueError, match="outside the vocabulary of 6"):
         build_logits_processors([_row([1], [6], frequency_penalty=0.5)], VOCAB, CPU)
+    params = SamplingParams(repetition_penalty=1.5)
+    edits = RequestEdits.build(params, [EOS], VOCAB, CPU, [1, 6])
+    with pytest.raises(ValueError, match="outside the vocabulary of 6"):
+        build_logits_processors([SamplingRow(params, [1, 6, 2], 2, edits=edits)], VOCAB, CPU)
 
 
 def test_logit_bias_forces_a_token_greedy_and_sampled():

@@ -109,8 +109,8 @@ class RequestLimits:
     ``max_structured_output_bytes``: one JSON schema, grammar, regex or choice list (a tool's
     parameters schema too). ``max_choices``: prompts x ``n``. ``max_request_output_tokens``:
     the tokens all choices may generate together, a choice without ``max_tokens`` counting the
-    rest of the context and one that echoes its prompt with logprobs its prompt too; None: 16
-    contexts.
+    rest of the context and each choice after a prompt's first that echoes it with logprobs
+    its tokens; None: 16 contexts.
     """
 
     max_prompt_bytes: int | None = setting(
@@ -135,8 +135,8 @@ class RequestLimits:
         None,
         "--max-request-output-tokens",
         "requests whose choices may generate more tokens in all (a choice without max_tokens "
-        "counts the rest of the context, one that echoes its prompt with logprobs its prompt "
-        "too) get 400",
+        "counts the rest of the context, each choice after a prompt's first that echoes it "
+        "with logprobs its tokens) get 400",
         default_text="16 x the context length",
     )
 

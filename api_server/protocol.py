@@ -51,7 +51,10 @@ usual logit sizes, and above 2 no one uses it."""
 MAX_N = 128
 """OpenAI's bound on ``n``."""
 MAX_TOOLS = 128
-"""OpenAI's bound on the functions one request may define."""
+"""OpenAI's bound on the functions one request may define (``tools``, and the legacy
+``functions``, which is refused as unsupported once bounded)."""
+MAX_MODALITIES = 8
+"""``modalities``: OpenAI names two (text, audio)."""
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 """OpenAI's rule for function names."""
 MAX_CHAT_TEMPLATE_KWARGS_BYTES = 16 * 1024
@@ -135,9 +138,14 @@ class OpenAIBaseModel(BaseModel):
         return data
 
 
-def few_message_parts(messages: Any, keys: tuple[str, ...] = ("content", "tool_calls")) -> Any:
-    """``messages`` as received, or a ``ValueError`` if the lists under ``keys`` in its items
-    hold more than ``MAX_MESSAGE_PARTS`` in all, before pydantic validates any."""
+def few_message_parts(
+    messages: Any,
+    keys: tuple[str, ...] = ("content", "tool_calls"),
+    what: str = "the messages hold {count} content parts and tool calls",
+) -> Any:
+    """``messages`` as received, or a ``ValueError`` (``what``, then the limit) if the lists
+    under ``keys`` in its items hold more than ``MAX_MESSAGE_PARTS`` in all, before pydantic
+    validates any."""
     if isinstance(messages, list) and len(messages) <= MAX_MESSAGES:
         count = sum(
             len(message[key])
@@ -147,17 +155,15 @@ def few_message_parts(messages: Any, keys: tuple[str, ...] = ("content", "tool_c
             if isinstance(message.get(key), list)
         )
         if count > MAX_MESSAGE_PARTS:
-            raise ValueError(
-                f"the messages hold {count} content parts and tool calls; the limit is "
-                f"{MAX_MESSAGE_PARTS}"
-            )
+            raise ValueError(f"{what.format(count=count)}; the limit is {MAX_MESSAGE_PARTS}")
     return messages
 
 
 def at_most_items(items: Any, limit: int, what: str) -> Any:
     """``items`` as received, or a ``ValueError`` for a list of more than ``limit`` texts or
-    lists, before pydantic validates each (a list of token ids is one item, bounded later)."""
-    if isinstance(items, list) and len(items) > limit and not isinstance(items[0], int):
+    lists, before pydantic validates each (a list of token ids is one item, bounded later;
+    so is one of numbers, which pydantic takes as token ids when they are whole)."""
+    if isinstance(items, list) and len(items) > limit and isinstance(items[0], str | list):
         raise ValueError(f"at most {limit} {what} are allowed; this request has {len(items)}")
     return items
 
@@ -377,10 +383,12 @@ class ChatCompletionRequest(SamplingFields):
     )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = Field(default=None, fail_fast=True)
+    functions: list[dict[str, Any]] | None = Field(
+        default=None, max_length=MAX_TOOLS, fail_fast=True
+    )
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
-    modalities: list[str] | None = Field(default=None, fail_fast=True)
+    modalities: list[str] | None = Field(default=None, max_length=MAX_MODALITIES, fail_fast=True)
     prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None

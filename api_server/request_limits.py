@@ -68,10 +68,12 @@ def messages_bytes(messages: list[ChatMessage]) -> int:
 class OutputBudget:
     """The output tokens a request's choices may generate, added up as its prompts are
     tokenized: each choice may reach its context's ``max_length`` (prompt plus ``max_tokens``,
-    or the whole context when ``max_tokens`` is not set). A choice that echoes its prompt with
-    log probabilities (completions' ``echo`` with ``logprobs``) counts its prompt's tokens too:
-    each is prefilled for it alone (cached blocks hold no logprobs) and answered with its
-    alternatives, as a generated token is."""
+    or the whole context when ``max_tokens`` is not set). Choices that echo their prompt with
+    log probabilities (completions' ``echo`` with ``logprobs``) count its tokens too, each
+    choice after a prompt's first: each is prefilled for that choice alone (cached blocks hold
+    no logprobs) and answered with its alternatives, as a generated token is. A prompt's first
+    choice is left out: the client sent those tokens (scoring many prompts with ``n=1`` is
+    bounded by the prompt limits)."""
 
     def __init__(self, limits: RequestLimits, max_model_len: int, num_choices_per_prompt: int):
         self.limit = limits.request_output_tokens(max_model_len)
@@ -82,16 +84,16 @@ class OutputBudget:
     def add(self, context: TextContext) -> None:
         """Count the choices of ``context``'s prompt; 400 once the total passes the limit."""
         per_choice = context.max_length - context.num_prompt_tokens
-        if context.prompt_logprobs is not None:
-            per_choice += context.num_prompt_tokens
-            self.echoes_logprobs = True
         self.num_tokens += self.num_choices_per_prompt * per_choice
+        if context.prompt_logprobs is not None and self.num_choices_per_prompt > 1:
+            self.num_tokens += (self.num_choices_per_prompt - 1) * context.num_prompt_tokens
+            self.echoes_logprobs = True
         _check_output_tokens(self.num_tokens, self.limit, self.echoes_logprobs)
 
 
 def _check_output_tokens(num_tokens: int, limit: int, echoes_logprobs: bool = False) -> None:
     if num_tokens > limit:
-        echoed = ", and a choice that echoes its prompt with logprobs its prompt too"
+        echoed = ", and each choice after a prompt's first that echoes it with logprobs its tokens"
         raise invalid_request(
             f"This request's choices may generate {num_tokens} tokens in all (choices x "
             "max_tokens, a choice without max_tokens counting the rest of the context"

@@ -255,7 +255,11 @@ class ResponsesRequest(OpenAIBaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def _few_message_parts(cls, items: Any) -> Any:
-        return few_message_parts(items, ("content", "output", "summary"))
+        return few_message_parts(
+            items,
+            ("content", "output", "summary"),
+            "the input items hold {count} content parts, outputs and summary parts",
+        )
 
     @field_validator("metadata")
     @classmethod

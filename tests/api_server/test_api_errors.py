@@ -397,8 +397,13 @@ HOSTILE_BODIES = {
     "a million content parts in Responses input items": (
         "/v1/responses",
         {"input": [{"role": "user", "content": [{"type": "input_text", "text": ""}] * 489}] * 2048},
-        "Invalid 'input': the messages hold 1001472 content parts and tool calls; the limit is "
-        "16384",
+        "Invalid 'input': the input items hold 1001472 content parts, outputs and summary "
+        "parts; the limit is 16384",
+    ),
+    "a million legacy functions": (
+        CHAT,
+        {"messages": MESSAGES, "functions": [{}] * MILLION},
+        "functions: List should have at most 128 items after validation, not 1000000",
     ),
     "a million embedding inputs": (
         "/v1/embeddings",
@@ -458,3 +463,10 @@ def test_a_body_is_parsed_with_the_garbage_collector_paused() -> None:
     with pytest.raises(json.JSONDecodeError):
         parse_json(b'{"prompt": [')
     assert gc.isenabled()
+
+
+def test_a_long_prompt_of_whole_numbers_is_one_prompt_of_token_ids(client: httpx.Client) -> None:
+    """Only lists of texts or of lists are counted as prompts: pydantic takes whole floats as
+    token ids, so 3,000 of them are one prompt, too long for the context."""
+    error = bad_request(client.post("/v1/completions", json={"prompt": [1.0] * 3000}))
+    assert error["message"].startswith("This model's maximum context length is 256 tokens")

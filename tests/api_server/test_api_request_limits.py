@@ -148,24 +148,29 @@ def test_a_choice_without_max_tokens_counts_the_rest_of_its_context() -> None:
     assert raised.value.message.startswith("This request's choices may generate 2002 tokens")
 
 
-def test_a_choice_that_echoes_its_prompt_with_logprobs_counts_its_prompt_too() -> None:
+def test_choices_that_echo_their_prompt_with_logprobs_count_it_after_the_first() -> None:
     """Each such choice prefills its prompt for itself and answers every prompt token with its
     alternatives: 128 choices of an 8k-token prompt were 1M tokens of work and of response
-    that no bound counted."""
-    budget = OutputBudget(RequestLimits(max_request_output_tokens=2000), CONTEXT_LENGTH, 2)
+    that no bound counted. A prompt's first choice is not counted: the client sent it, and
+    scoring many prompts with n=1 amplifies nothing."""
+    budget = OutputBudget(RequestLimits(max_request_output_tokens=1600), CONTEXT_LENGTH, 3)
     logprobs = TextContext(request_id="a", prompt_token_ids=[1] * 500, max_length=501, logprobs=5)
     budget.add(logprobs)
-    assert budget.num_tokens == 2 * 1
+    assert budget.num_tokens == 3 * 1
     budget.add(msgspec.structs.replace(logprobs, prompt_logprobs=5))
-    assert budget.num_tokens == 2 + 2 * 501
+    assert budget.num_tokens == 3 + 3 * 1 + 2 * 500
     with pytest.raises(OpenAIError) as raised:
         budget.add(msgspec.structs.replace(logprobs, request_id="b", prompt_logprobs=0))
     assert raised.value.message == (
-        "This request's choices may generate 2006 tokens in all (choices x max_tokens, a choice "
-        "without max_tokens counting the rest of the context, and a choice that echoes its "
-        "prompt with logprobs its prompt too); the limit is 2000 (--max-request-output-tokens). "
-        "Set a smaller max_tokens or ask for fewer choices."
+        "This request's choices may generate 2009 tokens in all (choices x max_tokens, a choice "
+        "without max_tokens counting the rest of the context, and each choice after a "
+        "prompt's first that echoes it with logprobs its tokens); the limit is 1600 "
+        "(--max-request-output-tokens). Set a smaller max_tokens or ask for fewer choices."
     )
+    scoring = OutputBudget(RequestLimits(max_request_output_tokens=100), CONTEXT_LENGTH, 1)
+    for _ in range(50):
+        scoring.add(msgspec.structs.replace(logprobs, prompt_logprobs=5))
+    assert scoring.num_tokens == 50
 
 
 @pytest.mark.parametrize(

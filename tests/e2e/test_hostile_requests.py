@@ -219,10 +219,9 @@ def test_hostile_requests_get_400s_naming_their_limits(serve, alone, max_model_l
     # each token with 5 alternatives: counted now, as generated tokens are.
     num_echoed = post(serve, {"prompt": echoes["prompt"]}, "/tokenize").json()["count"]
     assert many_echoes["message"].startswith(
-        f"This request's choices may generate {128 * (num_echoed + 1)} tokens in all (choices "
-        "x max_tokens, "
-        "a choice without max_tokens counting the rest of the context, and a choice that "
-        "echoes its prompt with logprobs its prompt too)"
+        f"This request's choices may generate {128 + 127 * num_echoed} tokens in all (choices "
+        "x max_tokens, a choice without max_tokens counting the rest of the context, and each "
+        "choice after a prompt's first that echoes it with logprobs its tokens)"
     )
 
 

@@ -4,7 +4,9 @@ Each choice is its own request to the scheduler (id ``<response id>-<index>`` wh
 several). All are submitted at once, so choices of one prompt share its KV blocks through the
 prefix cache, and its images' shared-memory segments and their owner (``ImageSegments``). Their
 deltas are merged in arrival order, each tagged with its choice index; completions' ``echo``
-puts the prompt (and its log probabilities) before a choice's first text.
+puts the prompt (and its log probabilities) before a choice's first text. A prompt's log
+probabilities are computed once, by its first choice, and echoed by all of them
+(``EchoedLogprobs``).
 
 The merge holds at most one delta per choice: a choice whose deltas are not taken waits, so
 results for a client that stopped reading pile up in the engine client, which bounds them.
@@ -21,20 +23,53 @@ import msgspec
 
 from api_server.logprobs import TokenLogprob
 from api_server.responses import FinishReason, Usage
-from api_server.text_stream import GenerationStream, TextDelta
+from api_server.text_stream import GenerationStream, RequestFailed, TextDelta
 from interfaces import TextContext
 
 INT64_MIN, INT64_RANGE = -(2**63), 2**64
 
 
+class EchoedLogprobs:
+    """The log probabilities of one prompt's tokens, for every choice that echoes it.
+
+    Only the prompt's first choice asks the engine for them (it ``give``s them with its first
+    delta); the others ask for none, so each is an ordinary prefill that the prefix cache can
+    serve, and wait for the first's (``get``). If the first choice ends without them (it
+    failed or was aborted), ``get`` raises ``RequestFailed``: no choice waits for ever.
+    """
+
+    def __init__(self) -> None:
+        self._entries: asyncio.Future[list[TokenLogprob]] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+    def give(self, entries: list[TokenLogprob]) -> None:
+        if not self._entries.done():
+            self._entries.set_result(entries)
+
+    def withhold(self) -> None:
+        """The first choice ended without them (a no-op once given)."""
+        if not self._entries.done():
+            self._entries.set_exception(
+                RequestFailed("the prompt's first choice ended before its log probabilities")
+            )
+
+    async def get(self) -> list[TokenLogprob]:
+        return await asyncio.shield(self._entries)
+
+
 @dataclass
 class Choice:
     """One choice: its index in the response, its stream, and the prompt text to echo first
-    (None: no echo)."""
+    (None: no echo). ``echoed_logprobs``: the prompt's log probabilities shared by its choices
+    (None: this choice's own stream brings them, or none are asked for); ``gives_logprobs``:
+    this choice is the one whose stream computes them."""
 
     index: int
     stream: GenerationStream
     echo_text: str | None = None
+    echoed_logprobs: EchoedLogprobs | None = None
+    gives_logprobs: bool = False
 
     @property
     def wants_logprobs(self) -> bool:
@@ -137,23 +172,38 @@ class Generation:
     async def _pump(choice: Choice, queue: asyncio.Queue) -> None:
         """Move one choice's deltas to ``queue``, waiting while it is full; an error goes there
         too; None ends it. Cancelled (the consumer is gone), it puts nothing more."""
+        shared = choice.echoed_logprobs
         try:
             is_first = True
             async with contextlib.aclosing(choice.stream.deltas()) as deltas:
                 async for delta in deltas:
-                    await queue.put(_choice_delta(choice, delta, is_first))
+                    prompt_logprobs = delta.prompt_logprobs
+                    if is_first and shared is not None:
+                        if choice.gives_logprobs and prompt_logprobs is not None:
+                            shared.give(prompt_logprobs)
+                        elif not choice.gives_logprobs:
+                            prompt_logprobs = await shared.get()
+                    await queue.put(_choice_delta(choice, delta, prompt_logprobs, is_first))
                     is_first = False
         except Exception as error:
             await queue.put(error)
         else:
             await queue.put(None)
+        finally:
+            if shared is not None and choice.gives_logprobs:
+                shared.withhold()
 
 
-def _choice_delta(choice: Choice, delta: TextDelta, is_first: bool) -> ChoiceDelta:
+def _choice_delta(
+    choice: Choice,
+    delta: TextDelta,
+    prompt_logprobs: list[TokenLogprob] | None,
+    is_first: bool,
+) -> ChoiceDelta:
     text = delta.text
     logprobs = (delta.logprobs or []) if choice.wants_logprobs else None
     if is_first and choice.echo_text is not None:
         text = choice.echo_text + text
         if logprobs is not None:
-            logprobs = (delta.prompt_logprobs or []) + logprobs
+            logprobs = (prompt_logprobs or []) + logprobs
     return ChoiceDelta(choice.index, text, logprobs, delta.finish_reason)

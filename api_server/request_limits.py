@@ -70,10 +70,10 @@ class OutputBudget:
     tokenized: each choice may reach its context's ``max_length`` (prompt plus ``max_tokens``,
     or the whole context when ``max_tokens`` is not set). Choices that echo their prompt with
     log probabilities (completions' ``echo`` with ``logprobs``) count its tokens too, each
-    choice after a prompt's first: each is prefilled for that choice alone (cached blocks hold
-    no logprobs) and answered with its alternatives, as a generated token is. A prompt's first
-    choice is left out: the client sent those tokens (scoring many prompts with ``n=1`` is
-    bounded by the prompt limits)."""
+    choice after a prompt's first: the prompt's log probabilities are computed once, but each
+    such choice answers every prompt token with its alternatives, as a generated token is, and
+    they are formatted and sent for each. A prompt's first choice is left out: the client sent
+    those tokens (scoring many prompts with ``n=1`` is bounded by the prompt limits)."""
 
     def __init__(self, limits: RequestLimits, max_model_len: int, num_choices_per_prompt: int):
         self.limit = limits.request_output_tokens(max_model_len)

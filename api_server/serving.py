@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from api_server.choices import Choice, ChoiceDelta, Generation, choice_context
+from api_server.choices import Choice, ChoiceDelta, EchoedLogprobs, Generation, choice_context
 from api_server.config import ApiServerConfig, RequestLimits
 from api_server.engine_client import EngineClient, SchedulerUnavailable
 from api_server.errors import (
@@ -267,7 +267,9 @@ async def _generation(
     generated with LoRA adapter ``lora_name`` (None: the base model).
 
     Each choice is one request in the metrics; the prompt's tokens count with its first. A
-    prompt's choices share its image segments and their owner (``ImageSegments``). Once a
+    prompt's choices share its image segments and their owner (``ImageSegments``), and the
+    log probabilities of its tokens when they echo it (``EchoedLogprobs``: only the first
+    choice's request asks for them). Once a
     prompt is tokenized, its choices' output tokens count against
     ``--max-request-output-tokens`` (``OutputBudget``). If anything here fails, every image
     segment made so far is unlinked."""
@@ -294,13 +296,22 @@ async def _generation(
             budget.add(context)
             num_prompt_tokens += context.num_prompt_tokens
             echo_text = _echo_text(state, prompt, context) if prompt.echo else None
+            echoed = None
+            if context.prompt_logprobs is not None and n > 1:  # the first choice computes them
+                echoed = EchoedLogprobs()
+                choice_contexts[1:] = [
+                    msgspec.structs.replace(later, prompt_logprobs=None)
+                    for later in choice_contexts[1:]
+                ]
             for sample, context_of_choice in enumerate(choice_contexts):
                 num_prompt_tokens_counted = context.num_prompt_tokens if sample == 0 else 0
                 metrics = state.metrics.request(arrival_time, num_prompt_tokens_counted)
                 stream = GenerationStream(
                     state.engine, context_of_choice, backend, options, metrics, images
                 )
-                choices.append(Choice(prompt.index * n + sample, stream, echo_text))
+                choices.append(
+                    Choice(prompt.index * n + sample, stream, echo_text, echoed, sample == 0)
+                )
     except BaseException:
         for images in owners:
             images.close()

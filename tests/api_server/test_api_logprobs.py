@@ -101,6 +101,54 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(api: ApiHarness, client: ht
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_choices_of_a_prompt_echo_the_log_probabilities_its_first_choice_computed(
+    api: ApiHarness, client: httpx.Client, stream: bool
+) -> None:
+    request = {"prompt": [PROMPT, "Hi"], "echo": True, "logprobs": 1, "n": 3, "stream": stream}
+    response = client.post("/v1/completions", json=request)
+    assert response.status_code == 200
+    submitted = {context.request_id: context for context in api.scheduler.submitted[-6:]}
+    asked = sorted(rid for rid, context in submitted.items() if context.prompt_logprobs == 1)
+    assert [rid.rsplit("-", 1)[1] for rid in asked] == ["0", "3"]  # each prompt's first
+    assert all(
+        context.prompt_logprobs is None for rid, context in submitted.items() if rid not in asked
+    )
+    if stream:
+        chunks = [json.loads(event)["choices"][0] for event in sse_events(response)]
+        choices = {}
+        for chunk in chunks:
+            merged = choices.setdefault(chunk["index"], {"text": "", "tokens": [], "top": []})
+            merged["text"] += chunk["text"]
+            merged["tokens"] += (chunk["logprobs"] or {}).get("tokens", [])
+            merged["top"] += (chunk["logprobs"] or {}).get("top_logprobs", [])
+        texts = [choices[index]["text"] for index in range(6)]
+        tops = [choices[index]["top"] for index in range(6)]
+    else:
+        body = response.json()
+        texts = [choice["text"] for choice in body["choices"]]
+        tops = [choice["logprobs"]["top_logprobs"] for choice in body["choices"]]
+    assert texts == [PROMPT + "Hello world"] * 3 + ["HiHello world"] * 3
+    first_prompt = [None, legacy_top(api, PROMPT_IDS[1], 1, 1)]
+    generated = [legacy_top(api, t, p, 1) for p, t in enumerate([*REPLY_IDS, EOS])]
+    assert tops[:3] == [first_prompt + generated] * 3
+    assert tops[3:] == [[None, *generated]] * 3  # "Hi" is one token: nothing before it to score
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_choices_waiting_for_a_failed_first_choices_log_probabilities_fail_with_it(
+    api: ApiHarness, client: httpx.Client, stream: bool
+) -> None:
+    api.scheduler.fail_with = "the worker died"
+    api.scheduler.fail_only_ending = "-0"
+    request = {"prompt": PROMPT, "echo": True, "logprobs": 1, "n": 3, "stream": stream}
+    response = client.post("/v1/completions", json=request, timeout=10)
+    assert response.status_code == 500
+    assert response.json()["error"]["message"] == "the worker died"
+    later = [context.request_id for context in api.scheduler.submitted[-2:]]
+    assert api.scheduler.wait_for(lambda: set(later) <= set(api.scheduler.aborted))
+
+
 def test_max_tokens_zero_needs_echo(client: httpx.Client) -> None:
     response = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})
     assert response.status_code == 400

@@ -193,6 +193,22 @@ def test_echo_returns_the_prompt_and_its_logprobs(client):
     assert "".join(logprobs.tokens) == choice.text
 
 
+def test_choices_echo_the_same_prompt_logprobs_as_one_choice(client):
+    """Only a prompt's first choice computes its log probabilities; every choice echoes them."""
+    request = dict(
+        model=MODEL, prompt="Paris is the capital of", max_tokens=0, echo=True, logprobs=2
+    )
+    alone = client.completions.create(**request).choices[0].logprobs
+    choices = client.completions.create(**request, n=3).choices
+    assert len(choices) == 3
+    for choice in choices:
+        assert choice.logprobs.tokens == alone.tokens
+        assert choice.logprobs.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-5)
+        assert [sorted(top) if top else top for top in choice.logprobs.top_logprobs] == [
+            sorted(top) if top else top for top in alone.top_logprobs
+        ]
+
+
 def test_streaming_chat_equals_non_streaming(client, reference):
     prompt = CHAT_PROMPTS[1]
     expected_text, _ = reference[0](prompt)

@@ -85,7 +85,8 @@ class FakeScheduler:
     ``repeat``: cycle ``reply`` forever (only max_length or an abort ends the request).
     ``tokens_per_step``: tokens per result; ``step_interval_s``: time between steps.
     ``fail_with`` / ``fail_after_tokens``: cancel each request with this error after that many
-    tokens. ``workers_ready``: reported in stats. ``silent``: answer nothing at all.
+    tokens (only those whose id ends with ``fail_only_ending`` unless it is None).
+    ``workers_ready``: reported in stats. ``silent``: answer nothing at all.
     ``num_stats_requests`` counts the StatsRequests received (round trips and pings).
     Embedding inputs are recorded in ``embeddings_submitted`` and never answered.
     LoRA operations are recorded in ``lora_requests`` and answered ``lora_answer`` (None:
@@ -123,6 +124,7 @@ class FakeScheduler:
         self.step_interval_s = 0.001
         self.fail_with: str | None = None
         self.fail_after_tokens = 0
+        self.fail_only_ending: str | None = None
         self.reject_with: str | None = None
         self.refuse_hello_with: str | None = None
         self.workers_ready = True
@@ -246,7 +248,11 @@ class FakeScheduler:
 
     def _next_result(self, running: _Running) -> SchedulerResult:
         context = running.context
-        if self.fail_with is not None and running.num_generated >= self.fail_after_tokens:
+        if (
+            self.fail_with is not None
+            and running.num_generated >= self.fail_after_tokens
+            and context.request_id.endswith(self.fail_only_ending or "")
+        ):
             return SchedulerResult.cancelled(error=self.fail_with)
         sequence = self.reply + ([self.eos_token_id] if self.eos_token_id is not None else [])
         room = context.max_new_tokens - running.num_generated

@@ -53,6 +53,7 @@ class EchoedLogprobs:
             self._entries.set_exception(
                 RequestFailed("the prompt's first choice ended before its log probabilities")
             )
+            self._entries.exception()  # retrieved: no warning when no choice was left to wait
 
     async def get(self) -> list[TokenLogprob]:
         return await asyncio.shield(self._entries)

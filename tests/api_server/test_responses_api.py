@@ -37,7 +37,11 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "require
 
 @pytest.fixture(scope="module")
 def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api-responses"), 1024)
+    # No test here waits out a silent scheduler: a stall of this shared machine must not pass
+    # for one (the harness's 1 s default failed a request once in CI).
+    harness = ApiHarness(
+        default_model_dir, tmp_path_factory.mktemp("api-responses"), 1024, scheduler_timeout_s=30
+    )
     yield harness
     harness.close()
 
@@ -46,7 +50,9 @@ def api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 def other_api(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """A second API server of the same deployment: its own scheduler, the same store (both
     take the default directory under the session's SWITCHYARD_CACHE_DIR)."""
-    harness = ApiHarness(default_model_dir, tmp_path_factory.mktemp("api-responses-2"), 1024)
+    harness = ApiHarness(
+        default_model_dir, tmp_path_factory.mktemp("api-responses-2"), 1024, scheduler_timeout_s=30
+    )
     yield harness
     harness.close()
 

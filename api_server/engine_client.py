@@ -5,7 +5,9 @@ socket and the reader task puts each ``SchedulerResult`` on its request's queue.
 bounded: a submit the socket does not take within ``submit_timeout_s`` fails, a stats round trip
 fails after ``stats_timeout_s``, and while requests are in flight the scheduler is pinged; when it
 stays silent for ``scheduler_timeout_s`` every in-flight request fails with
-``SchedulerUnavailable`` instead of hanging.
+``SchedulerUnavailable`` instead of hanging. Silence is counted only while this server could
+listen: a stall of its event loop (or of the whole process) is not the scheduler's silence,
+even when it outlasts the timeout and the scheduler's answers wait unread behind it.
 
 A scheduler that dies is noticed sooner: the socket's monitor reports the dropped connection,
 and new embedding requests fail at once until the connection is back. What is in flight then
@@ -482,8 +484,16 @@ class EngineClient:
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
         while True:
+            asleep_since = time.monotonic()
             await asyncio.sleep(interval)
             now = time.monotonic()
+            stalled = now - asleep_since - interval
+            if stalled > interval:
+                # The event loop (or the whole process) could not run for ``stalled`` s, so
+                # nothing could be read: that time is not the scheduler's silence. What it
+                # sent meanwhile waits unread; judge on the next tick, once the reader has run.
+                self._last_heard = min(now, self._last_heard + stalled)
+                continue
             if not self._queues:
                 self._last_heard = now  # silence only counts while someone is waiting
                 continue

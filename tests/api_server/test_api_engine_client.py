@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -219,6 +220,47 @@ def test_a_silent_scheduler_fails_requests_in_flight(tmp_path: Path) -> None:
         _, message = await receive(router)
         assert message == SubmitRequest(CONTEXT)
         assert (await receive(router))[1] == StatsRequest()  # the heartbeat pinged first
+        assert client.num_requests_in_flight == 0
+
+    run_with_router(tmp_path, test)
+
+
+STALL_S = 3 * 0.6
+"""Three times ``run_with_router``'s scheduler timeout."""
+
+
+def test_what_the_scheduler_sent_during_a_stall_of_the_loop_is_read_not_failed(tmp_path: Path):
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream, identity = await streaming(client, router)
+        done = SchedulerResult.complete(output([6, 2], GenerationStatus.END_OF_SEQUENCE))
+        await router.send_multipart([identity, results("r1", done)])
+        time.sleep(STALL_S)  # blocks the event loop: the reader and the heartbeat alike
+        assert [item async for item in stream] == [done]
+
+    run_with_router(tmp_path, test)
+
+
+def test_after_a_stall_of_the_loop_the_scheduler_is_pinged_before_it_is_judged(tmp_path: Path):
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream, identity = await streaming(client, router)
+        time.sleep(STALL_S)  # nothing arrives meanwhile: the stall is still not silence
+        assert await receive(router) == (identity, StatsRequest())
+        await router.send_multipart([identity, encode(stats(1))])
+        done = SchedulerResult.complete(output([6, 2], GenerationStatus.END_OF_SEQUENCE))
+        await router.send_multipart([identity, results("r1", done)])
+        assert [item async for item in stream] == [done]
+
+    run_with_router(tmp_path, test)
+
+
+def test_a_scheduler_silent_after_a_stall_of_the_loop_still_fails_requests(tmp_path: Path):
+    async def test(client: EngineClient, router: zmq.asyncio.Socket) -> None:
+        stream, _ = await streaming(client, router)
+        time.sleep(STALL_S)
+        stalled_until = time.monotonic()
+        with pytest.raises(SchedulerUnavailable, match="has not answered"):
+            await anext(stream)
+        assert time.monotonic() - stalled_until < STALL_S  # one timeout and a tick or two
         assert client.num_requests_in_flight == 0
 
     run_with_router(tmp_path, test)

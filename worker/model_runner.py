@@ -51,7 +51,13 @@ from worker.config import WorkerConfig, default_num_threads
 from worker.cuda_graphs import DecodeGraphs, build_decode_graphs
 from worker.grammar_compiler import GrammarCompiler
 from worker.images import RequestImage, input_embeddings, read_images
-from worker.kv_cache import KVCache, bytes_per_block, kv_cache_budget, num_blocks_for_budget
+from worker.kv_cache import (
+    KVCache,
+    bytes_per_block,
+    check_fits_in_memory,
+    kv_cache_budget,
+    num_blocks_for_budget,
+)
 from worker.kv_transfer import kv_layout
 from worker.logprobs import check_logprob_counts
 from worker.lora import LoRAAdapters, update_without_lora
@@ -214,6 +220,7 @@ class ModelRunner:
         block_bytes = bytes_per_block(*shape, model.head_dim, self.dtype)
         budget = kv_cache_budget(self.config.kv_cache_memory, self.device)
         num_blocks = parallel.all_reduce_min(num_blocks_for_budget(budget, block_bytes))
+        check_fits_in_memory(num_blocks * block_bytes, self.device)
         return KVCache(
             model.num_hidden_layers,
             num_blocks,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tests.support.paged_batches import shuffled_blocks
 from worker.attention import AttentionKind, build_batch_layout, paged_attention, write_kv
 from worker.kv_cache import KVCache
+from worker.logprobs import token_logprobs
 from worker.models import cpu_ops, tile_gemm
 from worker.models.loader import load_model
 from worker.models.rotary import RotaryEmbedding
@@ -609,3 +610,68 @@ class _kernels_enabled:
 
     def __exit__(self, *exc):
         cpu_ops.applies = self.original
+
+
+def _torch_scores(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(1, token_ids[:, None]).squeeze(1), *logprobs.topk(num_top, dim=-1)
+
+
+@pytest.mark.parametrize("vocab_size", [5, 16, 33, 49152 + 7])
+@pytest.mark.parametrize("num_top", [0, 1, 5, 20])
+def test_the_kernel_scores_rows_as_torchs_log_softmax_and_topk(vocab_size, num_top):
+    num_top = min(num_top, vocab_size)
+    generator = torch.Generator().manual_seed(vocab_size + num_top)
+    logits = torch.randn(9, vocab_size, generator=generator) * 4
+    token_ids = torch.randint(0, vocab_size, (9,), generator=generator)
+    chosen, top_values, top_ids, nonfinite = cpu_ops.token_logprobs(logits, token_ids, num_top)
+    expected_chosen, expected_values, expected_ids = _torch_scores(logits, token_ids, num_top)
+    assert not nonfinite.any()
+    torch.testing.assert_close(chosen, expected_chosen, rtol=0, atol=1e-5)
+    torch.testing.assert_close(top_values, expected_values, rtol=0, atol=1e-5)
+    assert torch.equal(top_ids, expected_ids)  # random values: no ties
+
+
+def test_the_kernel_ranks_equal_logits_by_index_and_rising_rows_correctly():
+    rising = torch.arange(4096, dtype=torch.float32)[None] / 100  # each logit beats the list
+    chosen, values, ids, _ = cpu_ops.token_logprobs(rising, torch.tensor([4095]), 20)
+    assert ids[0].tolist() == list(range(4095, 4075, -1))
+    expected_chosen, expected_values, _ = _torch_scores(rising, torch.tensor([4095]), 20)
+    torch.testing.assert_close(values, expected_values, rtol=0, atol=1e-5)
+    torch.testing.assert_close(chosen, expected_chosen, rtol=0, atol=1e-5)
+    flat = torch.zeros(1, 100)
+    flat[0, [7, 30, 64, 99]] = 2.0
+    _, values, ids, _ = cpu_ops.token_logprobs(flat, torch.tensor([0]), 6)
+    assert ids[0].tolist() == [7, 30, 64, 99, 0, 1]
+    assert values[0, 0] == values[0, 3] and values[0, 4] == values[0, 5]
+
+
+def test_rows_with_nan_or_infinities_get_torchs_values_beside_untouched_rows():
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 1000, generator=generator)
+    token_ids = torch.tensor([3, 4, 5, 6, 7])
+    innocent = token_logprobs(logits[[0, 4]].contiguous(), token_ids[[0, 4]], [3, 3])
+    logits[1, 10], logits[2, 999], logits[3, 500] = float("nan"), float("inf"), float("-inf")
+    *_, nonfinite = cpu_ops.token_logprobs(logits, token_ids, 3)
+    assert nonfinite.tolist() == [False, True, True, True, False]
+    entries = token_logprobs(logits, token_ids, [3] * 5)
+    assert [entries[0], entries[4]] == innocent
+    chosen, values, ids = _torch_scores(logits, token_ids, 3)
+    for row in (1, 2, 3):
+        assert entries[row][0] == pytest.approx(chosen[row].item(), nan_ok=True)
+        assert list(entries[row][1]) == ids[row].tolist()
+        assert list(entries[row][1].values()) == pytest.approx(values[row].tolist(), nan_ok=True)
+
+
+def test_the_kernel_refuses_arguments_it_cannot_score():
+    logits, token_ids = torch.zeros(2, 50), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="outside the vocabulary of 50"):
+        cpu_ops.token_logprobs(logits, torch.tensor([0, 50]), 1)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        cpu_ops.token_logprobs(logits, torch.tensor([-1, 0]), 1)
+    with pytest.raises(ValueError, match="65 top log probabilities"):
+        cpu_ops.token_logprobs(torch.zeros(2, 100), token_ids, 65)
+    with pytest.raises(ValueError, match="as many token ids"):
+        cpu_ops.token_logprobs(logits, torch.tensor([0]), 1)
+    with pytest.raises(ValueError, match="logits shaped"):
+        cpu_ops.token_logprobs(torch.zeros(50), token_ids, 1)

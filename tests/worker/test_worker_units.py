@@ -261,7 +261,7 @@ def test_a_kv_cache_larger_than_the_memory_available_fails_the_start_saying_so(
         check_fits_in_memory(1 << 40, CPU)
     monkeypatch.setattr(kv_cache, "free_memory", lambda device: 8192 * 8)
     config = WorkerConfig(tiny_llama_dir, device="cpu", kv_cache_memory=8192 * 16)
-    with pytest.raises(ValueError, match="needs 0.12 MiB and the system has 0.06 MiB"):
+    with pytest.raises(ValueError, match=r"needs 0\.12 MiB and the system has 0\.06 MiB"):
         ModelRunner(config)
 
 

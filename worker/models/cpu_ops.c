@@ -1112,6 +1112,100 @@ void sy_greedy_tokens(const float* logits, int64_t num_rows, int64_t vocab, int6
   for (int64_t r = 0; r < num_rows; r++) tokens[r] = greedy_part(logits + r * vocab, 0, vocab).index;
 }
 
+/* Log probabilities -------------------------------------------------------------------------
+ * Each row's log-sum-exp, the log probability of its token and its num_top likeliest tokens
+ * with theirs, most likely first and the lower index first among equals: what torch's
+ * log_softmax, gather and topk give (within float32 rounding), in two passes over the row (the
+ * second from cache) and no copy of it. The first pass keeps the row's largest value and its
+ * num_top best in a sorted list, which a vector of 16 logits enters only where one beats the
+ * list's last; the second sums exp(x - max). A row holding NaN or an infinity is flagged and
+ * left alone (torch's ops say what those give; the caller asks them). */
+
+#define MAX_TOP 64 /* cpu_ops.py checks num_top against it */
+
+typedef struct {
+  float value;
+  int64_t index;
+} Ranked;
+
+/* Enter (value, index) into best[0, *count) (sorted, largest first; at most num_top), after
+ * the entries equal to it: they came first. */
+static inline void rank_in(Ranked* best, int* count, int num_top, float value, int64_t index) {
+  int at = *count;
+  while (at > 0 && best[at - 1].value < value) at--;
+  if (at >= num_top) return;
+  const int last = *count < num_top ? *count : num_top - 1;
+  memmove(best + at + 1, best + at, sizeof *best * (size_t)(last - at));
+  best[at] = (Ranked){value, index};
+  if (*count < num_top) (*count)++;
+}
+
+/* Row ``row``'s log probabilities (see above); 1 where it holds NaN or an infinity. */
+static int row_logprobs(const float* row, int64_t vocab, int64_t token, int num_top, float* chosen,
+                        float* top_values, int64_t* top_ids) {
+  Ranked best[MAX_TOP];
+  int count = 0;
+  float last = -INFINITY; /* what a logit must beat to enter best: its last, once full */
+  vec16 largest = splat(-INFINITY), odd = splat(0.0f);
+  int64_t v = 0;
+  for (; v + LANES <= vocab; v += LANES) {
+    const vec16 x = load(row + v);
+    largest = vmax(largest, x);
+    odd += x - x; /* NaN from here on if x holds NaN or an infinity */
+    const ivec16 enters = x > splat(last);
+    ivec16 any = enters;
+    any |= __builtin_shuffle(any, (ivec16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    any |= __builtin_shuffle(any, (ivec16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    any |= __builtin_shuffle(any, (ivec16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    any |= __builtin_shuffle(any, (ivec16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    if (num_top > 0 && any[0]) {
+      for (int lane = 0; lane < LANES; lane++) {
+        if (x[lane] > last) {
+          rank_in(best, &count, num_top, x[lane], v + lane);
+          if (count == num_top) last = best[num_top - 1].value;
+        }
+      }
+    }
+  }
+  float top = hmax(largest), nonfinite = hsum(odd);
+  for (; v < vocab; v++) {
+    const float x = row[v];
+    top = x > top ? x : top;
+    nonfinite += x - x;
+    if (num_top > 0 && x > last) {
+      rank_in(best, &count, num_top, x, v);
+      if (count == num_top) last = best[num_top - 1].value;
+    }
+  }
+  if (nonfinite != 0.0f) return 1; /* NaN: never equal to 0 */
+  vec16 sums = splat(0.0f);
+  v = 0;
+  for (; v + LANES <= vocab; v += LANES) sums += vexp(load(row + v) - splat(top));
+  float sum = hsum(sums);
+  for (; v < vocab; v++) sum += expf(row[v] - top);
+  const float log_sum = logf(sum); /* x - top - log_sum, in log_softmax's order */
+  *chosen = (row[token] - top) - log_sum;
+  for (int i = 0; i < count; i++) {
+    top_values[i] = (best[i].value - top) - log_sum;
+    top_ids[i] = best[i].index;
+  }
+  return 0;
+}
+
+/* Every row's log probabilities: chosen[r], and top_values / top_ids[r * num_top, + num_top);
+ * nonfinite[r] is 1 for a row left alone. tokens[r] is in [0, vocab), 0 <= num_top <= MAX_TOP
+ * and num_top <= vocab (cpu_ops.py checks). */
+void sy_token_logprobs(const float* logits, int64_t num_rows, int64_t vocab, const int64_t* tokens,
+                       int64_t num_top, float* chosen, float* top_values, int64_t* top_ids,
+                       uint8_t* nonfinite) {
+#pragma omp parallel for schedule(static) if (num_rows > 1)
+  for (int64_t r = 0; r < num_rows; r++) {
+    nonfinite[r] = (uint8_t)row_logprobs(logits + r * vocab, vocab, tokens[r], (int)num_top,
+                                         chosen + r, top_values + r * num_top,
+                                         top_ids + r * num_top);
+  }
+}
+
 /* Random sampling ---------------------------------------------------------------------------
  * The exponential race of worker/sampler.py in one pass over each row: token v of a row with
  * temperature T wins where exp(x_v - max x) / E_v is largest (first index on ties), x_v =

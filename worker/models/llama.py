@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
             head.packing == "panels"
             and head.bias is None
             and parallel.tensor_parallel().world_size == 1
-            and tile_gemm.available()
+            and tile_gemm.greedy_available()
         ):
             self.greedy_head = tile_gemm.GreedyHead.build(
                 head.packed_weight, head.out_features, self.config.vocab_size

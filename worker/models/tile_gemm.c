@@ -31,15 +31,22 @@
  *
  * Built where the compiler targets a CPU with AMX-BF16 (-march=native on Sapphire Rapids and
  * later); elsewhere sy_tile_available() is 0 and the worker keeps the float32 kernel. Linux lends
- * a process the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM), once.
+ * a process the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM), once. The greedy
+ * head (below) also runs where the CPU has AVX512-BF16 but no tiles (AMD Zen 4 and later): its
+ * estimates then come from the vector unit's bfloat16 dot products (VDPBF16PS, twice its float32
+ * multiply-adds a cycle), from the same tiles in memory; sy_greedy_available() says where.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
-    defined(__AVX512BF16__)
+#if defined(__x86_64__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_TILES 1
+#else
+#define HAVE_TILES 0 /* the greedy head on the vector unit; no tile product */
+#endif
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -60,6 +67,7 @@ typedef struct {
   uint8_t rows[16];
 } TileConfig;
 
+#if HAVE_TILES
 int sy_tile_available(void) {
   static int granted = -1;
   if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
@@ -82,6 +90,9 @@ static void configure_tiles(int rows) {
   __asm__ __volatile__("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
+#else
+int sy_tile_available(void) { return 0; }
+#endif
 
 /* hi bfloat16 of 32 floats (v0 then v1). */
 static inline __m512i hi32(__m512 v0, __m512 v1) {
@@ -150,6 +161,7 @@ void sy_tile_pack(const float* panels, int64_t k, int64_t n, uint16_t* tiles) {
     pack_panel(panels + p * k * PANEL, k, steps, tiles + p * steps * STEP_ELEMS);
 }
 
+#if HAVE_TILES
 /* Input rows 16 block .. 16 block + 15 of x (zero past m) at their place in a. */
 static void split_block(const float* x, int64_t m, int64_t k, int64_t steps, int64_t block,
                         uint16_t* a) {
@@ -235,6 +247,8 @@ static void panel_product(const uint16_t* a, const uint16_t* w, int64_t steps, i
   }
 }
 
+#endif /* HAVE_TILES */
+
 /* A buffer of the calling thread, kept for its next calls (no fresh pages to fault in). */
 typedef struct {
   void* data;
@@ -259,6 +273,7 @@ static uint16_t* input_buffer(size_t bytes) {
   return grown(&inputs, bytes);
 }
 
+#if HAVE_TILES
 /* Rows [0, m) of y (m <= MAX_PASS_ROWS), their inputs split into a. */
 static void tile_pass(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
                       const float* bias, float* y, uint16_t* a) {
@@ -325,6 +340,13 @@ int sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, 
   }
   return 0;
 }
+#else
+int sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, int64_t n,
+                   const float* bias, float* y) {
+  (void)x, (void)m, (void)k, (void)tiles, (void)n, (void)bias, (void)y;
+  return -2; /* no tiles: tile_gemm.available() is False and nothing calls it */
+}
+#endif
 
 /* Greedy tokens from bfloat16 estimates ---------------------------------------------------
  * A greedy request needs the index of its largest logit, not 49,152 logits. The LM head's
@@ -348,6 +370,8 @@ int sy_tile_linear(const float* x, int64_t m, int64_t k, const uint16_t* tiles, 
  * logits give. */
 
 #define HI_STEP_ELEMS (2 * TILE_ELEMS) /* a panel's step in hi-only form: both halves */
+#define FETCH_AHEAD 2 /* steps (2 KB each) the vector unit's estimates fetch ahead into L1 */
+#define FETCH_FAR 16  /* and into L2 */
 
 /* The weight packed in panels (ceil(n / 32), k, 32) as bfloat16 tiles: per panel, per step of
  * 32 input features, the tiles of outputs 0-15 and 16-31 (ceil(n / 32) x ceil(k / 32) x 2 KB).
@@ -438,7 +462,102 @@ typedef struct {
   int64_t num_panels;
 } Screen;
 
-/* Panel p's estimates x~_r . w~ of every row r < m (all blocks) on the tile unit, each block's
+/* Fetch a panel's step from memory at once (32 cache lines), before its loads ask for them:
+ * the first row block reads the panel from memory, the others from L1. */
+static inline void fetch_hi_step(const uint16_t* ws) {
+  for (int i = 0; i < HI_STEP_ELEMS * (int)sizeof(uint16_t); i += 64)
+    _mm_prefetch((const char*)ws + i, _MM_HINT_T0);
+}
+
+#if HAVE_TILES
+/* part (16 x 32) = estimates x~_r . w~ of a row block (at a, tiles per step) against panel w,
+ * on the tile unit (its rows configured by the caller); rows past `rows` are the block's
+ * zero rows. */
+static void estimate_block(const uint16_t* a, const uint16_t* w, int64_t steps, int64_t rows,
+                           int fetch, float* part) {
+  (void)rows;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t s = 0; s < steps; s++) {
+    const uint16_t* ws = w + s * HI_STEP_ELEMS;
+    if (fetch) fetch_hi_step(ws);
+    _tile_loadd(4, a + s * TILE_ELEMS, 64);
+    _tile_loadd(6, ws, 64);
+    _tile_loadd(7, ws + TILE_ELEMS, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  _tile_stored(0, part, PANEL * sizeof(float));
+  _tile_stored(1, part + 16, PANEL * sizeof(float));
+}
+#else
+/* Rows [r0, r0 + R) of part: the vector unit's bfloat16 dot products (VDPBF16PS: each lane of
+ * a weight tile's row holds one output's pair of inputs, as TDPBF16PS reads it; the row's pair
+ * broadcast), R rows x 2 halves x C chains of accumulators in registers: a few rows split their
+ * sums over chains (pair j into chain j mod C) so that the dot products' latency overlaps. */
+static inline __attribute__((always_inline)) void estimate_rows(const uint16_t* a,
+                                                                const uint16_t* w, int64_t steps,
+                                                                int r0, int R, int C, int fetch,
+                                                                float* part) {
+  __m512 acc[8][2][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++) acc[r][0][c] = acc[r][1][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; s++) {
+    const uint16_t* ws = w + s * HI_STEP_ELEMS;
+    const uint16_t* xs = a + s * TILE_ELEMS + r0 * TILE_K;
+    if (fetch) { /* into L1 a few steps ahead, into L2 32 KB ahead; past the end: dropped */
+      fetch_hi_step(ws + FETCH_AHEAD * HI_STEP_ELEMS);
+      for (int i = 0; i < HI_STEP_ELEMS * (int)sizeof(uint16_t); i += 64)
+        _mm_prefetch((const char*)(ws + FETCH_FAR * HI_STEP_ELEMS) + i, _MM_HINT_T1);
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < TILE_ROWS; j++) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(ws + j * TILE_K);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(ws + TILE_ELEMS + j * TILE_K);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; r++) {
+        int32_t pair;
+        memcpy(&pair, xs + r * TILE_K + 2 * j, sizeof pair);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0][j % C] = _mm512_dpbf16_ps(acc[r][0][j % C], x, w0);
+        acc[r][1][j % C] = _mm512_dpbf16_ps(acc[r][1][j % C], x, w1);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) {
+#pragma GCC unroll 4
+    for (int c = 1; c < C; c++) {
+      acc[r][0][0] = _mm512_add_ps(acc[r][0][0], acc[r][0][c]);
+      acc[r][1][0] = _mm512_add_ps(acc[r][1][0], acc[r][1][c]);
+    }
+    _mm512_store_ps(part + (r0 + r) * PANEL, acc[r][0][0]);
+    _mm512_store_ps(part + (r0 + r) * PANEL + 16, acc[r][1][0]);
+  }
+}
+
+/* part = estimates of the block's first `rows` rows against panel w, on the vector unit: 8 rows
+ * at a time (16 accumulators), then the rest. */
+static void estimate_block(const uint16_t* a, const uint16_t* w, int64_t steps, int64_t rows,
+                           int fetch, float* part) {
+  int r0 = 0;
+  for (; r0 + 8 <= rows; r0 += 8, fetch = 0) estimate_rows(a, w, steps, r0, 8, 1, fetch, part);
+  switch (rows - r0) {
+    case 7: estimate_rows(a, w, steps, r0, 7, 1, fetch, part); break;
+    case 6: estimate_rows(a, w, steps, r0, 6, 1, fetch, part); break;
+    case 5: estimate_rows(a, w, steps, r0, 5, 1, fetch, part); break;
+    case 4: estimate_rows(a, w, steps, r0, 4, 1, fetch, part); break;
+    case 3: estimate_rows(a, w, steps, r0, 3, 2, fetch, part); break;
+    case 2: estimate_rows(a, w, steps, r0, 2, 2, fetch, part); break;
+    case 1: estimate_rows(a, w, steps, r0, 1, 2, fetch, part); break;
+    default: break;
+  }
+}
+#endif
+
+/* Panel p's estimates x~_r . w~ of every row r < m (all blocks, estimate_block), each block's
  * screened while in L1 (see above): its tokens below n_valid fold into the rows' floors in
  * `floors` (this thread's, m x 16) and refusals in `refused`, and each row's largest estimate +
  * bound over the panel goes to the screen's ceilings. A row is refused where an estimate is not
@@ -464,22 +583,8 @@ static void screen_panel(const uint16_t* a, const uint16_t* w, int64_t m, int64_
   const __m512 zero = _mm512_setzero_ps(), large = _mm512_set1_ps(1e37f);
   float part[TILE_ROWS * PANEL] __attribute__((aligned(64)));
   for (int64_t block = 0; block < blocks; block++) {
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t s = 0; s < steps; s++) {
-      const uint16_t* ws = w + s * HI_STEP_ELEMS;
-      if (block == 0) /* the first block reads the panel from memory, the others from L1 */
-        for (int i = 0; i < HI_STEP_ELEMS * (int)sizeof(uint16_t); i += 64)
-          _mm_prefetch((const char*)ws + i, _MM_HINT_T0);
-      _tile_loadd(4, a + (block * steps + s) * TILE_ELEMS, 64);
-      _tile_loadd(6, ws, 64);
-      _tile_loadd(7, ws + TILE_ELEMS, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    _tile_stored(0, part, PANEL * sizeof(float));
-    _tile_stored(1, part + 16, PANEL * sizeof(float));
     const int64_t rows = m - block * TILE_ROWS < TILE_ROWS ? m - block * TILE_ROWS : TILE_ROWS;
+    estimate_block(a + block * steps * TILE_ELEMS, w, steps, rows, block == 0, part);
     for (int64_t r = 0; r < rows; r++) {
       const int64_t row = block * TILE_ROWS + r;
       /* bound_j = |w~_j| (B + g (2A + B)) + |dw_j| (A + B + g (A + B)), A = |x~|, B = |dx|, g
@@ -543,6 +648,10 @@ static int64_t chosen_token(const float* x, int64_t k, const float* ceilings, in
   return token;
 }
 
+/* Whether sy_tile_greedy_tokens runs here: on the tile unit where this process may use it, on
+ * the vector unit where there is none. */
+int sy_greedy_available(void) { return HAVE_TILES ? sy_tile_available() : 1; }
+
 /* tokens[r] = the index of the largest of x_r W^T's first n_valid outputs (the vocabulary,
  * before padding), for x (m, k) and W (n, k) given twice: as bfloat16 tiles (sy_tile_pack_hi)
  * and as float32 panels (panel_gemm.c's, summed there without a bias). weight_norms: |w~_j|
@@ -555,7 +664,7 @@ int sy_tile_greedy_tokens(const float* x, int64_t m, int64_t k, const uint16_t* 
                           int64_t n_valid, const float* weight_norms, const float* panels,
                           int64_t* tokens) {
   if (m <= 0) return 0;
-  if (!sy_tile_available()) return -2;
+  if (!sy_greedy_available()) return -2;
   const int64_t steps = (k + TILE_K - 1) / TILE_K;
   const int64_t blocks = (m + TILE_ROWS - 1) / TILE_ROWS;
   const int64_t num_panels = (n + PANEL - 1) / PANEL;
@@ -578,12 +687,16 @@ int sy_tile_greedy_tokens(const float* x, int64_t m, int64_t k, const uint16_t* 
 #pragma omp for schedule(static)
     for (int64_t block = 0; block < blocks; block++)
       split_hi_block(x, m, k, steps, block, a, norms);
+#if HAVE_TILES
     configure_tiles(m < TILE_ROWS ? (int)m : TILE_ROWS);
+#endif
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < num_panels; p++)
       screen_panel(a, tiles + p * steps * HI_STEP_ELEMS, m, k, steps, n_valid, p, norms,
                    weight_norms, floors, refused, &screen);
+#if HAVE_TILES
     _tile_release();
+#endif
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
       __m512 floor = _mm512_set1_ps(-INFINITY);
@@ -602,8 +715,9 @@ int sy_tile_greedy_tokens(const float* x, int64_t m, int64_t k, const uint16_t* 
   return 0;
 }
 
-#else /* no AMX-BF16 here: nothing to call but sy_tile_available */
+#else /* no bfloat16 dot products here: nothing to call but the two availabilities */
 int sy_tile_available(void) { return 0; }
+int sy_greedy_available(void) { return 0; }
 void sy_tile_pack(const float* panels, int64_t k, int64_t n, uint16_t* tiles) {
   (void)panels, (void)k, (void)n, (void)tiles; /* tile_gemm.pack never calls it here */
 }

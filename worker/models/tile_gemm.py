@@ -13,7 +13,9 @@ changes.
 copy of the LM head it estimates every logit with a proven bound on its distance from the
 float32 logit, and computes exactly (as ``panel_gemm`` sums them) only the panels of 32 tokens
 holding the few the bounds leave: the same token as the float32 logits' argmax, for half the
-read and a small part of the arithmetic (``tile_gemm.c`` gives the bound).
+read and a small part of the arithmetic (``tile_gemm.c`` gives the bound). Where the CPU has
+AVX512-BF16 but no tile unit (AMD Zen 4 and later), the head takes its estimates from the
+vector unit's bfloat16 dot products instead: ``greedy_available()`` says where it runs.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def tile_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (n, k) float32 in tile form (``tile_shape``), split into bfloat16 halves."""
     lib = library()
-    assert lib is not None, "pack() needs the built library; check available() first"
+    assert lib is not None, "pack() needs the built library; check greedy_available() first"
     n, k = weight.shape
     panels = panel_gemm.pack(weight.float())
     tiles = torch.empty(tile_shape(n, k), dtype=torch.int16)
@@ -71,7 +73,7 @@ def linear(
     ``pack``: (m, out_features), float32. (The tile form pads features to whole steps, so its
     shape alone does not say how many the weight has.)"""
     lib = library()
-    assert lib is not None, "linear() needs the built library; check available() first"
+    assert lib is not None, "linear() needs the built library; check greedy_available() first"
     x = panel_gemm.checked_operands(x, bias, in_features, out_features, "tile")
     m, k = x.shape
     # The kernel trusts these sizes: check them here rather than read out of bounds there.
@@ -108,9 +110,9 @@ class GreedyHead:
     def build(cls, panels: torch.Tensor, out_features: int, vocab_size: int) -> GreedyHead:
         """The greedy head of an LM head packed in float32 ``panels`` (``panel_gemm.pack`` of
         an (out_features, in_features) weight, the first ``vocab_size`` rows the vocabulary's);
-        check ``available()`` first."""
+        check ``greedy_available()`` first."""
         lib = library()
-        assert lib is not None, "build() needs the built library; check available() first"
+        assert lib is not None, "build() needs the built library; check greedy_available() first"
         num_panels, k, width = panels.shape
         if width != panel_gemm.PANEL or num_panels != -(-out_features // width):
             raise ValueError(f"panels {tuple(panels.shape)} are not an {out_features}-row head")
@@ -134,7 +136,7 @@ class GreedyHead:
         panels), or ``NEEDS_LOGITS`` where its values are not all finite or so large that a
         float32 sum might overflow. int64 (m,)."""
         lib = library()
-        assert lib is not None, "tokens() needs the built library; check available() first"
+        assert lib is not None, "tokens() needs the built library; check greedy_available() first"
         x = panel_gemm.checked_operands(x, None, self.in_features, self.out_features, "greedy")
         m, k = x.shape
         tokens = torch.empty(m, dtype=torch.int64)
@@ -167,14 +169,22 @@ def available() -> bool:
     return lib is not None and bool(lib.sy_tile_available())
 
 
+def greedy_available() -> bool:
+    """Whether ``GreedyHead`` runs here: on the tile unit where ``available()``, else on the
+    vector unit where the CPU has AVX512-BF16."""
+    lib = library()
+    return lib is not None and bool(lib.sy_greedy_available())
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel library, or None (logged once) where it cannot be built here."""
     lib = native.load(SOURCE)
     if lib is None:
         return None
-    lib.sy_tile_available.argtypes = []
-    lib.sy_tile_available.restype = ctypes.c_int
+    for name in ("sy_tile_available", "sy_greedy_available"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = ctypes.c_int
     lib.sy_tile_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.sy_tile_pack.restype = None
     lib.sy_tile_linear.argtypes = panel_gemm.LINEAR_ARGTYPES

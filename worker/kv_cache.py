@@ -8,8 +8,6 @@ of every layer's cache.
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 import os
 from collections.abc import Sequence
 
@@ -28,8 +26,9 @@ class KVCache:
     """Key and value blocks for every layer, each (num_blocks, block_size, num_kv_heads, head_dim).
 
     Owned by the ModelRunner; attention layers write new keys/values by slot and read them back
-    through block tables. Blocks start zeroed so padded reads never meet NaNs; on the CPU the
-    zeros cost nothing up front (``zeroed``).
+    through block tables. Blocks start zeroed so padded reads never meet NaNs, and written
+    while the worker starts: the pool's memory is taken then, and no step pays for first
+    touching its pages later (``check_fits_in_memory`` says why a pool cannot be had).
     """
 
     def __init__(
@@ -45,8 +44,12 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.key_caches = [zeroed(shape, dtype, device) for _ in range(num_layers)]
-        self.value_caches = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.key_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.value_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int) -> KVCache:
@@ -68,25 +71,10 @@ class KVCache:
         return self.key_caches[index], self.value_caches[index]
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of zeros. On the CPU its memory is an anonymous mapping, whose pages the
-    operating system hands out zeroed as they are first touched: a cache of gigabytes is ready
-    at once and takes memory only as its blocks are used, where writing the zeros took ~0.7 s a
-    GiB before the worker could serve (its start, and each restart's pause)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape)
-    if count == 0:
-        return torch.zeros(shape, dtype=dtype)
-    element_size = torch.empty((), dtype=dtype).element_size()
-    region = mmap.mmap(-1, count * element_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(region, dtype=dtype, count=count).view(shape)  # holds ``region``
-
-
 def check_fits_in_memory(num_bytes: int, device: torch.device) -> None:
-    """``ValueError`` unless the system has ``num_bytes`` available for a KV cache on the CPU,
-    whose memory is only taken as blocks are used (``zeroed``): a cache that could not be
-    filled fails the worker's start with the reason, not a later step with the OOM killer."""
+    """``ValueError`` unless the system has ``num_bytes`` of memory available for a KV cache on
+    the CPU: a pool that cannot be had fails the worker's start with the reason, where writing
+    its zeros would meet the OOM killer (or, overcommitted, kill another process)."""
     if device.type != "cpu":
         return
     available = free_memory(device)

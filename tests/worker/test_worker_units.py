@@ -22,14 +22,12 @@ from worker import kv_cache, model_files
 from worker.attention import build_batch_layout
 from worker.config import WorkerConfig
 from worker.kv_cache import (
-    KVCache,
     bytes_per_block,
     check_fits_in_memory,
     free_memory,
     kv_cache_budget,
     num_blocks_for_budget,
     slot_mapping,
-    zeroed,
 )
 from worker.model_files import DEFAULT_MODEL_NAME, model_name_for, resolve_model
 from worker.model_runner import ModelRunner
@@ -232,25 +230,6 @@ def test_kv_cache_budget():
     assert kv_cache_budget(2048.0, CPU) == 2048
     half = kv_cache_budget(0.5, CPU)
     assert 0 < half <= free_memory(CPU) // 2 + (1 << 24)
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def test_a_cpu_kv_cache_is_zeros_that_take_memory_only_as_blocks_are_written():
-    before = resident_bytes()
-    cache = KVCache(4, 1024, 16, 8, 64, torch.float32, CPU)  # 256 MiB, keys and values
-    assert resident_bytes() - before < 16 << 20
-    key_cache, value_cache = cache.layer(3)
-    assert key_cache.shape == (1024, 16, 8, 64) and key_cache.is_contiguous()
-    assert key_cache[1000].count_nonzero() == 0 and value_cache[7].count_nonzero() == 0
-    key_cache[5].fill_(1.5)
-    assert key_cache[5].sum() == 1.5 * 16 * 8 * 64 and key_cache[4].count_nonzero() == 0
-    assert 0 < resident_bytes() - before < 16 << 20
-    empty = zeroed((0, 16), torch.bfloat16, CPU)
-    assert empty.shape == (0, 16) and empty.dtype == torch.bfloat16
 
 
 def test_a_kv_cache_larger_than_the_memory_available_fails_the_start_saying_so(

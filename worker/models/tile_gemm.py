@@ -54,7 +54,7 @@ def tile_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (n, k) float32 in tile form (``tile_shape``), split into bfloat16 halves."""
     lib = library()
-    assert lib is not None, "pack() needs the built library; check greedy_available() first"
+    assert lib is not None, "pack() needs the built library; check available() first"
     n, k = weight.shape
     panels = panel_gemm.pack(weight.float())
     tiles = torch.empty(tile_shape(n, k), dtype=torch.int16)
@@ -73,7 +73,7 @@ def linear(
     ``pack``: (m, out_features), float32. (The tile form pads features to whole steps, so its
     shape alone does not say how many the weight has.)"""
     lib = library()
-    assert lib is not None, "linear() needs the built library; check greedy_available() first"
+    assert lib is not None, "linear() needs the built library; check available() first"
     x = panel_gemm.checked_operands(x, bias, in_features, out_features, "tile")
     m, k = x.shape
     # The kernel trusts these sizes: check them here rather than read out of bounds there.

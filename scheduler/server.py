@@ -94,7 +94,7 @@ from scheduler.lora import LoRAAdapters, Reply, Send
 from scheduler.peers import PeerTracker
 from scheduler.placement import NO_WORKER, Placement
 from scheduler.scheduler import STEP_FAILED, ResultsByClient, TextResult
-from scheduler.stalls import Stall, StepTimes
+from scheduler.stalls import LOOP_PAUSE_S, Stall, StepTimes
 from scheduler.worker_group import Registration, WorkerGroup, WorkerGroups, ready_problem
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,8 @@ class SchedulerServer:
         self._step_times = StepTimes(config.stall_timeout_s)
         """When each group's step in flight (text or embeddings) was sent, and how long its
         recent steps took: who is stalled."""
+        self._judged_at = time.monotonic()
+        """When the loop last judged the steps in flight (``_fence_stalled``)."""
         self._stopping = threading.Event()
 
     def _bind(self, address: str, link: Link, max_message_bytes: int) -> zmq.Socket:
@@ -552,8 +554,20 @@ class SchedulerServer:
 
     def _fence_stalled(self) -> None:
         """Fence every group whose step has run past its stall bound (``scheduler.stalls``);
-        one whose fencing raises does not keep the others from being fenced."""
-        for stall in self._step_times.stalled(time.monotonic()):
+        one whose fencing raises does not keep the others from being fenced. A pass of the
+        loop longer than ``LOOP_PAUSE_S`` was the scheduler's own stall: the time past it is
+        credited to the steps in flight first, whose answers may wait unread."""
+        now = time.monotonic()
+        paused_s = now - self._judged_at - LOOP_PAUSE_S
+        self._judged_at = now
+        if paused_s > 0:
+            logger.warning(
+                "the scheduler's loop stalled for %.1f s; its workers' steps in flight are "
+                "not judged for that time",
+                paused_s + LOOP_PAUSE_S,
+            )
+            self._step_times.paused(paused_s)
+        for stall in self._step_times.stalled(now):
             self._guarded(self._fence, stall)
 
     def _fence(self, stall: Stall) -> None:

@@ -28,6 +28,14 @@ while a group has LoRA updates unanswered its step is not judged, the oldest upd
 ``LORA_UPDATE_BOUND_S`` (a large adapter read from a network file system), and once the last is
 answered the step in flight counts from then.
 
+A step's time runs from sending to *reading* its answer, so the scheduler's own stalls (its
+process stopped, starved of CPU, or swapped out) would count against its workers: an answer
+that arrived meanwhile waits unread, and the first pass of the loop afterwards may judge the
+step before it reads its socket. The server measures its loop's passes and credits the time
+past ``LOOP_PAUSE_S`` to every step and update in flight (``StepTimes.paused``). Only the time
+past it: a scheduler whose every pass were slow would otherwise never fence a hung group (with
+passes of 2 s, a hung group is fenced after twice its bound).
+
 Pure bookkeeping: the caller passes the time (``time.monotonic()`` in the scheduler, a fake
 clock in tests) and decides what a stall costs (``scheduler.server`` fences the group).
 """
@@ -43,6 +51,9 @@ RECENT_STEPS = 32
 """How many of a group's last step times its bound looks at."""
 LORA_UPDATE_BOUND_S = 120.0
 """How long a group may take over a LoRA load or unload before it counts as stalled."""
+LOOP_PAUSE_S = 1.0
+"""A pass of the scheduler's loop (its poll of 100 ms included) longer than this is the
+scheduler's own stall; the time past it is not counted against its workers (see the module)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,14 @@ class StepTimes:
         steps.updates_sent_at.pop(0)
         if not steps.updates_sent_at and steps.step_id is not None:
             steps.sent_at = max(steps.sent_at, now)
+
+    def paused(self, seconds: float) -> None:
+        """The scheduler read no answers for ``seconds`` (its own stall): every step and LoRA
+        update in flight counts from that much later."""
+        for steps in self._groups.values():
+            if steps.step_id is not None:
+                steps.sent_at += seconds
+            steps.updates_sent_at = [sent_at + seconds for sent_at in steps.updates_sent_at]
 
     def forget(self, group: str) -> None:
         """Group ``group`` left: a group that registers again under its name starts afresh

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from interfaces import SchedulerStatus
-from interfaces.api_to_scheduler import SubmitEmbeddings, SubmitRequest
+from interfaces.api_to_scheduler import StatsRequest, SubmitEmbeddings, SubmitRequest
 from interfaces.embeddings import EmbeddingsContext
 from interfaces.handshake import PROTOCOL_VERSION
 from interfaces.scheduler_to_api import WORKER_STALLED, SchedulerEmbeddingsResults
@@ -38,6 +38,7 @@ from tests.support.scheduler_sockets import (
     api_client,
     collect,
     ctx,
+    decode_api,
     decode_worker,
     encode,
     expected,
@@ -142,6 +143,23 @@ def test_idle_groups_never_stall_and_a_group_that_left_starts_afresh():
     assert [stall.group for stall in times.stalled(FLOOR_S + 5.0)] == ["a"]
     times.forget("a")
     assert times.stalled(FLOOR_S + 5.0) == []
+
+
+def test_the_schedulers_own_pause_is_not_counted_against_steps_in_flight():
+    times = StepTimes(FLOOR_S)
+    times.sent("a", 1, 0.0)
+    times.lora_update_sent("b", 0.0)
+    times.sent("c", 2, 0.0)
+    times.answered("c", 0.5)  # nothing in flight on c: its history is untouched
+    times.paused(40.0)  # the scheduler was stopped for 40 s from, say, t=10
+    assert times.stalled(40.0 + FLOOR_S) == []
+    assert times.stalled(40.5 + FLOOR_S) == [Stall("a", 1, FLOOR_S + 0.5, FLOOR_S)]
+    assert [stall.group for stall in times.stalled(40.0 + LORA_UPDATE_BOUND_S)] == ["a"]
+    assert [stall.group for stall in times.stalled(40.5 + LORA_UPDATE_BOUND_S)] == ["a", "b"]
+    times.answered("a", 45.0)
+    assert times.bound_s("a") == 50.0  # 5 s as the worker saw it: 10 x 5 s, not 10 x 45 s
+    times.sent("c", 3, 50.0)
+    assert times.stalled(50.5 + FLOOR_S)[-1] == Stall("c", 3, FLOOR_S + 0.5, FLOOR_S)
 
 
 def test_a_stall_names_its_step_and_bound():
@@ -392,3 +410,57 @@ def test_a_stalled_embedding_groups_inputs_run_on_the_other(system):
     # /health names it away, so that the launcher kills and restarts it.
     (away,) = stats(client).groups_away
     assert (away.name, away.reason) == ("e1", WORKER_STALLED)
+
+
+@pytest.mark.parametrize("system", [{"stall_timeout_s": STALL_TIMEOUT_S}], indirect=True)
+def test_a_stall_of_the_scheduler_itself_does_not_fence_a_worker_that_answered_meanwhile(
+    system, caplog
+):
+    """The scheduler's loop stops for longer than the bound while a step is in flight (here one
+    API message takes ``STALL_TIMEOUT_S`` + 1 s to handle, as a stopped or starved process
+    would) and the worker answers meanwhile. The pass that follows must not judge the step
+    before its answer is read: the group serves on and the stream completes with its tokens."""
+    caplog.set_level(logging.WARNING, logger="scheduler.server")
+    server, context, frontend, backend = system
+    client, monitor = api_client(context, frontend), api_client(context, frontend)
+    worker = FakeWorkerThread(context, backend, group="a")
+    worker.start()
+    wait_for_blocks(monitor, 64)
+    worker.step_delay_s = 0.2  # in flight long enough to stall on; bound: the floor (10 x 0.2 s)
+    handle, armed, stalled_on = server._on_api_message, threading.Event(), []
+
+    def stalling_handle(client_id, payload):
+        if armed.is_set() and not stalled_on and "a" in server._in_flight:
+            # The step was sent before this pass polled, and is not answered yet.
+            stalled_on.append((server._in_flight["a"].step_id, server._backend.poll(0)))
+            time.sleep(STALL_TIMEOUT_S + 1.0)  # the worker answers meanwhile
+        handle(client_id, payload)
+
+    server._on_api_message = stalling_handle
+    client.send(encode(SubmitRequest(ctx("x", [1, 2], max_new_tokens=8))))
+    tokens: list[int] = []
+    final = None
+    deadline = time.monotonic() + 15
+    while final is None:
+        assert time.monotonic() < deadline, "the stream did not finish"
+        if not client.poll(100):
+            continue
+        message = decode_api(client.recv())
+        result = message.results["x"]
+        tokens += result.result.tokens if result.result is not None else []
+        final = result if result.stop_stream else None
+        if tokens and not armed.is_set():
+            armed.set()
+            monitor.send(encode(StatsRequest()))  # handled by the stalling pass
+    assert tokens == expected([1, 2], 8)
+    assert final.status is SchedulerStatus.COMPLETE
+    [(step_id, answer_waiting)] = stalled_on
+    assert not answer_waiting  # the answer came during the stall, not before it
+    assert any(step.step_id == step_id for step in worker.steps)
+    assert not any("stalled: step" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().startswith("the scheduler's loop stalled") for r in caplog.records)
+    receive(monitor)  # the reply to the stats request that the stall held
+    after = stats(monitor)
+    assert after.groups_away == [] and after.workers_ready
+    assert after.request_migrations_total["worker_stalled"] == 0
+    assert not worker.got_shutdown.is_set()

@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define LANES 16
 #define MAX_HEAD_DIM 256 /* a multiple of LANES; cpu_ops.py checks both */
@@ -154,7 +155,23 @@ typedef struct {
   const float* value_cache; /* same */
   int64_t block_size, num_heads, num_kv_heads, head_dim;
   float scale;
+  int next_into_l1; /* decodes fetch the next chunk into L1, else into L2 (next_chunk_into_l1) */
 } Cache;
+
+/* Whether L1 holds a chunk's keys and values (16 keys of every key-value head) twice over, the
+ * chunk being folded and the next: only then do decodes fetch the next into L1. Where it does
+ * not (Zen 4's 32 KB against SmolLM2's 2 x 12 KB chunks; any model with 8 heads of 128), the
+ * fetches into L1 evict the lines they were meant to bring, and fetched into L2 instead the
+ * keys read 4-14 % faster on the AMD host (benchmarks/attention_bench.py, docs/performance.md).
+ * An L1 size the C library does not know (0) counts as too small. */
+static int next_chunk_into_l1(int64_t num_kv_heads, int64_t head_dim) {
+  long l1_bytes = 0;
+#ifdef _SC_LEVEL1_DCACHE_SIZE
+  l1_bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+#endif
+  const int64_t chunk_bytes = 2 * LANES * num_kv_heads * head_dim * (int64_t)sizeof(float);
+  return l1_bytes > 0 && 2 * chunk_bytes <= (int64_t)l1_bytes;
+}
 
 /* Where keys [first, first + n) of a request lie: one chunk, never across a block; n <= 16.
  * k and v point at the first key's slot (all heads); slots are `stride` floats apart. */
@@ -188,13 +205,15 @@ typedef struct {
   float m[MAX_ROW_TASK_ROWS], l[MAX_ROW_TASK_ROWS];
 } Softmax;
 
-/* Cache lines to prefetch while a group is folded: `floats` floats from k and from v into L1
- * (the next chunk's), far_floats from far_k and far_v into L2 (the chunk three ahead's). */
+/* Cache lines to prefetch while a group is folded: `floats` floats from k and from v (the next
+ * chunk's) into L1, or into L2 unless into_l1, far_floats from far_k and far_v into L2 (the
+ * chunk three ahead's). */
 typedef struct {
   const float *k, *v;
   int64_t floats;
   const float *far_k, *far_v;
   int64_t far_floats;
+  int into_l1;
 } Ahead;
 
 /* The most rows of one key-value head folded together (GQA: the query heads that share it):
@@ -222,8 +241,13 @@ static inline __attribute__((always_inline)) void fold_group(Softmax* s, int row
     vec16 products[4][LANES];
     for (int t = 0; t < LANES; t++) {
       for (int64_t i = t * per_key; i < (t + 1) * per_key && i < ahead.floats; i += LANES) {
-        __builtin_prefetch(ahead.k + i);
-        __builtin_prefetch(ahead.v + i);
+        if (ahead.into_l1) {
+          __builtin_prefetch(ahead.k + i);
+          __builtin_prefetch(ahead.v + i);
+        } else {
+          __builtin_prefetch(ahead.k + i, 0, 2);
+          __builtin_prefetch(ahead.v + i, 0, 2);
+        }
       }
       for (int64_t i = t * far_per_key; i < (t + 1) * far_per_key && i < ahead.far_floats;
            i += LANES) {
@@ -289,10 +313,10 @@ static inline __attribute__((always_inline)) void attend_rows(const Cache* c,
   const int64_t stride = c->num_kv_heads * c->head_dim;
   for (int64_t first = key_first; first < key_end;) {
     const Chunk chunk = chunk_at(c, table, first, key_end);
-    /* the next chunk (all heads) into L1 and the chunk three ahead into L2, prefetched in
-     * shares as the rows' groups are folded: with the far chunk on its way to L2, a fill
-     * buffer held by an L1 prefetch waits for L2, not memory (decodes at 4,096 tokens read
-     * 5-10 % faster than with the L1 prefetches alone) */
+    /* the next chunk (all heads) into L1 (where it fits beside this one: Cache) and the chunk
+     * three ahead into L2, prefetched in shares as the rows' groups are folded: with the far
+     * chunk on its way to L2, a fill buffer held by an L1 prefetch waits for L2, not memory
+     * (decodes at 4,096 tokens read 5-10 % faster than with the L1 prefetches alone) */
     const Chunk next = chunk_after(c, table, chunk, key_end);
     const Chunk far = chunk_after(c, table, chunk_after(c, table, next, key_end), key_end);
     int64_t prefetched = 0, far_prefetched = 0;
@@ -307,7 +331,8 @@ static inline __attribute__((always_inline)) void attend_rows(const Cache* c,
       const int64_t share = next.n * stride * (row + group) / rows->count - prefetched;
       const int64_t far_share = far.n * stride * (row + group) / rows->count - far_prefetched;
       const Ahead ahead = {next.k + prefetched, next.v + prefetched, share,
-                           far.k + far_prefetched, far.v + far_prefetched, far_share};
+                           far.k + far_prefetched, far.v + far_prefetched, far_share,
+                           c->next_into_l1};
       prefetched += share;
       far_prefetched += far_share;
       if (visible > 0) {
@@ -937,7 +962,7 @@ int64_t sy_shared_prefix_groups(const int64_t* block_tables, int64_t max_blocks,
                                 int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t block_size, int64_t num_threads, int64_t* group_of,
                                 int64_t* shared_keys) {
-  const Cache c = {NULL, NULL, block_size, num_heads, num_kv_heads, 0, 0.0f};
+  const Cache c = {NULL, NULL, block_size, num_heads, num_kv_heads, 0, 0.0f, 0};
   Plan plan;
   if (plan_step(&c, block_tables, max_blocks, query_starts, context_starts, num_requests,
                 num_threads, &plan) != 0)
@@ -967,7 +992,8 @@ int sy_paged_attention(const float* q, const float* key_cache, const float* valu
                        int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t block_size, float scale, int64_t num_threads,
                        float* out) {
-  const Cache c = {key_cache, value_cache, block_size, num_heads, num_kv_heads, head_dim, scale};
+  const Cache c = {key_cache, value_cache, block_size, num_heads, num_kv_heads, head_dim, scale,
+                   next_chunk_into_l1(num_kv_heads, head_dim)};
   const int64_t parts =
       lone_decode_parts(query_starts, context_starts, num_requests, num_heads, num_threads);
   if (parts > 1) return split_decode(&c, q, block_tables, context_starts[0], parts, out);
@@ -1660,8 +1686,9 @@ int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_l
   Plan plan = {0}; /* the attention's tasks, the same for every layer */
   const int64_t parts =
       lone_decode_parts(query_starts, context_starts, num_requests, num_heads, num_threads);
+  const int into_l1 = next_chunk_into_l1(num_kv_heads, head_dim);
   if (!normed || !qkv || !q || !attended || !gate_up || !activated) goto done;
-  const Cache shape = {NULL, NULL, block_size, num_heads, num_kv_heads, head_dim, scale};
+  const Cache shape = {NULL, NULL, block_size, num_heads, num_kv_heads, head_dim, scale, 0};
   if (parts == 1 && plan_step(&shape, block_tables, max_blocks, query_starts, context_starts,
                               num_requests, num_threads, &plan) != 0)
     goto done;
@@ -1673,7 +1700,7 @@ int sy_decoder_layers(LinearFn linear, const LayerWeights* layers, int64_t num_l
     sy_rope_write_kv(qkv, num_tokens, num_heads, num_kv_heads, head_dim, cos, sin, slots,
                      w->key_cache, w->value_cache, q);
     const Cache c = {w->key_cache, w->value_cache, block_size, num_heads, num_kv_heads,
-                     head_dim, scale};
+                     head_dim, scale, into_l1};
     if (parts > 1) {
       if (split_decode(&c, q, block_tables, context_starts[0], parts, attended) != 0) goto done;
     } else {

@@ -161,8 +161,8 @@ typedef struct {
 /* Whether L1 holds a chunk's keys and values (16 keys of every key-value head) twice over, the
  * chunk being folded and the next: only then do decodes fetch the next into L1. Where it does
  * not (Zen 4's 32 KB against SmolLM2's 2 x 12 KB chunks; any model with 8 heads of 128), the
- * fetches into L1 evict the lines they were meant to bring, and fetched into L2 instead the
- * keys read 4-14 % faster on the AMD host (benchmarks/attention_bench.py, docs/performance.md).
+ * fetched lines evict lines still to be read, and fetched into L2 instead the keys and values
+ * read 4-14 % faster on the AMD host (benchmarks/attention_bench.py, docs/performance.md).
  * An L1 size the C library does not know (0) counts as too small. */
 static int next_chunk_into_l1(int64_t num_kv_heads, int64_t head_dim) {
   long l1_bytes = 0;

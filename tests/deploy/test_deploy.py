@@ -510,8 +510,12 @@ def test_a_killed_worker_or_scheduler_that_the_orchestrator_restarts_costs_a_pau
     with Orchestrator(roles):
         for kind in ("worker", "scheduler"):
             pid = by_kind[kind].process.pid
-            streams, killed_at, open_then = run_with_fault(
-                url, bodies, lambda pid=pid: os.kill(pid, signal.SIGKILL), headers=headers
+            streams, killed_at, open_then = run_with_fault(  # 5 streams of 24 tokens: soon
+                url,
+                bodies,
+                lambda pid=pid: os.kill(pid, signal.SIGKILL),
+                max_delay_s=0.1,
+                headers=headers,
             )
             assert any(open_then), kind
             assert_same_as_undisturbed(streams, undisturbed)

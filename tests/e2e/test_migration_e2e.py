@@ -118,8 +118,10 @@ def test_a_stopped_worker_is_replaced_and_its_streams_complete(default_model_dir
         undisturbed = run_all(serve.base_url, bodies)
         worker = only_worker(serve)
 
+        # Three streams of 24 tokens have ~0.3-0.4 s left after their first 3 (one step ~15-20
+        # ms): a delay of up to 0.5 s found all three ended in one CI run.
         streams, stopped_at, open_then = run_with_fault(
-            serve.base_url, bodies, lambda: os.kill(worker, signal.SIGSTOP)
+            serve.base_url, bodies, lambda: os.kill(worker, signal.SIGSTOP), max_delay_s=0.1
         )
         ended_at = max(at for stream in streams for at, _ in stream.events)
         assert ended_at - stopped_at < STOPPED_WORKER_BOUND_S

@@ -145,8 +145,15 @@ def test_choices_waiting_for_a_failed_first_choices_log_probabilities_fail_with_
     response = client.post("/v1/completions", json=request, timeout=10)
     assert response.status_code == 500
     assert response.json()["error"]["message"] == "the worker died"
-    later = [context.request_id for context in api.scheduler.submitted[-2:]]
-    assert api.scheduler.wait_for(lambda: set(later) <= set(api.scheduler.aborted))
+
+    def later_choices_aborted() -> bool:
+        # Read once they have reached the fake scheduler: the response may come first.
+        submitted = [context.request_id for context in api.scheduler.submitted]
+        first = [request_id for request_id in submitted if request_id.endswith("-0")][-1]
+        later = {first[:-1] + "1", first[:-1] + "2"}
+        return later <= set(submitted) and later <= set(api.scheduler.aborted)
+
+    assert api.scheduler.wait_for(later_choices_aborted)
 
 
 def test_max_tokens_zero_needs_echo(client: httpx.Client) -> None:

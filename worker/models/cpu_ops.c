@@ -206,8 +206,8 @@ typedef struct {
 } Softmax;
 
 /* Cache lines to prefetch while a group is folded: `floats` floats from k and from v (the next
- * chunk's) into L1, or into L2 unless into_l1, far_floats from far_k and far_v into L2 (the
- * chunk three ahead's). */
+ * chunk's), into L1 if into_l1 and into L2 otherwise; far_floats from far_k and far_v into L2
+ * (the chunk three ahead's). */
 typedef struct {
   const float *k, *v;
   int64_t floats;
